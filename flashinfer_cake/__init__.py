@@ -1,0 +1,17 @@
+"""flashinfer_cake: JIT-compiled CUDA kernels for packed (varlen) causal conv1d + SiLU in training."""
+
+from ._version import __version__
+from .cake_causal_conv1d_train import (
+    cake_causal_conv1d_train_forward,
+    cake_causal_conv1d_train_forward_workspace,
+    cake_causal_conv1d_train_forward_workspace_bytes,
+    is_cake_causal_conv1d_train_supported,
+)
+
+__all__ = [
+    "__version__",
+    "cake_causal_conv1d_train_forward",
+    "cake_causal_conv1d_train_forward_workspace",
+    "cake_causal_conv1d_train_forward_workspace_bytes",
+    "is_cake_causal_conv1d_train_supported",
+]

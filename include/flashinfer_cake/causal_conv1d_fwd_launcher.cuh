@@ -1,0 +1,129 @@
+// Host side of the forward: the route rule (tile geometry from C), the persistent grid size,
+// argument checks and the error message of the last failed call. No torch, no Python.
+#pragma once
+
+#include <atomic>
+#include <cstdio>
+#include <type_traits>
+
+#include "causal_conv1d_fwd.cuh"
+
+namespace flashinfer_cake {
+
+constexpr int kMaxDevices = 64;
+
+// Message of the last failed call on this thread ("" after a success).
+inline char* last_error_buffer() {
+  static thread_local char buffer[512] = "";
+  return buffer;
+}
+
+template <class... Args>
+inline cudaError_t fail(cudaError_t code, const char* fmt, Args... args) {
+  std::snprintf(last_error_buffer(), 512, fmt, args...);
+  return code;
+}
+
+// CTAs of this kernel that fit on one SM and the SM count, per device, queried once.
+template <class Kernel>
+inline cudaError_t resident_ctas(Kernel kernel, int threads, int device, int* out) {
+  static std::atomic<int> cache[kMaxDevices];
+  int n = cache[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    int per_sm = 0, sms = 0;
+    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
+    if (e != cudaSuccess) return e;
+    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess) return e;
+    n = per_sm * sms;
+    if (n <= 0) return cudaErrorInvalidConfiguration;
+    cache[device].store(n, std::memory_order_relaxed);
+  }
+  *out = n;
+  return cudaSuccess;
+}
+
+template <class Traits, class WeightT, class BiasT>
+cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, int device,
+                                           cudaStream_t stream) {
+  const auto kernel = causal_conv1d_fwd_kernel<Traits, WeightT, BiasT>;
+  const int vecs_per_row = p.C / 8;
+  const int64_t tiles_t = (int64_t(p.S) + Traits::kTileTokens - 1) / Traits::kTileTokens;
+  const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
+  const int64_t chunks = tiles_t * tiles_c;
+  if (chunks > INT32_MAX / 2) {
+    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for one launch",
+                (long long)p.S * p.C);
+  }
+  p.tiles_c = static_cast<int32_t>(tiles_c);
+  p.num_chunks = static_cast<int32_t>(chunks);
+  int resident = 0;
+  cudaError_t e = resident_ctas(kernel, Traits::kThreads, device, &resident);
+  if (e != cudaSuccess) {
+    return fail(e, "occupancy query failed on device %d: %s", device, cudaGetErrorString(e));
+  }
+  const int grid = static_cast<int>(chunks < resident ? chunks : resident);
+  kernel<<<grid, Traits::kThreads, 0, stream>>>(p);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return fail(e, "kernel launch failed: %s", cudaGetErrorString(e));
+  return cudaSuccess;
+}
+
+// The route rule: channel lanes per CTA = the smallest power of two >= C / 8, capped at 32;
+// a function of C only, so a given (S, C, device) always runs the same program.
+template <class WeightT, class BiasT>
+cudaError_t launch_causal_conv1d_fwd(CausalConv1dFwdParams p, int device, cudaStream_t stream) {
+  constexpr int kThreads = 128, kStrip = 32, kBatch = 4;
+  const int vecs = p.C / 8;
+  if (vecs > 16) return launch_causal_conv1d_fwd_route<FwdTraits<32, kThreads, kStrip, kBatch>, WeightT, BiasT>(p, device, stream);
+  if (vecs > 8) return launch_causal_conv1d_fwd_route<FwdTraits<16, kThreads, kStrip, kBatch>, WeightT, BiasT>(p, device, stream);
+  if (vecs > 4) return launch_causal_conv1d_fwd_route<FwdTraits<8, kThreads, kStrip, kBatch>, WeightT, BiasT>(p, device, stream);
+  if (vecs > 2) return launch_causal_conv1d_fwd_route<FwdTraits<4, kThreads, kStrip, kBatch>, WeightT, BiasT>(p, device, stream);
+  if (vecs > 1) return launch_causal_conv1d_fwd_route<FwdTraits<2, kThreads, kStrip, kBatch>, WeightT, BiasT>(p, device, stream);
+  return launch_causal_conv1d_fwd_route<FwdTraits<1, kThreads, kStrip, kBatch>, WeightT, BiasT>(p, device, stream);
+}
+
+template <class BiasT>
+constexpr bool is_no_bias() { return std::is_same<BiasT, NoBias>::value; }
+
+inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+// The C entry point's body: re-checks what the Python layer validated (the binary may be called
+// directly), selects the device, launches. Returns a cudaError_t code; on failure the message is
+// in last_error_buffer().
+template <class WeightT, class BiasT>
+cudaError_t causal_conv1d_fwd_entry(const void* x, void* y, const void* weight, const void* bias,
+                                    const int32_t* cu_seqlens, int32_t* workspace, int64_t S,
+                                    int64_t C, int64_t num_docs, int device, cudaStream_t stream) {
+  last_error_buffer()[0] = '\0';
+  if (S < 0 || S > INT32_MAX) return fail(cudaErrorInvalidValue, "x: S must be in [0, 2^31), got %lld", (long long)S);
+  if (C <= 0 || C % 8 != 0 || C > INT32_MAX / 8) return fail(cudaErrorInvalidValue, "x: C must be a positive multiple of 8, got %lld", (long long)C);
+  if (num_docs < 0 || num_docs >= INT32_MAX) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 1), got %lld", (long long)num_docs);
+  if (device < 0 || device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %d out of range", device);
+  if (S == 0) return cudaSuccess;
+  if (!x || !aligned16(x)) return fail(cudaErrorInvalidValue, "x: expected a non-null 16-byte aligned pointer");
+  if (!y || !aligned16(y)) return fail(cudaErrorInvalidValue, "out: expected a non-null 16-byte aligned pointer");
+  if (!weight || !aligned16(weight)) return fail(cudaErrorInvalidValue, "weight: expected a non-null 16-byte aligned pointer");
+  if (!is_no_bias<BiasT>() && (!bias || !aligned16(bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
+  if (!cu_seqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null pointer");
+  if (!workspace) return fail(cudaErrorInvalidValue, "workspace: expected a non-null pointer");
+  int current = -1;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e != cudaSuccess || current != device) {
+    e = cudaSetDevice(device);
+    if (e != cudaSuccess) return fail(e, "cudaSetDevice(%d) failed: %s", device, cudaGetErrorString(e));
+  }
+  CausalConv1dFwdParams p{};
+  p.x = static_cast<const __nv_bfloat16*>(x);
+  p.y = static_cast<__nv_bfloat16*>(y);
+  p.weight = weight;
+  p.bias = bias;
+  p.cu_seqlens = cu_seqlens;
+  p.counters = reinterpret_cast<unsigned int*>(workspace);
+  p.S = static_cast<int32_t>(S);
+  p.C = static_cast<int32_t>(C);
+  p.num_docs = static_cast<int32_t>(num_docs);
+  return launch_causal_conv1d_fwd<WeightT, BiasT>(p, device, stream);
+}
+
+}  // namespace flashinfer_cake

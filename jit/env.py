@@ -1,0 +1,172 @@
+"""Everything the JIT reads from the environment: directories, tools, arch list.
+
+Each function reads the environment when called (never at import), so a test or a user can set a
+variable before the first build. Nothing here creates directories or starts processes except
+:func:`cache_dir`, which creates the cache root the first time a module is looked up.
+
+Environment variables:
+    FLASHINFER_CAKE_CACHE_DIR      JIT cache root (default ``~/.cache/flashinfer_cake/<version>``).
+    FLASHINFER_CAKE_AOT_DIR        a directory of prebuilt modules searched before the shipped one.
+    FLASHINFER_CAKE_CUDA_ARCH_LIST archs that ``build`` / ``aot_build.py`` prebuild (default ``9.0a``).
+    FLASHINFER_CAKE_NVCC           the nvcc to build with (else $CUDA_HOME/bin/nvcc, PATH, /usr/local/cuda).
+    FLASHINFER_CAKE_DISABLE_JIT    ``1``: never compile; a module that is not prebuilt is an error.
+    MAX_JOBS                       parallel compile jobs for ninja.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from .. import _version
+from .._version import __version__
+
+# Device compute capability -> the arch a variant is compiled for. Data, not code: a new arch is a
+# new row once its kernels are tested on it.
+ARCH_OF_CAPABILITY = {(9, 0): "sm_90a"}
+# Spellings accepted in FLASHINFER_CAKE_CUDA_ARCH_LIST.
+_ARCH_TOKENS = {"9.0": "sm_90a", "9.0a": "sm_90a", "90": "sm_90a", "90a": "sm_90a", "sm_90a": "sm_90a"}
+
+PACKAGE_DIR = Path(_version.__file__).resolve().parent  # the flashinfer_cake package
+SHIPPED_AOT_DIR = PACKAGE_DIR / "aot"
+
+
+@functools.cache
+def include_dir() -> Path:
+    """The templates: flashinfer_cake/include in a wheel, <checkout>/include in a checkout."""
+    for d in (PACKAGE_DIR / "include", PACKAGE_DIR.parent / "include"):
+        if (d / "flashinfer_cake").is_dir():
+            return d
+    raise RuntimeError(f"flashinfer_cake's CUDA templates are missing (looked in {PACKAGE_DIR}/include "
+                       f"and {PACKAGE_DIR.parent}/include): reinstall the package")
+
+
+def jit_disabled() -> bool:
+    return os.environ.get("FLASHINFER_CAKE_DISABLE_JIT", "") not in ("", "0")
+
+
+def max_jobs() -> int:
+    value = os.environ.get("MAX_JOBS", "")
+    if not value:
+        return max(1, os.cpu_count() or 1)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"MAX_JOBS must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def arch_list() -> list[str]:
+    """Archs named by FLASHINFER_CAKE_CUDA_ARCH_LIST (space, comma or semicolon separated)."""
+    value = os.environ.get("FLASHINFER_CAKE_CUDA_ARCH_LIST", "9.0a")
+    archs = []
+    for token in value.replace(",", " ").replace(";", " ").split():
+        if token not in _ARCH_TOKENS:
+            raise ValueError(
+                f"FLASHINFER_CAKE_CUDA_ARCH_LIST: unsupported arch {token!r}; "
+                f"supported: {sorted(_ARCH_TOKENS)}"
+            )
+        if _ARCH_TOKENS[token] not in archs:
+            archs.append(_ARCH_TOKENS[token])
+    if not archs:
+        raise ValueError(f"FLASHINFER_CAKE_CUDA_ARCH_LIST names no arch: {value!r}")
+    return archs
+
+
+def _check_private_dir(path: Path, what: str) -> None:
+    """Refuse a directory we would load code from if another user could have written to it."""
+    st = path.stat()
+    if st.st_uid not in (os.getuid(), 0) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(
+            f"{what} {path} is writable by other users or owned by uid {st.st_uid} "
+            f"(mode {stat.filemode(st.st_mode)}); refusing to load code from it. Use a directory "
+            f"owned by you with mode 0700, e.g. `chmod 700 {path}`."
+        )
+
+
+def cache_dir() -> Path:
+    """The JIT cache root, created 0700 if missing and refused if others can write to it."""
+    value = os.environ.get("FLASHINFER_CAKE_CACHE_DIR")
+    root = Path(value) if value else Path.home() / ".cache" / "flashinfer_cake" / __version__
+    root = root.expanduser().absolute()
+    if not root.is_dir():
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(root, 0o700)  # mkdir's mode is filtered by the umask
+    _check_private_dir(root, "FLASHINFER_CAKE_CACHE_DIR")
+    return root
+
+
+def aot_dirs() -> list[Path]:
+    """Directories of prebuilt modules, searched in order before the JIT cache."""
+    dirs = []
+    value = os.environ.get("FLASHINFER_CAKE_AOT_DIR")
+    if value:
+        dirs.append(Path(value).expanduser().absolute())
+    dirs.append(SHIPPED_AOT_DIR)
+    found = [d for d in dirs if d.is_dir()]
+    for d in found:
+        _check_private_dir(d, "AOT directory")
+    return found
+
+
+def nvcc_path() -> Path | None:
+    """The nvcc to build with, or None when there is none."""
+    candidates = [os.environ.get("FLASHINFER_CAKE_NVCC")]
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(os.path.join(os.environ[var], "bin", "nvcc"))
+    candidates += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
+    if os.environ.get("FLASHINFER_CAKE_NVCC"):
+        candidates = candidates[:1]  # an explicit choice is never silently replaced
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return Path(c).absolute()
+    return None
+
+
+def require_nvcc() -> Path:
+    nvcc = nvcc_path()
+    if nvcc is None:
+        explicit = os.environ.get("FLASHINFER_CAKE_NVCC")
+        raise RuntimeError(
+            (f"FLASHINFER_CAKE_NVCC={explicit!r} is not an executable file. " if explicit else
+             "No nvcc found (looked at FLASHINFER_CAKE_NVCC, $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc, "
+             "PATH and /usr/local/cuda/bin/nvcc). ")
+            + "Install the CUDA toolkit (12.8 or newer) and set FLASHINFER_CAKE_NVCC or CUDA_HOME, "
+            "or use prebuilt modules (scripts/aot_build.py, FLASHINFER_CAKE_AOT_DIR)."
+        )
+    return nvcc
+
+
+@functools.lru_cache(maxsize=8)
+def _toolchain_digest(nvcc: str, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256(f"{nvcc}\0{size}\0{mtime_ns}".encode())
+    # A wrapper script names the real toolkit inside; its bytes identify that toolkit.
+    if size < 65536:
+        h.update(Path(nvcc).read_bytes())
+    version_json = Path(nvcc).resolve().parent.parent / "version.json"
+    if version_json.is_file():
+        h.update(version_json.read_bytes())
+    return h.hexdigest()
+
+
+def toolchain_digest(nvcc: Path) -> str:
+    """Identity of an nvcc without running it: resolved path, size, mtime (and its bytes when it
+    is a small wrapper script, and the toolkit's version.json when present)."""
+    resolved = nvcc.resolve()
+    st = resolved.stat()
+    return _toolchain_digest(str(resolved), st.st_size, st.st_mtime_ns)
+
+
+def ninja_path() -> str:
+    found = shutil.which("ninja")
+    if found:
+        return found
+    import ninja  # the PyPI package ships the binary
+
+    for candidate in (Path(ninja.BIN_DIR) / "ninja", Path(ninja.__file__).parent / "data" / "bin" / "ninja"):
+        if candidate.is_file():
+            return str(candidate)
+    raise RuntimeError("ninja not found: `pip install ninja` (a dependency of flashinfer_cake)")

@@ -1,0 +1,39 @@
+"""Shared test plumbing: the GPU marker and the FLASHINFER_CAKE_REQUIRE_GPU switch.
+
+GPU tests are marked ``@pytest.mark.gpu``. Without a usable sm_90 GPU they are skipped, unless
+``FLASHINFER_CAKE_REQUIRE_GPU=1`` (the GPU CI runner), where a missing GPU fails them instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+
+@functools.cache
+def _gpu_problem() -> str | None:
+    """Why GPU tests cannot run here, or None when an sm_90 GPU is usable."""
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return f"GPU tests need compute capability 9.0, found {major}.{minor}"
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs an sm_90 GPU (skipped without one)")
+
+
+def pytest_runtest_setup(item):
+    if "gpu" not in item.keywords:
+        return
+    problem = _gpu_problem()
+    if problem is None:
+        return
+    if os.environ.get("FLASHINFER_CAKE_REQUIRE_GPU", "") == "1":
+        pytest.fail(f"FLASHINFER_CAKE_REQUIRE_GPU=1 but {problem}", pytrace=False)
+    pytest.skip(problem)

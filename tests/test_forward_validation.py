@@ -1,0 +1,159 @@
+"""CPU tests of the forward's argument validation (no GPU needed: they run in CI).
+
+The forward validates argument types first, then dtypes/shapes/contiguity of every argument,
+then devices, so every dtype/shape/type error below is raised for CPU tensors. Each case
+checks the exact exception type and that the offending argument is named as a word.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashinfer_cake import (
+    cake_causal_conv1d_train_forward,
+    cake_causal_conv1d_train_forward_workspace_bytes,
+    is_cake_causal_conv1d_train_supported,
+)
+
+S, C = 16, 32
+BF16 = torch.bfloat16
+I32 = torch.int32
+
+
+def valid_args(**override):
+    """Valid arguments (all on the CPU) with some of them replaced by `override`."""
+    args = {
+        "x": torch.randn(S, C).to(BF16),
+        "weight": torch.randn(C, 4),
+        "cu_seqlens": torch.tensor([0, 5, 5, S], dtype=I32),
+        "bias": None,
+        "out": None,
+        "workspace": None,
+    }
+    args.update(override)
+    return args
+
+
+def call(args):
+    return cake_causal_conv1d_train_forward(
+        args["x"],
+        args["weight"],
+        args["cu_seqlens"],
+        bias=args["bias"],
+        out=args["out"],
+        workspace=args["workspace"],
+    )
+
+
+def case(case_id, exc, argname, **override):
+    """One bad-input case: `override` maps an argument to a zero-argument tensor factory."""
+    return pytest.param(override, exc, argname, id=case_id)
+
+
+BAD_INPUTS = [
+    # x
+    case("x-fp16", ValueError, "x", x=lambda: torch.randn(S, C).half()),
+    case("x-fp32", ValueError, "x", x=lambda: torch.randn(S, C)),
+    case("x-1d", ValueError, "x", x=lambda: torch.randn(S * C).to(BF16)),
+    case("x-4d", ValueError, "x", x=lambda: torch.randn(1, 1, S, C).to(BF16)),
+    case("x-batch2", ValueError, "x", x=lambda: torch.randn(2, S, C).to(BF16)),
+    case("x-C-not-mult-8", ValueError, "x",
+         x=lambda: torch.randn(S, 12).to(BF16), weight=lambda: torch.randn(12, 4)),
+    case("x-noncontig", ValueError, "x", x=lambda: torch.randn(C, S).to(BF16).t()),
+    case("x-noncontig-3d", ValueError, "x",
+         x=lambda: torch.randn(1, C, S).to(BF16).transpose(1, 2)),
+    case("x-list", TypeError, "x", x=lambda: torch.randn(S, C).tolist()),
+    case("x-none", TypeError, "x", x=lambda: None),
+    # weight
+    case("weight-width3", ValueError, "weight", weight=lambda: torch.randn(C, 3)),
+    case("weight-width5", ValueError, "weight", weight=lambda: torch.randn(C, 5)),
+    case("weight-wrong-C", ValueError, "weight", weight=lambda: torch.randn(C + 8, 4)),
+    case("weight-fp16", ValueError, "weight", weight=lambda: torch.randn(C, 4).half()),
+    case("weight-fp64", ValueError, "weight", weight=lambda: torch.randn(C, 4).double()),
+    case("weight-transposed", ValueError, "weight", weight=lambda: torch.randn(4, C).t()),
+    case("weight-1d", ValueError, "weight", weight=lambda: torch.randn(4 * C)),
+    case("weight-3d", ValueError, "weight", weight=lambda: torch.randn(C, 4, 1)),
+    case("weight-list", TypeError, "weight", weight=lambda: torch.randn(C, 4).tolist()),
+    # bias
+    case("bias-wrong-len", ValueError, "bias", bias=lambda: torch.randn(C + 8)),
+    case("bias-fp16", ValueError, "bias", bias=lambda: torch.randn(C).half()),
+    case("bias-fp64", ValueError, "bias", bias=lambda: torch.randn(C).double()),
+    case("bias-2d", ValueError, "bias", bias=lambda: torch.randn(1, C)),
+    case("bias-noncontig", ValueError, "bias", bias=lambda: torch.randn(2 * C)[::2]),
+    case("bias-float", TypeError, "bias", bias=lambda: 0.5),
+    # cu_seqlens
+    case("cu-int64", ValueError, "cu_seqlens",
+         cu_seqlens=lambda: torch.tensor([0, 5, S], dtype=torch.int64)),
+    case("cu-fp32", ValueError, "cu_seqlens",
+         cu_seqlens=lambda: torch.tensor([0.0, 5.0, S])),
+    case("cu-2d", ValueError, "cu_seqlens",
+         cu_seqlens=lambda: torch.tensor([[0, 5, S]], dtype=I32)),
+    case("cu-empty", ValueError, "cu_seqlens",
+         cu_seqlens=lambda: torch.empty(0, dtype=I32)),
+    case("cu-noncontig", ValueError, "cu_seqlens",
+         cu_seqlens=lambda: torch.tensor([0, 9, 5, 9, S, 9], dtype=I32)[::2]),
+    case("cu-list", TypeError, "cu_seqlens", cu_seqlens=lambda: [0, 5, S]),
+    # out
+    case("out-fp32", ValueError, "out", out=lambda: torch.empty(S, C)),
+    case("out-fp16", ValueError, "out", out=lambda: torch.empty(S, C, dtype=torch.half)),
+    case("out-more-rows", ValueError, "out", out=lambda: torch.empty(S + 1, C, dtype=BF16)),
+    case("out-more-cols", ValueError, "out", out=lambda: torch.empty(S, C + 8, dtype=BF16)),
+    case("out-3d-for-2d-x", ValueError, "out", out=lambda: torch.empty(1, S, C, dtype=BF16)),
+    case("out-noncontig", ValueError, "out", out=lambda: torch.empty(C, S, dtype=BF16).t()),
+    case("out-list", TypeError, "out", out=lambda: [[0.0] * C] * S),
+    # workspace
+    case("ws-int64", ValueError, "workspace",
+         workspace=lambda: torch.zeros(1 << 16, dtype=torch.int64)),
+    case("ws-fp32", ValueError, "workspace", workspace=lambda: torch.zeros(1 << 16)),
+    case("ws-too-small", ValueError, "workspace", workspace=lambda: torch.zeros(0, dtype=I32)),
+    case("ws-2d", ValueError, "workspace",
+         workspace=lambda: torch.zeros(256, 256, dtype=I32)),
+    case("ws-noncontig", ValueError, "workspace",
+         workspace=lambda: torch.zeros(1 << 17, dtype=I32)[::2]),
+    case("ws-list", TypeError, "workspace", workspace=lambda: [0] * 1024),
+    # device: every argument is well-formed, but x is not on a CUDA device
+    case("x-on-cpu", ValueError, "x"),
+]
+
+
+@pytest.mark.parametrize("override, exc, argname", BAD_INPUTS)
+def test_bad_input_is_rejected_naming_the_argument(override, exc, argname):
+    args = valid_args(**{name: make() for name, make in override.items()})
+    with pytest.raises(exc, match=rf"\b{argname}\b"):
+        call(args)
+
+
+def test_not_supported_on_cpu():
+    assert is_cake_causal_conv1d_train_supported(torch.device("cpu")) is False
+    if not torch.cuda.is_available():
+        # No CUDA device: the default (current CUDA device) is unsupported, and it never raises.
+        assert is_cake_causal_conv1d_train_supported() is False
+        assert is_cake_causal_conv1d_train_supported(None) is False
+
+
+def test_workspace_bytes_is_positive_and_monotone_in_S():
+    device = torch.device("cpu")
+    for c in (8, 32, 1000, 4096, 16384):
+        previous = 0
+        for s in (0, 1, 2, 7, 64, 1000, 4097, 65536, 1 << 20, 1 << 24):
+            n = cake_causal_conv1d_train_forward_workspace_bytes(s, c, device)
+            assert isinstance(n, int) and not isinstance(n, bool), (s, c, n)
+            assert n >= previous, f"workspace bytes shrank from {previous} to {n} at S={s}, C={c}"
+            if s > 0:
+                assert n > 0, (s, c, n)
+            previous = n
+
+
+@pytest.mark.parametrize(
+    "s, c, argname",
+    [
+        pytest.param(-1, 32, "S", id="S-negative"),
+        pytest.param(16, 12, "C", id="C-not-mult-8"),
+        pytest.param(16, 4, "C", id="C-4"),
+        pytest.param(16, -8, "C", id="C-negative"),
+    ],
+)
+def test_workspace_bytes_rejects_bad_sizes(s, c, argname):
+    with pytest.raises(ValueError, match=rf"\b{argname}\b"):
+        cake_causal_conv1d_train_forward_workspace_bytes(s, c, torch.device("cpu"))
