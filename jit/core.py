@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 import filelock
 
@@ -81,3 +82,34 @@ def _find_or_build(spec: VariantSpec):
     if not verified_module(target):
         raise RuntimeError(f"flashinfer_cake: built {target} but cannot verify it")
     return target
+
+
+def prebuild(specs: list[VariantSpec], out_dir: Path | None = None, *, jobs: int | None = None,
+             verbose: bool = False) -> dict[VariantSpec, Path]:
+    """Build every spec of ``specs`` not yet published in ``out_dir`` (default: the JIT cache)
+    in one parallel ninja run, and return where each module is. An AOT directory made this way
+    is what FLASHINFER_CAKE_AOT_DIR (or the package's own ``aot/``) points the loader at."""
+    nvcc = env.require_nvcc()
+    out_dir = env.cache_dir() if out_dir is None else Path(out_dir).absolute()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    toolchain = env.toolchain_digest(nvcc)
+    with filelock.FileLock(str(out_dir / "prebuild.lock")):
+        done = {s: out_dir / f"{s.module_name(toolchain)}.so" for s in specs}
+        todo = [s for s, path in done.items() if not verified_module(path)]
+        if todo:
+            logger.info("flashinfer_cake: building %d module(s) into %s", len(todo), out_dir)
+            start = time.perf_counter()
+            done.update(build_variants(todo, out_dir, out_dir / "build" / "prebuild", nvcc, jobs=jobs,
+                                       verbose=verbose))
+            logger.info("flashinfer_cake: built %d module(s) in %.1f s", len(todo), time.perf_counter() - start)
+    return done
+
+
+def published_modules(spec: VariantSpec) -> list[Path]:
+    """Every verified module of ``spec`` in the AOT directories and the JIT cache, any compiler."""
+    found = []
+    for directory in [*env.aot_dirs(), env.cache_dir()]:
+        path = find_published(directory, spec.module_prefix())
+        if path is not None:
+            found.append(path)
+    return found

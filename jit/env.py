@@ -58,18 +58,21 @@ def max_jobs() -> int:
     return int(value)
 
 
+def normalize_arch(token: str, source: str = "arch") -> str:
+    """``9.0``, ``9.0a``, ``90a`` or ``sm_90a`` -> the variant arch ``sm_90a``."""
+    if token not in _ARCH_TOKENS:
+        raise ValueError(f"{source}: unsupported arch {token!r}; supported: {sorted(_ARCH_TOKENS)}")
+    return _ARCH_TOKENS[token]
+
+
 def arch_list() -> list[str]:
     """Archs named by FLASHINFER_CAKE_CUDA_ARCH_LIST (space, comma or semicolon separated)."""
     value = os.environ.get("FLASHINFER_CAKE_CUDA_ARCH_LIST", "9.0a")
     archs = []
     for token in value.replace(",", " ").replace(";", " ").split():
-        if token not in _ARCH_TOKENS:
-            raise ValueError(
-                f"FLASHINFER_CAKE_CUDA_ARCH_LIST: unsupported arch {token!r}; "
-                f"supported: {sorted(_ARCH_TOKENS)}"
-            )
-        if _ARCH_TOKENS[token] not in archs:
-            archs.append(_ARCH_TOKENS[token])
+        arch = normalize_arch(token, "FLASHINFER_CAKE_CUDA_ARCH_LIST")
+        if arch not in archs:
+            archs.append(arch)
     if not archs:
         raise ValueError(f"FLASHINFER_CAKE_CUDA_ARCH_LIST names no arch: {value!r}")
     return archs

@@ -23,6 +23,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace flashinfer_cake {
 
 struct NoBias {};  // the bias type of the variants without a bias
@@ -44,17 +46,18 @@ struct CausalConv1dFwdParams {
 // Number of int32 counters a launch uses in its workspace.
 constexpr int kFwdWorkspaceCounters = 2;
 
-template <int kLanesC_, int kThreads_, int kStripLen_, int kBatch_>
+template <int kLanesC_, int kThreads_, int kStripLen_, int kRing_, int kMinCtasPerSm_>
 struct FwdTraits {
   static constexpr int kLanesC = kLanesC_;    // threads side by side along channels
   static constexpr int kThreads = kThreads_;  // threads per CTA
   static constexpr int kStrips = kThreads / kLanesC;
   static constexpr int kStripLen = kStripLen_;  // tokens one thread walks
-  static constexpr int kBatch = kBatch_;        // rows loaded ahead of the ones being computed
+  static constexpr int kRing = kRing_;          // shared-memory rows per thread (kRing - 1 in flight)
+  static constexpr int kMinCtasPerSm = kMinCtasPerSm_;  // register budget: 64K / (this * kThreads)
   static constexpr int kTileTokens = kStrips * kStripLen;
   static constexpr int kTileChannels = kLanesC * 8;
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
-  static_assert(kStripLen % kBatch == 0 && kStripLen % 4 == 0, "strip must be whole batches");
+  static_assert(kStripLen % 4 == 0 && kRing >= 2, "positions are read 4 per word; ring needs 2 rows");
 };
 
 namespace detail {
@@ -73,11 +76,35 @@ __device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// silu(a) = a / (1 + exp(-a)) in FP32. exp and the division use the hardware approximations
-// (relative error ~2^-21), far below the BF16 rounding of the result, and explicit here so that
-// the output does not depend on compiler flags such as --use_fast_math.
-__device__ __forceinline__ float silu(float a) {
-  return __fdividef(a, 1.0f + __expf(-a));
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The taps and bias are pre-scaled by -log2(e), so the FP32 accumulator holds u = -a log2(e) for
+// the pre-activation a. Then silu(a) = a / (1 + 2^u) = u / (-(1 + 2^u) log2(e)): one ex2, one
+// FMA, one rcp, one multiply. ex2/rcp are the hardware approximations (relative error about
+// 2^-22 each, far below the BF16 rounding of the result), written as PTX so the output does not
+// depend on compiler flags such as --use_fast_math. Saturation: 2^u = +inf gives -0 (a -> -inf),
+// 2^u = 0 gives a.
+__device__ __forceinline__ float silu_of_scaled(float u) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fmaf(e, -kLog2e, -kLog2e)));
+  return u * r;
+}
+
+// 16-byte global -> shared copy that bypasses L1; valid == false writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Wait until at most kPending of this thread's most recent groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Taps of 8 channels: w[k][j] multiplies x[t - 3 + k] of channel c0 + j.
@@ -117,13 +144,13 @@ __device__ __forceinline__ void load_weights<__nv_bfloat16>(const void* weight, 
 }
 
 template <class BiasT>
+constexpr bool kHasBias = !std::is_same<BiasT, NoBias>::value;
+
+template <class BiasT>
 __device__ __forceinline__ void load_bias(const void* bias, int c0, float (&b)[8]);
 
 template <>
-__device__ __forceinline__ void load_bias<NoBias>(const void*, int, float (&b)[8]) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j) b[j] = 0.0f;
-}
+__device__ __forceinline__ void load_bias<NoBias>(const void*, int, float (&b)[8]) {}
 
 template <>
 __device__ __forceinline__ void load_bias<float>(const void* bias, int c0, float (&b)[8]) {
@@ -138,154 +165,212 @@ __device__ __forceinline__ void load_bias<__nv_bfloat16>(const void* bias, int c
   bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(bias) + c0 / 8), b);
 }
 
-// min(t - start, 3), where start is the value of the last cu_seqlens entry <= t (binary search
-// over cu_seqlens[0..num_docs]); 0 when there is none. For a valid cu_seqlens that is the
-// position of t in its document, capped at 3. For any other content the search still reads only
-// cu_seqlens[0..num_docs] and returns a value in [0, 3]: each token then sees the history that
-// this rule gives it, never memory outside x.
-__device__ __forceinline__ int doc_position(const int32_t* __restrict__ cu, int num_docs, int t) {
-  int lo = -1, hi = num_docs;  // answer in [lo, hi]; lo == -1 means "no entry <= t"
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldg(cu + mid) <= t) lo = mid; else hi = mid - 1;
+// Position of token t in its document, capped at 3: min(t - start, 3) where start is the last
+// cu_seqlens entry <= t, found by a branchless binary search over cu_seqlens[0..num_docs] (0 when
+// there is none). For a valid cu_seqlens that is the token's position; for any other content the
+// search still reads only cu_seqlens[0..num_docs] and yields a value in [0, 3], the history that
+// token then keeps (never memory outside x).
+//
+// One step() issues at most one load and uses the previous step's, so the kernel can run one step
+// per streamed row: the search's latency hides behind the rows instead of stalling them.
+struct DocSearch {
+  int t, base, n, cand, val;
+  int state;  // kIssue, kHalving (load of cu[cand] pending), kFinal (load of cu[base] pending), kDone
+  int pos;
+  static constexpr int kIssue = 0, kHalving = 1, kFinal = 2, kDone = 3;
+
+  __device__ __forceinline__ void start(int num_docs, int token, bool valid) {
+    t = token;
+    base = 0;
+    n = num_docs + 1;  // candidates cu[base .. base + n - 1]
+    state = valid ? kIssue : kDone;
+    pos = 0;
   }
-  if (lo < 0) return 0;
-  const int64_t d = static_cast<int64_t>(t) - __ldg(cu + lo);
-  return d < 3 ? static_cast<int>(d) : 3;
-}
+  __device__ __forceinline__ bool done() const { return state == kDone; }
+  // cu is the kernel parameter (read from the constant bank at each use, not kept in registers).
+  __device__ __forceinline__ void step(const int32_t* __restrict__ cu) {
+    if (state == kHalving) {
+      if (val <= t) base = cand;
+      state = kIssue;
+    } else if (state == kFinal) {
+      const int64_t d = static_cast<int64_t>(t) - val;
+      pos = val > t ? 0 : (d < 3 ? static_cast<int>(d) : 3);
+      state = kDone;
+    }
+    if (state == kIssue) {
+      if (n > 1) {
+        const int half = n / 2;
+        cand = base + half;  // <= base + n - 1 <= num_docs
+        n -= half;
+        val = __ldg(cu + cand);
+        state = kHalving;
+      } else {
+        val = __ldg(cu + base);
+        state = kFinal;
+      }
+    }
+  }
+};
 
 }  // namespace detail
 
 template <class Traits, class WeightT, class BiasT>
-__global__ void __launch_bounds__(Traits::kThreads)
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   constexpr int L = Traits::kStripLen;
-  constexpr int B = Traits::kBatch;
-  __shared__ __align__(16) uint8_t s_pos[Traits::kTileTokens];
-  __shared__ int s_next_chunk;
+  constexpr int R = Traits::kRing;
+  constexpr int N = L + 3;  // rows a strip reads: the 3-row halo, then its L tokens
+  // Each thread streams its rows through its own column of this ring (cp.async, 16 bytes a row,
+  // R - 1 rows ahead of the one it computes), so the bytes in flight cost no registers.
+  __shared__ __align__(16) uint4 s_ring[R][Traits::kThreads];
+  // Positions of a chunk's tokens, double-buffered: one chunk's are read while the next's land.
+  __shared__ __align__(16) uint8_t s_pos[2][Traits::kTileTokens];
+  __shared__ int s_claim[2];  // chunk ids claimed two chunks ahead, double-buffered likewise
+  // The bias (pre-scaled), thread-private: read back per token instead of held in 8 registers.
+  __shared__ __align__(16) float4 s_bias[Traits::kThreads][2];
 
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;
-  const int vecs_per_row = p.C / 8;
+  const uint32_t vecs_per_row = p.C / 8;
   const uint4* __restrict__ xv = reinterpret_cast<const uint4*>(p.x);
   uint4* __restrict__ yv = reinterpret_cast<uint4*>(p.y);
+  uint4* const my_ring = &s_ring[0][threadIdx.x];
+  const auto claim = [&] { return static_cast<int>(atomicAdd(p.counters, 1u)) + gridDim.x; };
+  // Token j of chunk c's token tile.
+  const auto search_for = [&](detail::DocSearch& ds, int c, int j) {
+    const int t = (c / p.tiles_c) * Traits::kTileTokens + j;
+    ds.start(p.num_docs, t, c < p.num_chunks && j < Traits::kTileTokens && t < p.S);
+  };
+  // With one token per thread the next chunk's search runs a step per streamed row; wider tiles
+  // (C < 256: many strips) search in a loop after the rows.
+  constexpr bool kPipelinedSearch = Traits::kTileTokens <= Traits::kThreads;
+  const auto search_all = [&](int c, uint8_t* out) {
+    for (int j = threadIdx.x; j < Traits::kTileTokens; j += Traits::kThreads) {
+      detail::DocSearch ds;
+      search_for(ds, c, j);
+      while (!ds.done()) ds.step(p.cu_seqlens);
+      out[j] = static_cast<uint8_t>(ds.pos);
+    }
+  };
 
+  // A CTA starts on chunk blockIdx.x; the next comes from the counter. The first chunk's
+  // positions are searched up front, every later chunk's during the chunk before it.
   int chunk = blockIdx.x;
+  int buf = 0;
+  if (threadIdx.x == 0) s_claim[1] = claim();
+  search_all(chunk, s_pos[0]);
+  __syncthreads();
+  int next_chunk = s_claim[1];
+
   while (chunk < p.num_chunks) {
-    // Claim the next chunk now; the atomic's latency hides behind this chunk's work.
-    if (threadIdx.x == 0) s_next_chunk = static_cast<int>(atomicAdd(p.counters, 1u)) + gridDim.x;
+    // The chunk after next; read after this chunk's closing barrier.
+    if (threadIdx.x == 0) s_claim[buf] = claim();
 
     const int tile_t = chunk / p.tiles_c;
-    const int tile_c = chunk - tile_t * p.tiles_c;
-    const int tile_t0 = tile_t * Traits::kTileTokens;
-    const int t0 = tile_t0 + strip * L;
-    const int vec = tile_c * Traits::kLanesC + lane_c;
-    const bool active = vec < vecs_per_row;
-    const int64_t base = static_cast<int64_t>(t0) * vecs_per_row + vec;
+    const int t0 = tile_t * Traits::kTileTokens + strip * L;
+    const int vec = (chunk - tile_t * p.tiles_c) * Traits::kLanesC + lane_c;
+    const bool active = static_cast<uint32_t>(vec) < vecs_per_row;
+    // 16-byte offset of token t0 in my channels; 32 bits (the launcher caps S * C / 8 < 2^32),
+    // one offset for x and y, so no 64-bit pointers are held in registers.
+    const uint32_t base = static_cast<uint32_t>(t0) * vecs_per_row + vec;
 
-    // Issue the halo and the first batch before the document search so they are in flight.
-    uint4 halo[3];
+    // Row i of the strip is token t0 - 3 + i; rows outside [0, S) and lanes past C read zeros.
+    auto issue_row = [&](int i) {
+      const int t = t0 - 3 + i;
+      const bool valid = active && t >= 0 && t < p.S;
+      detail::cp_async_16(my_ring + (i % R) * Traits::kThreads,
+                          valid ? xv + (base + (i - 3) * vecs_per_row) : xv, valid);
+    };
 #pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      const int t = t0 - 3 + k;
-      halo[k] = (active && t >= 0 && t < p.S) ? __ldg(xv + base + (k - 3) * int64_t(vecs_per_row))
-                                             : make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < R - 1; ++i) {
+      issue_row(i);
+      detail::cp_async_commit();
     }
-    uint4 cur[B];
-#pragma unroll
-    for (int i = 0; i < B; ++i) {
-      cur[i] = (active && t0 + i < p.S) ? __ldg(xv + base + i * int64_t(vecs_per_row))
-                                        : make_uint4(0, 0, 0, 0);
-    }
-    float w[4][8], acc0[8];
+    float w[4][8];
     if (active) {
       detail::load_weights<WeightT>(p.weight, vec * 8, w);
-      detail::load_bias<BiasT>(p.bias, vec * 8, acc0);
-    }
-
-    for (int j = threadIdx.x; j < Traits::kTileTokens; j += Traits::kThreads) {
-      const int t = tile_t0 + j;
-      s_pos[j] = t < p.S ? static_cast<uint8_t>(detail::doc_position(p.cu_seqlens, p.num_docs, t))
-                         : uint8_t(0);
-    }
-    __syncthreads();
-    const int next_chunk = s_next_chunk;
-
-    if (active) {
-      uint32_t pos_words[L / 4];
 #pragma unroll
-      for (int i = 0; i < L / 4; ++i) {
-        pos_words[i] = reinterpret_cast<const uint32_t*>(s_pos + strip * L)[i];
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) w[k][j] *= -detail::kLog2e;
       }
-      // Window: xm[0] = x[t-3], xm[1] = x[t-2], xm[2] = x[t-1]; halo rows outside t0's document
-      // are zero (position p keeps the last p rows).
-      const int pos0 = pos_words[0] & 0xff;
-      float xm[3][8];
+    } else {
 #pragma unroll
-      for (int k = 0; k < 3; ++k) {
-        detail::bf16x8_to_float(halo[k], xm[k]);
-        if (k < 3 - pos0) {
+      for (int j = 0; j < 8; ++j) {
 #pragma unroll
-          for (int j = 0; j < 8; ++j) xm[k][j] = 0.0f;
-        }
-      }
-
-#pragma unroll
-      for (int b0 = 0; b0 < L; b0 += B) {
-        uint4 nxt[B];
-        if (b0 + B < L) {
-#pragma unroll
-          for (int i = 0; i < B; ++i) {
-            const int t = t0 + b0 + B + i;
-            nxt[i] = t < p.S ? __ldg(xv + base + (b0 + B + i) * int64_t(vecs_per_row))
-                             : make_uint4(0, 0, 0, 0);
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < B; ++i) {
-          const int r = b0 + i;
-          const int t = t0 + r;
-          // A document starts at t: no history.
-          if (r > 0 && ((pos_words[r / 4] >> (8 * (r % 4))) & 0xff) == 0) {
-#pragma unroll
-            for (int k = 0; k < 3; ++k) {
-#pragma unroll
-              for (int j = 0; j < 8; ++j) xm[k][j] = 0.0f;
-            }
-          }
-          float xt[8];
-          detail::bf16x8_to_float(cur[i], xt);
-          uint32_t packed[4];
-#pragma unroll
-          for (int j = 0; j < 8; j += 2) {
-            float a[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              float s = acc0[j + h];
-              s = fmaf(w[0][j + h], xm[0][j + h], s);
-              s = fmaf(w[1][j + h], xm[1][j + h], s);
-              s = fmaf(w[2][j + h], xm[2][j + h], s);
-              s = fmaf(w[3][j + h], xt[j + h], s);
-              a[h] = detail::silu(s);
-            }
-            packed[j / 2] = detail::pack_bf16x2_rn(a[0], a[1]);
-          }
-          if (t < p.S) yv[base + r * int64_t(vecs_per_row)] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            xm[0][j] = xm[1][j];
-            xm[1][j] = xm[2][j];
-            xm[2][j] = xt[j];
-          }
-        }
-        if (b0 + B < L) {
-#pragma unroll
-          for (int i = 0; i < B; ++i) cur[i] = nxt[i];
-        }
+        for (int k = 0; k < 4; ++k) w[k][j] = 0.0f;
       }
     }
-    __syncthreads();  // s_pos and s_next_chunk are rewritten by the next chunk
+    if (detail::kHasBias<BiasT>) {
+      float b[8] = {};
+      if (active) detail::load_bias<BiasT>(p.bias, vec * 8, b);
+      s_bias[threadIdx.x][0] = make_float4(b[0] * -detail::kLog2e, b[1] * -detail::kLog2e, b[2] * -detail::kLog2e, b[3] * -detail::kLog2e);
+      s_bias[threadIdx.x][1] = make_float4(b[4] * -detail::kLog2e, b[5] * -detail::kLog2e, b[6] * -detail::kLog2e, b[7] * -detail::kLog2e);
+    }
+    detail::DocSearch ds;
+    search_for(ds, next_chunk, kPipelinedSearch ? threadIdx.x : Traits::kTileTokens);
+    const uint8_t* my_pos = s_pos[buf] + strip * L;
+
+    // Window: xm[0] = x[t-3], xm[1] = x[t-2], xm[2] = x[t-1]. Token t's position p (capped at
+    // 3) says which of them are in its document: x[t-k] counts iff k <= p. The taps outside are
+    // skipped (predicated FMAs), never multiplied by zero, so nothing leaks across documents.
+    float xm[3][8];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      // Refill the slot of row i - 1, whose data the previous iteration has consumed.
+      if (i + R - 1 < N) issue_row(i + R - 1);
+      detail::cp_async_commit();  // possibly empty: keeps "row i is group i" for the wait below
+      ds.step(p.cu_seqlens);
+      detail::cp_async_wait<R - 1>();
+      const uint4 v = my_ring[(i % R) * Traits::kThreads];
+      if (i < 3) {
+        detail::bf16x8_to_float(v, xm[i]);
+        continue;
+      }
+      const int r = i - 3;  // token t0 + r
+      const int pos = my_pos[r];
+      float xt[8], acc0[8] = {};
+      detail::bf16x8_to_float(v, xt);
+      if (detail::kHasBias<BiasT>) {
+        const float4 lo = s_bias[threadIdx.x][0], hi = s_bias[threadIdx.x][1];
+        acc0[0] = lo.x; acc0[1] = lo.y; acc0[2] = lo.z; acc0[3] = lo.w;
+        acc0[4] = hi.x; acc0[5] = hi.y; acc0[6] = hi.z; acc0[7] = hi.w;
+      }
+      uint32_t packed[4];
+#pragma unroll
+      for (int j = 0; j < 8; j += 2) {
+        float a[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          // Fixed order, current token first (an unpredicated FMA that frees acc0's copy).
+          float s = fmaf(w[3][j + h], xt[j + h], acc0[j + h]);
+          if (pos >= 1) s = fmaf(w[2][j + h], xm[2][j + h], s);
+          if (pos >= 2) s = fmaf(w[1][j + h], xm[1][j + h], s);
+          if (pos >= 3) s = fmaf(w[0][j + h], xm[0][j + h], s);
+          a[h] = detail::silu_of_scaled(s);
+        }
+        packed[j / 2] = detail::pack_bf16x2_rn(a[0], a[1]);
+      }
+      if (active && t0 + r < p.S) {
+        yv[base + r * vecs_per_row] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        xm[0][j] = xm[1][j];
+        xm[1][j] = xm[2][j];
+        xm[2][j] = xt[j];
+      }
+    }
+    if (kPipelinedSearch) {
+      while (!ds.done()) ds.step(p.cu_seqlens);  // more than N steps: over 2^(N-2) documents
+      if (threadIdx.x < Traits::kTileTokens) s_pos[buf ^ 1][threadIdx.x] = static_cast<uint8_t>(ds.pos);
+    } else {
+      search_all(next_chunk, s_pos[buf ^ 1]);
+    }
+    __syncthreads();  // the next chunk's positions and claim are visible; this chunk's are free
     chunk = next_chunk;
+    next_chunk = s_claim[buf];
+    buf ^= 1;
   }
 
   // Leave the counters zero: the last CTA out resets them. The fence orders this CTA's last

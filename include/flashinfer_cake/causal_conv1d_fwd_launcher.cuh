@@ -20,7 +20,11 @@ inline char* last_error_buffer() {
 
 template <class... Args>
 inline cudaError_t fail(cudaError_t code, const char* fmt, Args... args) {
-  std::snprintf(last_error_buffer(), 512, fmt, args...);
+  if constexpr (sizeof...(Args) == 0) {
+    std::snprintf(last_error_buffer(), 512, "%s", fmt);
+  } else {
+    std::snprintf(last_error_buffer(), 512, fmt, args...);
+  }
   return code;
 }
 
@@ -51,8 +55,8 @@ cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, int device,
   const int64_t tiles_t = (int64_t(p.S) + Traits::kTileTokens - 1) / Traits::kTileTokens;
   const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
   const int64_t chunks = tiles_t * tiles_c;
-  if (chunks > INT32_MAX / 2) {
-    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for one launch",
+  if (chunks > INT32_MAX / 2 || int64_t(p.S) * vecs_per_row >= (int64_t(1) << 32)) {
+    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for one launch (max 2^35 - 1)",
                 (long long)p.S * p.C);
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
@@ -69,18 +73,49 @@ cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, int device,
   return cudaSuccess;
 }
 
-// The route rule: channel lanes per CTA = the smallest power of two >= C / 8, capped at 32;
-// a function of C only, so a given (S, C, device) always runs the same program.
+// Tile geometry; scripts/tune_fwd.py overrides these with -D to measure alternatives.
+#ifndef CAKE_FWD_THREADS
+#define CAKE_FWD_THREADS 128
+#endif
+#ifndef CAKE_FWD_STRIP_LEN
+#define CAKE_FWD_STRIP_LEN 16
+#endif
+#ifndef CAKE_FWD_RING
+#define CAKE_FWD_RING 6
+#endif
+#ifndef CAKE_FWD_MIN_CTAS
+#define CAKE_FWD_MIN_CTAS 5
+#endif
+
+
+#ifndef CAKE_FWD_MAX_LANES
+#define CAKE_FWD_MAX_LANES 32
+#endif
+
+// The route rule: channel lanes per CTA = the smallest power of two >= C / 8, capped at
+// CAKE_FWD_MAX_LANES; a function of C only, so a given (S, C, device) always runs the same program.
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_fwd(CausalConv1dFwdParams p, int device, cudaStream_t stream) {
-  constexpr int kThreads = 128, kStrip = 32, kBatch = 4;
+  constexpr int kThreads = CAKE_FWD_THREADS, kStrip = CAKE_FWD_STRIP_LEN, kRing = CAKE_FWD_RING,
+                kMinCtas = CAKE_FWD_MIN_CTAS, kMaxLanes = CAKE_FWD_MAX_LANES;
+  // C < 256: many strips per CTA, each thread searches several tokens; more registers, no spills.
+  constexpr int kNarrowMinCtas = kMinCtas > 4 ? 4 : kMinCtas;
   const int vecs = p.C / 8;
-  if (vecs > 16) return launch_causal_conv1d_fwd_route<FwdTraits<32, kThreads, kStrip, kBatch>, WeightT, BiasT>(p, device, stream);
-  if (vecs > 8) return launch_causal_conv1d_fwd_route<FwdTraits<16, kThreads, kStrip, kBatch>, WeightT, BiasT>(p, device, stream);
-  if (vecs > 4) return launch_causal_conv1d_fwd_route<FwdTraits<8, kThreads, kStrip, kBatch>, WeightT, BiasT>(p, device, stream);
-  if (vecs > 2) return launch_causal_conv1d_fwd_route<FwdTraits<4, kThreads, kStrip, kBatch>, WeightT, BiasT>(p, device, stream);
-  if (vecs > 1) return launch_causal_conv1d_fwd_route<FwdTraits<2, kThreads, kStrip, kBatch>, WeightT, BiasT>(p, device, stream);
-  return launch_causal_conv1d_fwd_route<FwdTraits<1, kThreads, kStrip, kBatch>, WeightT, BiasT>(p, device, stream);
+  if constexpr (kMaxLanes >= 256 && kThreads % 256 == 0) {
+    if (vecs > 128) return launch_causal_conv1d_fwd_route<FwdTraits<256, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, device, stream);
+  }
+  if constexpr (kMaxLanes >= 128 && kThreads % 128 == 0) {
+    if (vecs > 64) return launch_causal_conv1d_fwd_route<FwdTraits<128, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, device, stream);
+  }
+  if constexpr (kMaxLanes >= 64 && kThreads % 64 == 0) {
+    if (vecs > 32) return launch_causal_conv1d_fwd_route<FwdTraits<64, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, device, stream);
+  }
+  if (vecs > 16) return launch_causal_conv1d_fwd_route<FwdTraits<32, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, device, stream);
+  if (vecs > 8) return launch_causal_conv1d_fwd_route<FwdTraits<16, kThreads, kStrip, kRing, kNarrowMinCtas>, WeightT, BiasT>(p, device, stream);
+  if (vecs > 4) return launch_causal_conv1d_fwd_route<FwdTraits<8, kThreads, kStrip, kRing, kNarrowMinCtas>, WeightT, BiasT>(p, device, stream);
+  if (vecs > 2) return launch_causal_conv1d_fwd_route<FwdTraits<4, kThreads, kStrip, kRing, kNarrowMinCtas>, WeightT, BiasT>(p, device, stream);
+  if (vecs > 1) return launch_causal_conv1d_fwd_route<FwdTraits<2, kThreads, kStrip, kRing, kNarrowMinCtas>, WeightT, BiasT>(p, device, stream);
+  return launch_causal_conv1d_fwd_route<FwdTraits<1, kThreads, kStrip, kRing, kNarrowMinCtas>, WeightT, BiasT>(p, device, stream);
 }
 
 template <class BiasT>

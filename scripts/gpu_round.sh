@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One whole round on a lent GPU machine (the device tool), results under $OUT:
+# install + AOT build + full test suite (ci_gpu.sh), SASS and resource report, benchmark.
+#   bash scripts/gpu_round.sh [--quick]      (carry .whl for the peers' wheels)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/cake_out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export FLASHINFER_CAKE_CACHE_DIR=/tmp/cake_cache
+{ nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$OUT/machine.txt" 2>&1
+
+PIP_INSTALL_FLAGS="--no-build-isolation --no-deps -q" bash scripts/ci_gpu.sh -q --maxfail=20 -p no:cacheprovider --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; tail -5 "$OUT/tests.log"
+
+
+# Evidence from the build: registers/spills per kernel, and the SASS of the main loop.
+grep -h -A2 "Compiling entry function" flashinfer_cake/aot/build/prebuild/build.log > "$OUT/resource_usage.txt" 2>/dev/null
+so=$(ls flashinfer_cake/aot/causal_conv1d_fwd_w_fp32_b_fp32_*.so | head -1)
+cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>&1
+
+echo "global/async memory instructions in the SASS:"; grep -o "LDGSTS[.A-Z0-9]*\|LDG[.A-Z0-9]*\|STG[.A-Z0-9]*" "$OUT/sass.txt" | sort | uniq -c
+
+python3 scripts/bench_fwd.py "$@" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
