@@ -15,13 +15,14 @@ export FLASHINFER_CAKE_CACHE_DIR=/tmp/cake_cache
 { nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$OUT/machine.txt" 2>&1
 
 PIP_INSTALL_FLAGS="--no-build-isolation --no-deps -q" bash scripts/ci_gpu.sh -q --maxfail=20 -p no:cacheprovider --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; tail -5 "$OUT/tests.log"
-
+python3 -m flashinfer_cake  # the CLI's default action: build what is needed, check, GB/s
 
 # Evidence from the build: registers/spills per kernel, and the SASS of the main loop.
-grep -h -A2 "Compiling entry function" flashinfer_cake/aot/build/prebuild/build.log > "$OUT/resource_usage.txt" 2>/dev/null
+grep -h -A3 "Compiling entry function" flashinfer_cake/aot/build/prebuild/build.log > "$OUT/resource_usage.txt" 2>/dev/null
 so=$(ls flashinfer_cake/aot/causal_conv1d_fwd_w_fp32_b_fp32_*.so | head -1)
 cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>&1
 
 echo "global/async memory instructions in the SASS:"; grep -o "LDGSTS[.A-Z0-9]*\|LDG[.A-Z0-9]*\|STG[.A-Z0-9]*" "$OUT/sass.txt" | sort | uniq -c
 
-python3 scripts/bench_fwd.py "$@" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+python3 scripts/bench_fwd.py "$@" --json "$OUT/bench.json" --md "$OUT/bench.md" > "$OUT/bench.log" 2>&1
+tail -60 "$OUT/bench.log"
