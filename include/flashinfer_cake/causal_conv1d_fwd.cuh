@@ -58,6 +58,7 @@ struct FwdTraits {
   static constexpr int kTileChannels = kLanesC * 8;
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
   static_assert(kStripLen % 4 == 0 && kRing >= 2, "positions are read 4 per word; ring needs 2 rows");
+  static_assert(kTileTokens % 32 == 0 || kTileTokens > kThreads, "searching threads are whole warps");
 };
 
 namespace detail {
@@ -171,43 +172,32 @@ __device__ __forceinline__ void load_bias<__nv_bfloat16>(const void* bias, int c
 // search still reads only cu_seqlens[0..num_docs] and yields a value in [0, 3], the history that
 // token then keeps (never memory outside x).
 //
-// One step() issues at most one load and uses the previous step's, so the kernel can run one step
-// per streamed row: the search's latency hides behind the rows instead of stalling them.
+// The search runs as steps k = 0 .. K + 1, K = ceil(log2(num_docs + 1)) halvings, the same
+// schedule for every thread: step k takes the answer of halving k - 1, then issues the load of
+// halving k, or the final load, or turns the final value into the position. A step issues at most one load and
+// uses the previous step's, so the kernel runs one step per streamed row and the search's
+// latency hides behind the rows; every branch is uniform across threads.
 struct DocSearch {
-  int t, base, n, cand, val;
-  int state;  // kIssue, kHalving (load of cu[cand] pending), kFinal (load of cu[base] pending), kDone
-  int pos;
-  static constexpr int kIssue = 0, kHalving = 1, kFinal = 2, kDone = 3;
+  int t, base, n, half, val, pos;
 
-  __device__ __forceinline__ void start(int num_docs, int token, bool valid) {
+  __device__ __forceinline__ static int halvings(int num_docs) { return 32 - __clz(num_docs); }
+  __device__ __forceinline__ void start(int num_docs, int token) {
     t = token;
     base = 0;
     n = num_docs + 1;  // candidates cu[base .. base + n - 1]
-    state = valid ? kIssue : kDone;
     pos = 0;
   }
-  __device__ __forceinline__ bool done() const { return state == kDone; }
-  // cu is the kernel parameter (read from the constant bank at each use, not kept in registers).
-  __device__ __forceinline__ void step(const int32_t* __restrict__ cu) {
-    if (state == kHalving) {
-      if (val <= t) base = cand;
-      state = kIssue;
-    } else if (state == kFinal) {
+  __device__ __forceinline__ void step(const int32_t* __restrict__ cu, int K, int k) {
+    if (k >= 1 && k <= K && val <= t) base += half;
+    if (k < K) {
+      half = n >> 1;
+      n -= half;
+      val = __ldg(cu + base + half);  // base + n_k - 1 <= num_docs
+    } else if (k == K) {
+      val = __ldg(cu + base);
+    } else if (k == K + 1) {
       const int64_t d = static_cast<int64_t>(t) - val;
       pos = val > t ? 0 : (d < 3 ? static_cast<int>(d) : 3);
-      state = kDone;
-    }
-    if (state == kIssue) {
-      if (n > 1) {
-        const int half = n / 2;
-        cand = base + half;  // <= base + n - 1 <= num_docs
-        n -= half;
-        val = __ldg(cu + cand);
-        state = kHalving;
-      } else {
-        val = __ldg(cu + base);
-        state = kFinal;
-      }
     }
   }
 };
@@ -236,22 +226,21 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   uint4* __restrict__ yv = reinterpret_cast<uint4*>(p.y);
   uint4* const my_ring = &s_ring[0][threadIdx.x];
   const auto claim = [&] { return static_cast<int>(atomicAdd(p.counters, 1u)) + gridDim.x; };
-  // Token j of chunk c's token tile.
-  const auto search_for = [&](detail::DocSearch& ds, int c, int j) {
-    const int t = (c / p.tiles_c) * Traits::kTileTokens + j;
-    ds.start(p.num_docs, t, c < p.num_chunks && j < Traits::kTileTokens && t < p.S);
-  };
+  const int search_steps = detail::DocSearch::halvings(p.num_docs);  // K
+  // Token j of chunk c's token tile (positions past S are never read).
+  const auto token_of = [&](int c, int j) { return (c / p.tiles_c) * Traits::kTileTokens + j; };
   // With one token per thread the next chunk's search runs a step per streamed row; wider tiles
   // (C < 256: many strips) search in a loop after the rows.
   constexpr bool kPipelinedSearch = Traits::kTileTokens <= Traits::kThreads;
   const auto search_all = [&](int c, uint8_t* out) {
     for (int j = threadIdx.x; j < Traits::kTileTokens; j += Traits::kThreads) {
       detail::DocSearch ds;
-      search_for(ds, c, j);
-      while (!ds.done()) ds.step(p.cu_seqlens);
+      ds.start(p.num_docs, token_of(c, j));
+      for (int k = 0; k <= search_steps + 1; ++k) ds.step(p.cu_seqlens, search_steps, k);
       out[j] = static_cast<uint8_t>(ds.pos);
     }
   };
+  const bool searcher = threadIdx.x < Traits::kTileTokens;  // whole warps: kTileTokens % 32 == 0
 
   // A CTA starts on chunk blockIdx.x; the next comes from the counter. The first chunk's
   // positions are searched up front, every later chunk's during the chunk before it.
@@ -308,7 +297,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
       s_bias[threadIdx.x][1] = make_float4(b[4] * -detail::kLog2e, b[5] * -detail::kLog2e, b[6] * -detail::kLog2e, b[7] * -detail::kLog2e);
     }
     detail::DocSearch ds;
-    search_for(ds, next_chunk, kPipelinedSearch ? threadIdx.x : Traits::kTileTokens);
+    ds.start(p.num_docs, token_of(next_chunk, threadIdx.x));
     const uint8_t* my_pos = s_pos[buf] + strip * L;
 
     // Window: xm[0] = x[t-3], xm[1] = x[t-2], xm[2] = x[t-1]. Token t's position p (capped at
@@ -320,7 +309,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
       // Refill the slot of row i - 1, whose data the previous iteration has consumed.
       if (i + R - 1 < N) issue_row(i + R - 1);
       detail::cp_async_commit();  // possibly empty: keeps "row i is group i" for the wait below
-      ds.step(p.cu_seqlens);
+      if (kPipelinedSearch && searcher) ds.step(p.cu_seqlens, search_steps, i);
       detail::cp_async_wait<R - 1>();
       const uint4 v = my_ring[(i % R) * Traits::kThreads];
       if (i < 3) {
@@ -362,8 +351,12 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
       }
     }
     if (kPipelinedSearch) {
-      while (!ds.done()) ds.step(p.cu_seqlens);  // more than N steps: over 2^(N-2) documents
-      if (threadIdx.x < Traits::kTileTokens) s_pos[buf ^ 1][threadIdx.x] = static_cast<uint8_t>(ds.pos);
+      if (searcher) {
+        for (int k = N; k <= search_steps + 1; ++k) {  // over 2^(N-2) documents: finish here
+          ds.step(p.cu_seqlens, search_steps, k);
+        }
+        s_pos[buf ^ 1][threadIdx.x] = static_cast<uint8_t>(ds.pos);
+      }
     } else {
       search_all(next_chunk, s_pos[buf ^ 1]);
     }
