@@ -14,13 +14,13 @@ import argparse
 import logging
 import platform
 import shutil
-import subprocess
 import sys
 
 import torch
 
 from . import __version__, jit
 from .jit import env
+from .jit.build import nvcc_version
 
 
 def _specs(archs: list[str] | None) -> list[jit.VariantSpec]:
@@ -29,10 +29,7 @@ def _specs(archs: list[str] | None) -> list[jit.VariantSpec]:
 
 def cmd_env(args) -> int:
     nvcc = env.nvcc_path()
-    nvcc_version = "not found"
-    if nvcc is not None:
-        out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True)
-        nvcc_version = out.stdout.strip().splitlines()[-1] if out.returncode == 0 else f"error: {out.stderr.strip()}"
+    version = "not found" if nvcc is None else nvcc_version(nvcc)
     print(f"flashinfer_cake  {__version__}")
     print(f"python           {platform.python_version()}")
     print(f"torch            {torch.__version__} (CUDA {torch.version.cuda})")
@@ -42,7 +39,7 @@ def cmd_env(args) -> int:
             print(f"gpu {i}            {torch.cuda.get_device_name(i)} (compute capability {cap[0]}.{cap[1]})")
     else:
         print("gpu              none visible to torch")
-    print(f"nvcc             {nvcc or 'not found'} ({nvcc_version})")
+    print(f"nvcc             {nvcc or 'not found'} ({version})")
     print(f"arch list        {' '.join(env.arch_list())}  (FLASHINFER_CAKE_CUDA_ARCH_LIST)")
     print(f"cache dir        {env.cache_dir()}  (FLASHINFER_CAKE_CACHE_DIR)")
     print(f"aot dirs         {' '.join(map(str, env.aot_dirs())) or 'none'}  (FLASHINFER_CAKE_AOT_DIR)")

@@ -61,9 +61,11 @@ def _ninja_file(nvcc: Path, stems: dict[str, VariantSpec]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _nvcc_version(nvcc: Path) -> str:
+def nvcc_version(nvcc: Path) -> str:
+    """nvcc's "Cuda compilation tools, release X.Y, VX.Y.Z" line (runs nvcc: cold path only)."""
     out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=False)
-    return out.stdout.strip().splitlines()[-1] if out.returncode == 0 and out.stdout.strip() else "unknown"
+    lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
+    return next((line for line in lines if "release" in line), lines[-1] if lines else f"error: {out.stderr.strip()}")
 
 
 def _publish(built: Path, out_dir: Path, name: str, record: dict) -> Path:
@@ -93,6 +95,7 @@ def build_variants(specs: list[VariantSpec], out_dir: Path, build_dir: Path, nvc
     toolchain = env.toolchain_digest(nvcc)
     names = {spec: spec.module_name(toolchain) for spec in specs}
     build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / "build.log").unlink(missing_ok=True)  # present again only once ninja has ended
     for spec, name in names.items():
         write_if_different(build_dir / f"{name}.cu", spec.source())
     write_if_different(build_dir / "build.ninja", _ninja_file(nvcc, {n: s for s, n in names.items()}))
@@ -115,7 +118,7 @@ def build_variants(specs: list[VariantSpec], out_dir: Path, build_dir: Path, nvc
             f"(ninja exit {returncode}, log {build_dir / 'build.log'}):\n{log}"
         )
     seconds = time.perf_counter() - start
-    version = _nvcc_version(nvcc)
+    version = nvcc_version(nvcc)
     published = {}
     for spec, name in names.items():
         record = {"variant": spec.uri, "arch": spec.arch, "nvcc": str(nvcc), "nvcc_version": version,

@@ -12,7 +12,10 @@ bytes match the record written after it (so a truncated or half-published file i
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -59,7 +62,7 @@ def _find_or_build(spec: VariantSpec):
     cache = env.cache_dir()
     searched = f"searched {[str(d) for d in env.aot_dirs()] + [str(cache)]}"
     nvcc = env.nvcc_path()
-    if nvcc is None:  # no compiler: a cached build by any compiler will do
+    if nvcc is None or env.jit_disabled():  # nothing will be compiled: any compiler's build will do
         path = find_published(cache, prefix)
         if path is not None:
             return path
@@ -70,18 +73,30 @@ def _find_or_build(spec: VariantSpec):
     target = cache / f"{name}.so"
     if verified_module(target):
         return target
-    if env.jit_disabled():
-        raise _disabled_error(spec, searched)
     with filelock.FileLock(str(cache / f"{name}.lock")):
         if verified_module(target):  # another process built it while we waited
             return target
         logger.info("flashinfer_cake: building %s", name)
         start = time.perf_counter()
-        build_variants([spec], cache, cache / "build" / name, nvcc)
+        build_dir = cache / "build" / name
+        _set_aside(build_dir)
+        build_variants([spec], cache, build_dir, nvcc)
         logger.info("flashinfer_cake: built %s in %.1f s", name, time.perf_counter() - start)
     if not verified_module(target):
         raise RuntimeError(f"flashinfer_cake: built {target} but cannot verify it")
     return target
+
+
+def _set_aside(build_dir: Path) -> None:
+    """Move a build directory left by an interrupted build (no build.log: it is written when
+    ninja ends) out of the way before reusing its path: compilers orphaned by a killed process
+    keep writing into the moved directory (their working directory), never into the new build's.
+    A completed build's directory stays, so ninja rebuilds only what changed."""
+    if not build_dir.exists() or (build_dir / "build.log").exists():
+        return
+    stale = build_dir.with_name(f"{build_dir.name}.stale.{os.getpid()}.{time.monotonic_ns()}")
+    os.replace(build_dir, stale)
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def prebuild(specs: list[VariantSpec], out_dir: Path | None = None, *, jobs: int | None = None,
@@ -91,16 +106,22 @@ def prebuild(specs: list[VariantSpec], out_dir: Path | None = None, *, jobs: int
     is what FLASHINFER_CAKE_AOT_DIR (or the package's own ``aot/``) points the loader at."""
     nvcc = env.require_nvcc()
     out_dir = env.cache_dir() if out_dir is None else Path(out_dir).absolute()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(mode=0o755, parents=True, exist_ok=True)  # aot_dirs() refuses group-writable
     toolchain = env.toolchain_digest(nvcc)
-    with filelock.FileLock(str(out_dir / "prebuild.lock")):
+    names = sorted(s.module_name(toolchain) for s in specs)
+    with contextlib.ExitStack() as locks:
+        # The same per-module locks as load(), taken in a fixed order: a concurrent first call
+        # waits for this build instead of compiling the module again.
+        for name in names:
+            locks.enter_context(filelock.FileLock(str(out_dir / f"{name}.lock")))
         done = {s: out_dir / f"{s.module_name(toolchain)}.so" for s in specs}
         todo = [s for s, path in done.items() if not verified_module(path)]
         if todo:
             logger.info("flashinfer_cake: building %d module(s) into %s", len(todo), out_dir)
             start = time.perf_counter()
-            done.update(build_variants(todo, out_dir, out_dir / "build" / "prebuild", nvcc, jobs=jobs,
-                                       verbose=verbose))
+            build_dir = out_dir / "build" / "prebuild"
+            _set_aside(build_dir)
+            done.update(build_variants(todo, out_dir, build_dir, nvcc, jobs=jobs, verbose=verbose))
             logger.info("flashinfer_cake: built %d module(s) in %.1f s", len(todo), time.perf_counter() - start)
     return done
 

@@ -78,10 +78,13 @@ def arch_list() -> list[str]:
     return archs
 
 
-def _check_private_dir(path: Path, what: str) -> None:
-    """Refuse a directory we would load code from if another user could have written to it."""
+def _check_private_dir(path: Path, what: str, *, group_ok: bool = False) -> None:
+    """Refuse a directory we would load code from if another user could have written to it.
+    group_ok: the package's own directory, as trusted as the Python files beside it (pip creates
+    it group-writable under a umask of 002)."""
     st = path.stat()
-    if st.st_uid not in (os.getuid(), 0) or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    unsafe = stat.S_IWOTH if group_ok else stat.S_IWGRP | stat.S_IWOTH
+    if st.st_uid not in (os.getuid(), 0) or st.st_mode & unsafe:
         raise RuntimeError(
             f"{what} {path} is writable by other users or owned by uid {st.st_uid} "
             f"(mode {stat.filemode(st.st_mode)}); refusing to load code from it. Use a directory "
@@ -110,7 +113,7 @@ def aot_dirs() -> list[Path]:
     dirs.append(SHIPPED_AOT_DIR)
     found = [d for d in dirs if d.is_dir()]
     for d in found:
-        _check_private_dir(d, "AOT directory")
+        _check_private_dir(d, "AOT directory", group_ok=d == SHIPPED_AOT_DIR)
     return found
 
 

@@ -1,0 +1,599 @@
+"""CPU tests of the JIT (no GPU needed; a real nvcc builds real modules).
+
+Real compiles are few: the session fixture `concurrent_build` (8 processes, one compile) fills the
+cache that most tests read or copy; the AOT test and the killed-build test compile once each. A
+copy of the built cache carries ninja's build directory, so a "rebuild" from it (corrupt module,
+log test) republishes without recompiling. Every cache and AOT directory is a tmp dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashinfer_cake import jit
+from flashinfer_cake.jit import build, core, env, variant
+from flashinfer_cake.jit.variant import VariantSpec
+
+SPEC = VariantSpec("fp32", "none", "sm_90a")
+ALL = jit.all_variants(["sm_90a"])
+CXX = {"fp32": "float", "bf16": "__nv_bfloat16", "none": "flashinfer_cake::NoBias"}
+ENTRY_POINTS = ("cake_abi_version", "cake_variant", "cake_last_error_message", "cake_causal_conv1d_fwd")
+CUDA_ERROR_INVALID_VALUE = 1
+# Variables a test sets itself; FLASHINFER_CAKE_NVCC / CUDA_HOME (which compiler CI uses) are kept.
+ISOLATED_VARS = ("FLASHINFER_CAKE_CACHE_DIR", "FLASHINFER_CAKE_AOT_DIR", "FLASHINFER_CAKE_DISABLE_JIT",
+                 "FLASHINFER_CAKE_CUDA_ARCH_LIST")
+# Subprocesses ignore a package-shipped aot/ a developer may have built in the checkout.
+PREAMBLE = "from flashinfer_cake.jit import env as _e; _e.SHIPPED_AOT_DIR = _e.Path('/nonexistent/aot')\n"
+LOAD_SCRIPT = """
+import logging
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from flashinfer_cake import jit
+m = jit.load(jit.VariantSpec("fp32", "none", "sm_90a"))
+print(m.path)
+print(m.variant)
+"""
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def child_env(**overrides) -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in ISOLATED_VARS}
+    e["MAX_JOBS"] = "2"
+    e.update({k: str(v) for k, v in overrides.items()})
+    return e
+
+
+def popen_py(code: str, cwd: Path, *args, **env_overrides) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", PREAMBLE + textwrap.dedent(code), *map(str, args)],
+                            cwd=cwd, env=child_env(**env_overrides), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def run_py(code: str, cwd: Path, timeout: float = 600, **env_overrides) -> subprocess.CompletedProcess:
+    p = popen_py(code, cwd, **env_overrides)
+    out, err = p.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def toolchain() -> str:
+    return env.toolchain_digest(env.require_nvcc())
+
+
+def copy_cache(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def published(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("causal_conv1d_fwd_*") if p.suffix in (".so", ".json"))
+
+
+def forbid_processes(monkeypatch) -> None:
+    def no_process(*a, **k):
+        raise AssertionError(f"a process was started: {a!r}")
+
+    for mod, name in [(subprocess, "Popen"), (subprocess, "run"), (os, "system"), (os, "fork"),
+                      (os, "posix_spawn"), (os, "posix_spawnp")]:
+        if hasattr(mod, name):
+            monkeypatch.setattr(mod, name, no_process)
+
+
+# ---------------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch, tmp_path):
+    """A fresh tmp cache and an empty in-process memo for every test; no shipped AOT dir."""
+    for var in ISOLATED_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MAX_JOBS", "2")
+    monkeypatch.setattr(core, "_loaded", {})
+    monkeypatch.setattr(env, "SHIPPED_AOT_DIR", tmp_path / "no-shipped-aot")
+
+
+@pytest.fixture
+def fresh_templates_digest():
+    variant._templates_digest.cache_clear()
+    yield
+    variant._templates_digest.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def name() -> str:
+    """File stem of SPEC's module for the nvcc the tests build with."""
+    return SPEC.module_name(toolchain())
+
+
+@pytest.fixture(scope="session")
+def concurrent_build(tmp_path_factory):
+    """8 processes call the first load of SPEC at once into an empty cache (the session's build)."""
+    root = tmp_path_factory.mktemp("concurrent")
+    cache = root / "cache"
+    code = textwrap.dedent("""
+    import os, sys, time
+    root = sys.argv[1]
+    from flashinfer_cake import jit  # the slow part (torch): done before the start signal
+    open(os.path.join(root, f"ready.{os.getpid()}"), "w").close()
+    while not os.path.exists(os.path.join(root, "go")):
+        time.sleep(0.005)
+    """) + LOAD_SCRIPT
+    procs = [popen_py(code, root, root, FLASHINFER_CAKE_CACHE_DIR=cache) for _ in range(8)]
+    try:
+        wait_for(lambda: len(list(root.glob("ready.*"))) == 8 or any(p.poll() is not None for p in procs),
+                 300, "8 processes to import flashinfer_cake")
+        (root / "go").touch()
+        results = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return cache, [(p.returncode, out, err) for p, (out, err) in zip(procs, results)]
+
+
+@pytest.fixture(scope="session")
+def built_cache(concurrent_build) -> Path:
+    """A JIT cache holding SPEC's module (do not modify: copy it)."""
+    cache, results = concurrent_build
+    assert all(rc == 0 for rc, _, _ in results), [err for rc, _, err in results if rc]
+    return cache
+
+
+@pytest.fixture(scope="module")
+def fresh_import(tmp_path_factory):
+    """`import flashinfer_cake` in a fresh process from a neutral cwd, HOME and cache dir."""
+    root = tmp_path_factory.mktemp("import")
+    (root / "home").mkdir()
+    (root / "cwd").mkdir()
+    code = """
+    import importlib.util, json
+    import flashinfer_cake, flashinfer_cake.jit
+    print(json.dumps({"jit": repr(importlib.util.find_spec("jit")), "pkg_jit": flashinfer_cake.jit.__file__}))
+    """
+    r = run_py(code, root / "cwd", timeout=120, FLASHINFER_CAKE_CACHE_DIR=root / "never" / "cache",
+               HOME=root / "home")
+    assert r.returncode == 0, r.stderr
+    return root, json.loads(r.stdout)
+
+
+# ------------------------------------------------------------------------- names, digests, source
+
+
+@pytest.mark.parametrize("spec", ALL, ids=lambda s: s.uri)
+def test_variant_naming(spec):
+    assert spec.uri == f"causal_conv1d_fwd_w_{spec.weight}_b_{spec.bias}_sm_90a"
+    tc = toolchain()
+    module_name = spec.module_name(tc)
+    assert re.fullmatch(rf"{spec.uri}_[0-9a-f]{{16}}_{tc[:8]}", module_name)
+    assert module_name.startswith(spec.module_prefix())
+    assert spec.module_prefix() == f"{spec.uri}_{spec.source_digest()[:16]}_"
+    assert spec.module_name("f" * 64) != module_name and spec.module_name("f" * 64).startswith(spec.module_prefix())
+
+
+@pytest.mark.parametrize("kwargs", [dict(weight="fp16", bias="none", arch="sm_90a"),
+                                    dict(weight="fp32", bias="fp16", arch="sm_90a"),
+                                    dict(weight="fp32", bias="none", arch="sm_80")], ids=["weight", "bias", "arch"])
+def test_invalid_variant_rejected(kwargs):
+    bad = next(k for k, v in kwargs.items() if v in ("fp16", "sm_80"))
+    with pytest.raises(ValueError, match=bad):
+        VariantSpec(**kwargs)
+
+
+def test_digests_stable_and_distinct(tmp_path):
+    here = {s.uri: s.module_name(toolchain()) for s in ALL}
+    assert here == {s.uri: VariantSpec(s.weight, s.bias, s.arch).module_name(toolchain()) for s in ALL}
+    assert len(set(here.values())) == len(ALL) == 6
+    assert len({s.source_digest() for s in ALL}) == 6
+    code = """
+    import json
+    from flashinfer_cake.jit import all_variants, env
+    tc = env.toolchain_digest(env.require_nvcc())
+    print(json.dumps({s.uri: s.module_name(tc) for s in all_variants(["sm_90a"])}))
+    """
+    r = run_py(code, tmp_path, timeout=120, PYTHONHASHSEED=str(12345 + os.getpid()))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == here
+
+
+def test_digest_changes_when_a_template_byte_changes(tmp_path, monkeypatch, fresh_templates_digest):
+    real, real_prefix = SPEC.source_digest(), SPEC.module_prefix()
+    copy = shutil.copytree(env.include_dir(), tmp_path / "include")
+    monkeypatch.setattr(env, "include_dir", lambda: copy)
+    variant._templates_digest.cache_clear()
+    assert SPEC.source_digest() == real  # same bytes elsewhere: same digest
+    templates = sorted(p for p in copy.rglob("*") if p.is_file())
+    assert templates
+    for path in templates:
+        data = path.read_bytes()
+        changed = bytearray(data)
+        changed[len(data) // 2] ^= 1  # one bit of one byte
+        path.write_bytes(bytes(changed))
+        variant._templates_digest.cache_clear()
+        assert SPEC.source_digest() != real, path
+        assert SPEC.module_prefix() != real_prefix  # a new module name: the old build is not reused
+        path.write_bytes(data)
+        variant._templates_digest.cache_clear()
+        assert SPEC.source_digest() == real
+    (copy / "flashinfer_cake" / "new.cuh").write_text("// new\n")
+    variant._templates_digest.cache_clear()
+    assert SPEC.source_digest() != real
+
+
+@pytest.mark.parametrize("spec", ALL, ids=lambda s: s.uri)
+def test_generated_source(spec):
+    src = spec.source()
+    assert "#include <flashinfer_cake/causal_conv1d_fwd_launcher.cuh>" in src
+    assert (env.include_dir() / "flashinfer_cake" / "causal_conv1d_fwd_launcher.cuh").is_file()
+    assert re.search(r'#define CAKE_EXPORT extern "C" __attribute__\(\(visibility\("default"\)\)\)', src)
+    for fn in ENTRY_POINTS:
+        assert re.search(rf"^CAKE_EXPORT (int|const char\*) {fn}\(", src, re.M), fn
+    assert f"using WeightT = {CXX[spec.weight]};" in src
+    assert f"using BiasT = {CXX[spec.bias]};" in src
+    assert f'return "{spec.uri}";' in src
+    assert f"return {variant.ABI_VERSION};" in src
+
+
+def test_nvcc_flags():
+    flags = SPEC.nvcc_flags()
+    assert "-gencode=arch=compute_90a,code=sm_90a" in flags
+    assert not [f for f in flags if "fast_math" in f or "fast-math" in f]
+    assert "-cudart=static" in flags
+
+
+def test_build_used_generated_source_and_flags(built_cache, name):
+    build_dir = built_cache / "build" / name
+    assert (build_dir / f"{name}.cu").read_text() == SPEC.source()
+    ninja = (build_dir / "build.ninja").read_text()
+    assert f"  flags = {' '.join(SPEC.nvcc_flags())}" in ninja
+    assert "-gencode=arch=compute_90a,code=sm_90a" in ninja and "fast_math" not in ninja
+
+
+# ---------------------------------------------------------------------------------- env surface
+
+
+@pytest.mark.parametrize("value", [None, "3", "1", "16"])
+def test_max_jobs(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv("MAX_JOBS")
+    else:
+        monkeypatch.setenv("MAX_JOBS", value)
+    assert env.max_jobs() == (int(value) if value else max(1, os.cpu_count() or 1))
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "2.5", " "])
+def test_max_jobs_invalid(monkeypatch, value):
+    monkeypatch.setenv("MAX_JOBS", value)
+    with pytest.raises(ValueError, match="MAX_JOBS"):
+        env.max_jobs()
+
+
+@pytest.mark.parametrize("value", [None, "9.0a", "9.0", "sm_90a", "90a", "9.0a, 9.0;sm_90a"])
+def test_arch_list_accepted(monkeypatch, value):
+    if value is not None:
+        monkeypatch.setenv("FLASHINFER_CAKE_CUDA_ARCH_LIST", value)
+    assert env.arch_list() == ["sm_90a"]
+
+
+@pytest.mark.parametrize("value", ["8.0", "9.0a 8.0", "sm_80", "10.0", ""])
+def test_arch_list_rejected(monkeypatch, value):
+    monkeypatch.setenv("FLASHINFER_CAKE_CUDA_ARCH_LIST", value)
+    with pytest.raises(ValueError, match="FLASHINFER_CAKE_CUDA_ARCH_LIST"):
+        env.arch_list()
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022])
+def test_cache_dir_created_0700(monkeypatch, tmp_path, umask):
+    root = tmp_path / "a" / "b" / "cache"
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(root))
+    old = os.umask(umask)
+    try:
+        assert env.cache_dir() == root
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
+def test_no_top_level_jit_module(fresh_import):
+    _, result = fresh_import
+    assert result["jit"] == "None"
+    assert Path(result["pkg_jit"]).name == "__init__.py"
+    files = importlib.metadata.files("flashinfer_cake") or []
+    assert not [f for f in files if f.parts[0] in ("jit", "jit.py")]
+
+
+def test_import_creates_no_directories(fresh_import):
+    root, _ = fresh_import
+    assert not (root / "never").exists()
+    assert not (root / "home" / ".cache" / "flashinfer_cake").exists()
+    assert list((root / "cwd").iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- real builds, load
+
+
+def test_built_module_abi(built_cache, name, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(built_cache))
+    m = jit.load(SPEC)
+    assert m.path == built_cache / f"{name}.so"
+    assert m._lib.cake_abi_version() == variant.ABI_VERSION
+    assert m.variant == SPEC.uri
+    raw = ctypes.CDLL(str(m.path))  # the plain C ABI, without CompiledModule's declarations
+    for fn in ENTRY_POINTS:
+        assert hasattr(raw, fn), fn
+    fwd = m.causal_conv1d_fwd
+    aligned = 1 << 20  # a fake but 16-byte aligned "device pointer": never dereferenced below
+    args = [aligned] * 6
+    assert fwd(*args, 64, 7, 1, 0, None) == CUDA_ERROR_INVALID_VALUE
+    assert "C must be a positive multiple of 8, got 7" in m.last_error_message()
+    assert fwd(None, *args[1:], 64, 8, 1, 0, None) == CUDA_ERROR_INVALID_VALUE
+    assert "x: expected a non-null 16-byte aligned pointer" in m.last_error_message()
+    assert fwd(*args, 0, 8, 0, 0, None) == 0 and m.last_error_message() == ""  # S == 0: nothing to do
+    if not torch.cuda.is_available():  # valid-looking args, no GPU: a CUDA error code, no crash
+        code = fwd(*args, 64, 8, 1, 0, None)
+        assert code != 0 and m.last_error_message()
+
+
+def test_warm_load_starts_no_process(built_cache, name, monkeypatch):
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(built_cache))
+    before = sorted(p.name for p in built_cache.rglob("*"))
+    forbid_processes(monkeypatch)
+    m = jit.load(SPEC)
+    assert m.path == built_cache / f"{name}.so" and m.variant == SPEC.uri
+    assert jit.load(SPEC) is m  # memoized in-process
+    assert sorted(p.name for p in built_cache.rglob("*")) == before
+
+
+def test_concurrent_first_load_compiles_once(concurrent_build, name):
+    cache, results = concurrent_build
+    assert [rc for rc, _, _ in results] == [0] * 8, [err[-3000:] for rc, _, err in results if rc]
+    assert {out for _, out, _ in results} == {f"{cache / name}.so\n{SPEC.uri}\n"}
+    stderr = "".join(err for _, _, err in results)
+    assert len(re.findall(rf"^flashinfer_cake: building {name}$", stderr, re.M)) == 1, stderr
+    assert len(re.findall(rf"^flashinfer_cake: built {name} in ", stderr, re.M)) == 1, stderr
+    ninja_log = (cache / "build" / name / ".ninja_log").read_text()
+    assert len(re.findall(rf"\t{name}\.o\t", ninja_log)) == 1, ninja_log  # nvcc compiled once
+    assert build.verified_module(cache / f"{name}.so")
+
+
+def test_build_logs_at_info(built_cache, name, tmp_path, monkeypatch, caplog):
+    cache = copy_cache(built_cache, tmp_path / "cache")  # with ninja's build dir: republish only
+    (cache / f"{name}.so").unlink()
+    (cache / f"{name}.json").unlink()
+    caplog.set_level(logging.INFO, logger="flashinfer_cake.jit")
+    assert jit.load(SPEC).path == cache / f"{name}.so"
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert infos[0] == f"flashinfer_cake: building {name}"
+    assert re.fullmatch(rf"flashinfer_cake: built {name} in \d+\.\d s", infos[1])
+    caplog.clear()
+    monkeypatch.setattr(core, "_loaded", {})
+    jit.load(SPEC)  # warm: no log line
+    assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
+
+
+def test_killed_build_leaves_nothing_loadable(tmp_path, name, caplog):
+    cache = tmp_path / "cache"
+    build_dir = cache / "build" / name
+    p = popen_py(LOAD_SCRIPT, tmp_path, FLASHINFER_CAKE_CACHE_DIR=cache)
+    try:
+        wait_for(lambda: (build_dir / "build.ninja").exists() or p.poll() is not None, 300, "the build to start")
+        time.sleep(1.0)  # ninja and nvcc are running
+        assert p.poll() is None, p.communicate()
+        os.kill(p.pid, signal.SIGKILL)  # the Python process only, mid-build
+        time.sleep(0.5)
+        assert not (build_dir / "build.log").exists(), "the build finished before the kill"
+        assert published(cache) == []
+        assert build.find_published(cache, SPEC.module_prefix()) is None
+    finally:
+        # End the killed process's orphaned ninja/nvcc (its own process group; p is not reaped yet).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+    assert p.returncode == -signal.SIGKILL
+    caplog.set_level(logging.INFO, logger="flashinfer_cake.jit")
+    m = jit.load(SPEC)  # a later call builds and works
+    assert f"flashinfer_cake: building {name}" in caplog.messages
+    assert m.path == cache / f"{name}.so" and m.variant == SPEC.uri
+    assert build.verified_module(m.path)
+
+
+def _truncate(so: Path, record: Path):
+    so.write_bytes(so.read_bytes()[: so.stat().st_size // 2])
+
+
+def _flip_byte(so: Path, record: Path):
+    data = bytearray(so.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    so.write_bytes(bytes(data))
+
+
+def _drop_record(so: Path, record: Path):  # as if killed between publishing the .so and its record
+    record.unlink()
+
+
+@pytest.mark.parametrize("corrupt", [_truncate, _flip_byte, _drop_record], ids=["truncated", "bytes-differ", "no-record"])
+def test_corrupt_cached_module_is_rebuilt(built_cache, name, tmp_path, corrupt):
+    cache = copy_cache(built_cache, tmp_path / "cache")
+    so, record = cache / f"{name}.so", cache / f"{name}.json"
+    corrupt(so, record)
+    assert build.verified_module(so) is None
+    r = run_py(LOAD_SCRIPT, tmp_path, FLASHINFER_CAKE_CACHE_DIR=cache)
+    assert r.returncode == 0, r.stderr  # a crash (e.g. -11) if the corrupt file had been loaded
+    assert r.stdout == f"{so}\n{SPEC.uri}\n"
+    assert f"flashinfer_cake: building {name}" in r.stderr
+    if corrupt is not _drop_record:
+        assert "ignoring corrupt module" in r.stderr
+    assert build.verified_module(so) == so
+
+
+# --------------------------------------------------------------------------- loader order, AOT
+
+
+def test_aot_dir_used_before_cache(built_cache, name, tmp_path, monkeypatch):
+    aot = tmp_path / "aot"
+    old = os.umask(0o002)  # a common user umask: the AOT dir made by prebuild must still be accepted
+    try:
+        built = jit.prebuild([SPEC], aot, jobs=2)
+    finally:
+        os.umask(old)
+    assert built == {SPEC: aot / f"{name}.so"} and build.verified_module(aot / f"{name}.so")
+    monkeypatch.setenv("FLASHINFER_CAKE_AOT_DIR", str(aot))
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(built_cache))
+    forbid_processes(monkeypatch)
+    assert jit.prebuild([SPEC], aot) == built  # already there: no build
+    assert jit.published_modules(SPEC) == [aot / f"{name}.so", built_cache / f"{name}.so"]
+    m = jit.load(SPEC)
+    assert m.path == aot / f"{name}.so" and m.variant == SPEC.uri
+    # The AOT module serves a process that may not compile, with an empty cache.
+    monkeypatch.setattr(core, "_loaded", {})
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")
+    assert jit.load(SPEC).path == aot / f"{name}.so"
+
+
+def test_disable_jit_accepts_another_compilers_build(built_cache, name, tmp_path, monkeypatch):
+    """With JIT disabled nothing is compiled, so a cached build by another nvcc is used."""
+    cache = copy_cache(built_cache, tmp_path / "cache")
+    other = SPEC.module_prefix() + "0" * 8  # the same sources, another compiler's digest
+    for ext in (".so", ".json"):
+        (cache / f"{name}{ext}").rename(cache / f"{other}{ext}")
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
+    monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")
+    forbid_processes(monkeypatch)
+    assert jit.load(SPEC).path == cache / f"{other}.so"
+
+
+@pytest.mark.parametrize("mode, accepted", [(0o775, True), (0o777, False)])
+def test_shipped_aot_dir_may_be_group_writable(built_cache, name, tmp_path, monkeypatch, mode, accepted):
+    """pip creates the package's own aot/ group-writable under umask 002: as trusted as the Python
+    files beside it. A world-writable one is still refused."""
+    shipped = tmp_path / "pkg" / "aot"
+    shipped.mkdir(parents=True)
+    for ext in (".so", ".json"):
+        shutil.copy2(built_cache / f"{name}{ext}", shipped)
+    shipped.chmod(mode)
+    monkeypatch.setattr(env, "SHIPPED_AOT_DIR", shipped)
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")
+    forbid_processes(monkeypatch)
+    if accepted:
+        assert jit.load(SPEC).path == shipped / f"{name}.so"
+    else:
+        with pytest.raises(RuntimeError, match="refusing to load code from it"):
+            jit.load(SPEC)
+
+
+@pytest.mark.parametrize("nvcc", ["found", "missing"])
+def test_disable_jit_miss_is_a_clear_error(tmp_path, monkeypatch, nvcc):
+    monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")
+    if nvcc == "missing":
+        monkeypatch.setenv("FLASHINFER_CAKE_NVCC", str(tmp_path / "no-nvcc"))
+    forbid_processes(monkeypatch)
+    with pytest.raises(RuntimeError) as e:
+        jit.load(SPEC)
+    msg = str(e.value)
+    for words in (SPEC.uri, "FLASHINFER_CAKE_DISABLE_JIT", "flashinfer-cake build", "aot_build.py"):
+        assert words in msg
+    assert published(tmp_path / "cache") == []
+
+
+def _world_writable_cache(cache, aot):
+    cache.chmod(0o777)
+    return cache
+
+
+def _group_writable_cache(cache, aot):
+    cache.chmod(0o770)
+    return cache
+
+
+def _cache_of_other_user(cache, aot):
+    if os.getuid() != 0:
+        pytest.skip("needs root to chown")
+    os.chown(cache, 4242, 4242)
+    return cache
+
+
+def _world_writable_aot(cache, aot):
+    aot.mkdir()
+    for f in cache.glob("causal_conv1d_fwd_*"):
+        shutil.copy2(f, aot)
+    aot.chmod(0o777)
+    return aot
+
+
+@pytest.mark.parametrize("unsafe", [_world_writable_cache, _group_writable_cache, _cache_of_other_user, _world_writable_aot],
+                         ids=["cache-0777", "cache-0770", "cache-other-uid", "aot-0777"])
+def test_unsafe_directory_refused(built_cache, tmp_path, monkeypatch, unsafe):
+    cache = copy_cache(built_cache, tmp_path / "cache")  # holds a valid module
+    bad = unsafe(cache, tmp_path / "aot")
+    monkeypatch.setenv("FLASHINFER_CAKE_AOT_DIR", str(tmp_path / "aot"))
+    forbid_processes(monkeypatch)
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: pytest.fail(f"loaded code: {a}"))
+    with pytest.raises(RuntimeError, match="refusing to load code from it") as e:
+        jit.load(SPEC)
+    assert str(bad) in str(e.value)
+    assert core._loaded == {}
+
+
+# ------------------------------------------------------------------------- bad toolchains, errors
+
+
+@pytest.mark.parametrize("kind", ["missing", "not-executable"])
+def test_no_nvcc(tmp_path, monkeypatch, kind):
+    nvcc = tmp_path / "nvcc"
+    if kind == "not-executable":
+        nvcc.write_text("#!/bin/sh\n")
+    monkeypatch.setenv("FLASHINFER_CAKE_NVCC", str(nvcc))
+    with pytest.raises(RuntimeError, match="FLASHINFER_CAKE_NVCC") as e:
+        jit.load(SPEC)
+    assert str(nvcc) in str(e.value)
+    with pytest.raises(RuntimeError, match="FLASHINFER_CAKE_NVCC"):
+        jit.prebuild([SPEC], tmp_path / "aot")
+
+
+def test_nvcc_that_cannot_target_the_arch(tmp_path, monkeypatch):
+    fatal = "nvcc fatal   : Unsupported gpu architecture 'compute_90a'"
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\necho \"{fatal}\" >&2\nexit 1\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("FLASHINFER_CAKE_NVCC", str(nvcc))
+    with pytest.raises(RuntimeError, match=re.escape(fatal)) as e:
+        jit.load(SPEC)
+    assert SPEC.uri in str(e.value)
+    assert published(tmp_path / "cache") == []
+
+
+def test_compile_error_carries_compiler_output(tmp_path, monkeypatch):
+    broken = 'extern "C" int cake_abi_version() { return cake_undefined_symbol; }\n'
+    monkeypatch.setattr(VariantSpec, "source", lambda self: broken)
+    with pytest.raises(RuntimeError) as e:
+        jit.load(SPEC)
+    assert re.search(r'error: identifier "cake_undefined_symbol" is undefined', str(e.value)), str(e.value)
+    assert published(tmp_path / "cache") == []
