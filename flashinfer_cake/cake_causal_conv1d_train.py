@@ -98,6 +98,8 @@ def _check_args(x, weight, cu_seqlens, bias, out, workspace) -> tuple[int, int, 
         raise ValueError(f"{_FN}: x must have shape [S, C] or [1, S, C], got {tuple(shape)}")
     if C <= 0 or C % 8:
         raise ValueError(f"{_FN}: x's channel count C must be a positive multiple of 8, got C={C}")
+    if S >= 2**31 or S * C >= 2**35:  # int32 token indices; 32-bit 16-byte offsets in the kernel
+        raise ValueError(f"{_FN}: x must have S < 2^31 and S * C < 2^35 elements, got S={S}, C={C}")
     if not x.is_contiguous():
         raise ValueError(f"{_FN}: x must be contiguous, got strides {x.stride()}")
     if weight.dtype not in _PARAM_DTYPES:
@@ -197,21 +199,23 @@ def cake_causal_conv1d_train_forward(
     even, bitwise identical for a given (S, C, device, weight dtype, bias dtype).
 
     Args:
-        x: BF16 ``[S, C]`` or ``[1, S, C]``, contiguous, on a CUDA device of compute capability
-            9.0; C is a multiple of 8.
-        weight: FP32 or BF16 ``[C, 4]``, contiguous; ``weight[c, 3]`` multiplies the current
-            token, ``weight[c, 0]`` the token three positions back.
+        x: BF16 ``[S, C]`` or ``[1, S, C]``, contiguous, 16-byte aligned (any tensor from the
+            allocator is; an offset view may not be), on a CUDA device of compute capability 9.0;
+            C is a multiple of 8; S < 2^31 and S * C < 2^35.
+        weight: FP32 or BF16 ``[C, 4]``, contiguous, 16-byte aligned; ``weight[c, 3]`` multiplies
+            the current token, ``weight[c, 0]`` the token three positions back.
         cu_seqlens: int32 ``[num_docs + 1]``, contiguous, on x's device: prefix sums of the
             document lengths (``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == S``; a repeated value
             is an empty document). The host reads its metadata only: no element is copied to
             the host and no stream is synchronized. Any content is memory-safe: with values out
             of order or out of [0, S] every row of ``y`` is still written, and token ``t`` keeps
             the history back to the last entry ``<= t`` that a binary search over ``cu_seqlens``
-            finds (none when it finds none); only x, y and cu_seqlens[0..num_docs] are read.
-        bias: optional FP32 or BF16 ``[C]``, contiguous, added after the four taps, before SiLU;
-            its dtype is independent of weight's.
-        out: optional preallocated BF16 output of x's shape, contiguous, on x's device, not
-            overlapping x. Written and returned.
+            finds (none when it finds none), so tokens past ``cu_seqlens[-1]`` continue one more
+            document from there; only x, y and cu_seqlens[0..num_docs] are read.
+        bias: optional FP32 or BF16 ``[C]``, contiguous, 16-byte aligned, added after the four
+            taps, before SiLU; its dtype is independent of weight's.
+        out: optional preallocated BF16 output of x's shape, contiguous, 16-byte aligned, on
+            x's device, not overlapping x. Written and returned.
         workspace: optional caller-owned int32 1-D buffer of at least
             :func:`cake_causal_conv1d_train_forward_workspace_bytes` bytes, e.g. from
             :func:`cake_causal_conv1d_train_forward_workspace`: zero before its first launch and

@@ -157,3 +157,12 @@ def test_workspace_bytes_is_positive_and_monotone_in_S():
 def test_workspace_bytes_rejects_bad_sizes(s, c, argname):
     with pytest.raises(ValueError, match=rf"\b{argname}\b"):
         cake_causal_conv1d_train_forward_workspace_bytes(s, c, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("shape", [(2**31, 8), (2**28, 128), (1, 2**30, 32)], ids=["S=2^31", "SC=2^35", "3d"])
+def test_too_large_is_rejected_before_anything(shape):
+    """Sizes past the kernel's index range are a ValueError naming x (meta tensors: no memory)."""
+    x = torch.empty(shape, dtype=BF16, device="meta")
+    C = shape[-1]
+    with pytest.raises(ValueError, match=r"\bx\b.*2\^3"):
+        cake_causal_conv1d_train_forward(x, torch.randn(C, 4), torch.tensor([0], dtype=I32))
