@@ -172,8 +172,16 @@ def _module(device: int, weight_dtype: torch.dtype, bias_dtype: torch.dtype | No
     return module
 
 
+def _capturing(device: int) -> bool:
+    """Whether device's current stream (the one the launch uses) is capturing a CUDA graph."""
+    if device == torch.cuda.current_device():
+        return torch._C._cuda_isCurrentStreamCapturing()
+    with torch.cuda.device(device):
+        return torch._C._cuda_isCurrentStreamCapturing()
+
+
 def _default_workspace(device: int, stream: int, S: int, C: int) -> torch.Tensor:
-    if torch._C._cuda_isCurrentStreamCapturing():
+    if _capturing(device):
         # A graph replays with this buffer: never share it with eager calls or other graphs.
         return cake_causal_conv1d_train_forward_workspace(S, C, torch.device("cuda", device))
     ws = _default_workspaces.get((device, stream))
@@ -202,8 +210,8 @@ def cake_causal_conv1d_train_forward(
         x: BF16 ``[S, C]`` or ``[1, S, C]``, contiguous, 16-byte aligned (any tensor from the
             allocator is; an offset view may not be), on a CUDA device of compute capability 9.0;
             C is a multiple of 8; S < 2^31 and S * C < 2^35.
-        weight: FP32 or BF16 ``[C, 4]``, contiguous, 16-byte aligned; ``weight[c, 3]`` multiplies
-            the current token, ``weight[c, 0]`` the token three positions back.
+        weight: FP32 or BF16 ``[C, 4]``, contiguous; ``weight[c, 3]`` multiplies the current
+            token, ``weight[c, 0]`` the token three positions back.
         cu_seqlens: int32 ``[num_docs + 1]``, contiguous, on x's device: prefix sums of the
             document lengths (``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == S``; a repeated value
             is an empty document). The host reads its metadata only: no element is copied to
@@ -212,8 +220,8 @@ def cake_causal_conv1d_train_forward(
             the history back to the last entry ``<= t`` that a binary search over ``cu_seqlens``
             finds (none when it finds none), so tokens past ``cu_seqlens[-1]`` continue one more
             document from there; only x, y and cu_seqlens[0..num_docs] are read.
-        bias: optional FP32 or BF16 ``[C]``, contiguous, 16-byte aligned, added after the four
-            taps, before SiLU; its dtype is independent of weight's.
+        bias: optional FP32 or BF16 ``[C]``, contiguous, added after the four taps, before SiLU;
+            its dtype is independent of weight's.
         out: optional preallocated BF16 output of x's shape, contiguous, 16-byte aligned, on
             x's device, not overlapping x. Written and returned.
         workspace: optional caller-owned int32 1-D buffer of at least
@@ -240,14 +248,22 @@ def cake_causal_conv1d_train_forward(
         return torch.empty_like(x) if out is None else out
     x_ptr, w_ptr = x.data_ptr(), weight.data_ptr()
     b_ptr = 0 if bias is None else bias.data_ptr()
+    # The kernel reads taps and bias 16 bytes at a time: a misaligned view (a slice of a larger
+    # parameter) is copied, a few KB; x and out are the caller's big buffers and must be aligned.
+    if w_ptr & 15:
+        weight = weight.clone()
+        w_ptr = weight.data_ptr()
+    if b_ptr & 15:
+        bias = bias.clone()
+        b_ptr = bias.data_ptr()
     if out is not None:
         out_ptr = out.data_ptr()
         if out_ptr < x_ptr + 2 * S * C and x_ptr < out_ptr + 2 * S * C:
             raise ValueError(f"{_FN}: out must not overlap x (the kernel reads x after writing out)")
     else:
         out_ptr = 0
-    if (x_ptr | w_ptr | b_ptr | out_ptr) & 15:  # 16-byte vector loads and stores
-        name, ptr = next((n, p) for n, p in (("x", x_ptr), ("weight", w_ptr), ("bias", b_ptr), ("out", out_ptr)) if p & 15)
+    if (x_ptr | out_ptr) & 15:  # 16-byte vector loads and stores
+        name, ptr = ("x", x_ptr) if x_ptr & 15 else ("out", out_ptr)
         raise ValueError(f"{_FN}: {name} must start at a 16-byte aligned address, got {ptr:#x}")
     module = _module(device, weight.dtype, None if bias is None else bias.dtype)
     if out is None:

@@ -61,7 +61,8 @@ def cmd_build(args) -> int:
 
 def cmd_clear_cache(args) -> int:
     root = env.cache_dir()
-    entries = list(root.iterdir())
+    # Lock files stay: deleting one a running build holds would let a second build start.
+    entries = [e for e in root.iterdir() if e.suffix != ".lock"]
     for entry in entries:
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)

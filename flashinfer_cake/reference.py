@@ -44,8 +44,8 @@ def causal_conv1d_reference(
         shifted = torch.zeros_like(x2)
         if back < S:
             shifted[back:] = x2[:-back]
-        keep = (pos >= back).to(dtype).unsqueeze(1)
-        acc = acc + shifted * keep * w[:, 3 - back]
+        keep = (pos >= back).unsqueeze(1)  # a tap outside the document is skipped, not multiplied by 0
+        acc = acc + torch.where(keep, shifted * w[:, 3 - back], torch.zeros((), dtype=dtype, device=x2.device))
     if bias is not None:
         acc = acc + bias.to(device=x2.device, dtype=dtype)
     return torch.nn.functional.silu(acc).reshape(x.shape)

@@ -39,7 +39,7 @@ def load(spec: VariantSpec) -> CompiledModule:
         with _loaded_lock:
             module = _loaded.get(spec)
             if module is None:
-                module = CompiledModule(_find_or_build(spec))
+                module = _find_or_build(spec)
                 _loaded[spec] = module
     return module
 
@@ -53,12 +53,19 @@ def _disabled_error(spec: VariantSpec, where: str) -> RuntimeError:
     )
 
 
-def _find_or_build(spec: VariantSpec):
+def _find_or_build(spec: VariantSpec) -> CompiledModule:
     prefix = spec.module_prefix()
     for directory in env.aot_dirs():
         path = find_published(directory, prefix)
         if path is not None:
-            return path
+            try:
+                return CompiledModule(path)
+            except RuntimeError as e:  # e.g. built for another platform: the cache or JIT may do
+                logger.warning("flashinfer_cake: skipping prebuilt %s: %s", path, e)
+    return CompiledModule(_find_or_build_in_cache(spec, prefix))
+
+
+def _find_or_build_in_cache(spec: VariantSpec, prefix: str) -> Path:
     cache = env.cache_dir()
     searched = f"searched {[str(d) for d in env.aot_dirs()] + [str(cache)]}"
     nvcc = env.nvcc_path()
@@ -110,8 +117,10 @@ def prebuild(specs: list[VariantSpec], out_dir: Path | None = None, *, jobs: int
     toolchain = env.toolchain_digest(nvcc)
     names = sorted(s.module_name(toolchain) for s in specs)
     with contextlib.ExitStack() as locks:
-        # The same per-module locks as load(), taken in a fixed order: a concurrent first call
-        # waits for this build instead of compiling the module again.
+        # One prebuild at a time in this directory (they share build/prebuild), holding the same
+        # per-module locks as load(), in a fixed order: a concurrent first call waits for this
+        # build instead of compiling the module again.
+        locks.enter_context(filelock.FileLock(str(out_dir / "prebuild.lock")))
         for name in names:
             locks.enter_context(filelock.FileLock(str(out_dir / f"{name}.lock")))
         done = {s: out_dir / f"{s.module_name(toolchain)}.so" for s in specs}

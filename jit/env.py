@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
 
 from .. import _version
 from .._version import __version__
+
+logger = logging.getLogger("flashinfer_cake.jit")
 
 # Device compute capability -> the arch a variant is compiled for. Data, not code: a new arch is a
 # new row once its kernels are tested on it.
@@ -78,13 +82,20 @@ def arch_list() -> list[str]:
     return archs
 
 
-def _check_private_dir(path: Path, what: str, *, group_ok: bool = False) -> None:
-    """Refuse a directory we would load code from if another user could have written to it.
-    group_ok: the package's own directory, as trusted as the Python files beside it (pip creates
-    it group-writable under a umask of 002)."""
+def _unsafe_dir(path: Path, *, package: bool = False) -> bool:
+    """Could another user have written code into this directory? The package's own directory is
+    as trusted as the Python files beside it: owned like the package, and group-writable is fine
+    (pip creates it so under a umask of 002); only world-writable is not."""
     st = path.stat()
-    unsafe = stat.S_IWOTH if group_ok else stat.S_IWGRP | stat.S_IWOTH
-    if st.st_uid not in (os.getuid(), 0) or st.st_mode & unsafe:
+    owners = (os.getuid(), 0, PACKAGE_DIR.stat().st_uid) if package else (os.getuid(), 0)
+    unsafe = stat.S_IWOTH if package else stat.S_IWGRP | stat.S_IWOTH
+    return st.st_uid not in owners or bool(st.st_mode & unsafe)
+
+
+def _check_private_dir(path: Path, what: str) -> None:
+    """Refuse a directory we would load code from if another user could have written to it."""
+    if _unsafe_dir(path):
+        st = path.stat()
         raise RuntimeError(
             f"{what} {path} is writable by other users or owned by uid {st.st_uid} "
             f"(mode {stat.filemode(st.st_mode)}); refusing to load code from it. Use a directory "
@@ -110,10 +121,15 @@ def aot_dirs() -> list[Path]:
     value = os.environ.get("FLASHINFER_CAKE_AOT_DIR")
     if value:
         dirs.append(Path(value).expanduser().absolute())
-    dirs.append(SHIPPED_AOT_DIR)
+    for d in dirs:
+        if d.is_dir():
+            _check_private_dir(d, "FLASHINFER_CAKE_AOT_DIR")  # named by the user: an error
     found = [d for d in dirs if d.is_dir()]
-    for d in found:
-        _check_private_dir(d, "AOT directory", group_ok=d == SHIPPED_AOT_DIR)
+    if SHIPPED_AOT_DIR.is_dir():
+        if _unsafe_dir(SHIPPED_AOT_DIR, package=True):  # a broken install: skip it, JIT still works
+            logger.warning("flashinfer_cake: ignoring %s: writable by other users", SHIPPED_AOT_DIR)
+        else:
+            found.append(SHIPPED_AOT_DIR)
     return found
 
 
@@ -146,24 +162,37 @@ def require_nvcc() -> Path:
     return nvcc
 
 
+def _fingerprint(path: Path) -> str:
+    st = path.stat()
+    return f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
+
+
 @functools.lru_cache(maxsize=8)
-def _toolchain_digest(nvcc: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256(f"{nvcc}\0{size}\0{mtime_ns}".encode())
-    # A wrapper script names the real toolkit inside; its bytes identify that toolkit.
-    if size < 65536:
-        h.update(Path(nvcc).read_bytes())
-    version_json = Path(nvcc).resolve().parent.parent / "version.json"
-    if version_json.is_file():
-        h.update(version_json.read_bytes())
+def _toolchain_digest(fingerprint: str) -> str:
+    nvcc = Path(fingerprint.split("\0")[0])
+    h = hashlib.sha256(fingerprint.encode())
+    files = [nvcc]
+    if nvcc.stat().st_size < 65536:  # a wrapper script: identify the nvcc it runs too
+        text = nvcc.read_bytes()
+        h.update(text)
+        for target in re.findall(rb"(/[^\s'\"]*/nvcc)\b", text):
+            target = Path(target.decode(errors="replace")).resolve()
+            if target.is_file() and target != nvcc:
+                h.update(_fingerprint(target).encode())
+                files.append(target)
+    for f in files:  # the toolkit's own identity files, when present
+        for ident in ("version.json", "include/cuda.h"):
+            p = f.parent.parent / ident
+            if p.is_file():
+                h.update(_fingerprint(p).encode())
     return h.hexdigest()
 
 
 def toolchain_digest(nvcc: Path) -> str:
-    """Identity of an nvcc without running it: resolved path, size, mtime (and its bytes when it
-    is a small wrapper script, and the toolkit's version.json when present)."""
-    resolved = nvcc.resolve()
-    st = resolved.stat()
-    return _toolchain_digest(str(resolved), st.st_size, st.st_mtime_ns)
+    """Identity of an nvcc without running it (the warm path starts no process): path, size and
+    mtime of the nvcc binary (through a wrapper script to the nvcc it runs) and of the toolkit's
+    version.json / cuda.h. A new or updated toolkit changes it."""
+    return _toolchain_digest(_fingerprint(nvcc.resolve()))
 
 
 def ninja_path() -> str:

@@ -2,7 +2,7 @@
 """Prebuild every variant (weight dtype x bias dtype) for the listed archs in one parallel ninja
 run, into a directory the loader searches before the JIT cache.
 
-    python scripts/aot_build.py                      # into flashinfer_cake/aot (shipped in a wheel)
+    python scripts/aot_build.py                      # into this checkout's flashinfer_cake/aot
     python scripts/aot_build.py --out DIR --arch 9.0a -j 8   # then FLASHINFER_CAKE_AOT_DIR=DIR
 
 Prints ninja's progress; exits 1 with the compiler's output when a build fails.
@@ -14,13 +14,19 @@ import argparse
 import sys
 import time
 
+from pathlib import Path
+
 from flashinfer_cake import jit
 from flashinfer_cake.jit import env
+
+# The checkout's package directory (this script lives in <checkout>/scripts): an editable install
+# loads from it, and a wheel built after this script ships it.
+CHECKOUT_AOT_DIR = Path(__file__).resolve().parent.parent / "flashinfer_cake" / "aot"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(env.SHIPPED_AOT_DIR), help="output directory (default: %(default)s)")
+    parser.add_argument("--out", default=str(CHECKOUT_AOT_DIR), help="output directory (default: %(default)s)")
     parser.add_argument("--arch", action="append",
                         help="arch to build, repeatable (default: FLASHINFER_CAKE_CUDA_ARCH_LIST or 9.0a)")
     parser.add_argument("-j", "--jobs", type=int, help="parallel compile jobs (default: MAX_JOBS or all cores)")
@@ -31,7 +37,7 @@ def main() -> int:
         print(f"aot_build: {len(specs)} variants for {' '.join(archs)} into {args.out}", flush=True)
         start = time.perf_counter()
         built = jit.prebuild(specs, args.out, jobs=args.jobs, verbose=True)
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, OSError) as e:
         print(f"aot_build: error: {e}", file=sys.stderr)
         return 1
     for spec in specs:

@@ -490,9 +490,10 @@ def test_disable_jit_accepts_another_compilers_build(built_cache, name, tmp_path
 
 
 @pytest.mark.parametrize("mode, accepted", [(0o775, True), (0o777, False)])
-def test_shipped_aot_dir_may_be_group_writable(built_cache, name, tmp_path, monkeypatch, mode, accepted):
+def test_shipped_aot_dir_may_be_group_writable(built_cache, name, tmp_path, monkeypatch, caplog, mode,
+                                               accepted):
     """pip creates the package's own aot/ group-writable under umask 002: as trusted as the Python
-    files beside it. A world-writable one is still refused."""
+    files beside it. A world-writable one is skipped with a warning (never loaded from)."""
     shipped = tmp_path / "pkg" / "aot"
     shipped.mkdir(parents=True)
     for ext in (".so", ".json"):
@@ -502,11 +503,13 @@ def test_shipped_aot_dir_may_be_group_writable(built_cache, name, tmp_path, monk
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")
     forbid_processes(monkeypatch)
+    monkeypatch.setattr(ctypes, "CDLL", ctypes.CDLL if accepted else (lambda *a, **k: pytest.fail(f"loaded {a}")))
     if accepted:
         assert jit.load(SPEC).path == shipped / f"{name}.so"
     else:
-        with pytest.raises(RuntimeError, match="refusing to load code from it"):
+        with pytest.raises(RuntimeError, match="not prebuilt"):
             jit.load(SPEC)
+        assert any("ignoring" in r.getMessage() and str(shipped) in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("nvcc", ["found", "missing"])

@@ -1,22 +1,23 @@
 // Packed (varlen) width-4 depthwise causal conv1d + SiLU, training forward.
 //
-// y[t, c] = bf16_rn(silu(b[c] + sum_k w[c, k] * x[t - 3 + k, c])), taps before the first token of
+// y[t, c] = bf16_rn(silu(sum_k w[c, k] * x[t - 3 + k, c] + b[c])), taps before the first token of
 // t's document are zero. Framework-free: raw device pointers, sizes and a cudaStream_t.
 //
 // Geometry (FwdTraits): a CTA owns a chunk of kTileTokens tokens x kTileChannels channels. A thread
 // owns 8 channels (one 16-byte vector) of a strip of kStripLen consecutive tokens and walks it
-// with a sliding window of the last three rows in registers, so x is read once (plus a 3-row halo
-// per strip, which the neighbouring strip of the same CTA has just pulled into L1/L2).
+// with a sliding window of the last three rows in registers, so x is read once from DRAM (plus a
+// 3-row halo per strip, which the neighbouring strip of the same CTA also reads: mostly L2 hits).
 //
 // Scheduling: a persistent grid. A CTA starts on chunk blockIdx.x and takes further chunks from
 // the workspace counter (counters[0]); the last CTA to leave resets both counters to zero, so the
 // workspace is zero on entry and on exit of every launch (CUDA-graph replays rely on it). Which CTA
 // computes a chunk never changes its values: the output is bitwise deterministic.
 //
-// Document boundaries: every thread binary-searches cu_seqlens for one token of the chunk (all in
-// parallel, overlapped with the chunk's first loads) and stores min(position in document, 3) in
-// shared memory. Only x[0, S) and y[0, S) are ever addressed and every cu_seqlens read is in
-// [0, num_docs], whatever cu_seqlens holds; see doc_position() for what garbage values produce.
+// Document boundaries: while a CTA streams one chunk, each of its first kTileTokens threads
+// binary-searches cu_seqlens for one token of the next chunk, a step per streamed row, and stores
+// min(position in document, 3) in shared memory (double-buffered). Only x[0, S) and y[0, S) are
+// ever addressed and every cu_seqlens read is in [0, num_docs], whatever cu_seqlens holds; see
+// DocSearch for what garbage values produce.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -57,7 +58,7 @@ struct FwdTraits {
   static constexpr int kTileTokens = kStrips * kStripLen;
   static constexpr int kTileChannels = kLanesC * 8;
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
-  static_assert(kStripLen % 4 == 0 && kRing >= 2, "positions are read 4 per word; ring needs 2 rows");
+  static_assert(kRing >= 2, "the ring needs two rows");
   static_assert(kTileTokens % 32 == 0 || kTileTokens > kThreads, "searching threads are whole warps");
 };
 
@@ -88,6 +89,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 __device__ __forceinline__ float silu_of_scaled(float u) {
   float e, r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u));
+  // .ftz: for pre-activations in (-88.7, -87.3) the reciprocal is subnormal and flushes, giving
+  // -0 where plain FP32 math gives about -1e-36 (absolute difference < 1e-35); the non-ftz
+  // variant costs the register that keeps the main route at 5 CTAs per SM without spills.
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fmaf(e, -kLog2e, -kLog2e)));
   return u * r;
 }
@@ -229,8 +233,8 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   const int search_steps = detail::DocSearch::halvings(p.num_docs);  // K
   // Token j of chunk c's token tile (positions past S are never read).
   const auto token_of = [&](int c, int j) { return (c / p.tiles_c) * Traits::kTileTokens + j; };
-  // With one token per thread the next chunk's search runs a step per streamed row; wider tiles
-  // (C < 256: many strips) search in a loop after the rows.
+  // With one token per thread the next chunk's search runs a step per streamed row; tiles with more
+  // tokens than threads (C <= 64: many strips) search in a loop after the rows.
   constexpr bool kPipelinedSearch = Traits::kTileTokens <= Traits::kThreads;
   const auto search_all = [&](int c, uint8_t* out) {
     for (int j = threadIdx.x; j < Traits::kTileTokens; j += Traits::kThreads) {
@@ -318,8 +322,9 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
       }
       const int r = i - 3;  // token t0 + r
       const int pos = my_pos[r];
-      float xt[8], acc0[8] = {};
+      float xt[8];
       detail::bf16x8_to_float(v, xt);
+      float acc0[8] = {};
       if (detail::kHasBias<BiasT>) {
         const float4 lo = s_bias[threadIdx.x][0], hi = s_bias[threadIdx.x][1];
         acc0[0] = lo.x; acc0[1] = lo.y; acc0[2] = lo.z; acc0[3] = lo.w;
@@ -331,7 +336,10 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
         float a[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          // Fixed order, current token first (an unpredicated FMA that frees acc0's copy).
+          // FP32 accumulation in a fixed order: the bias, then the taps, current token first.
+          // (Starting from the bias keeps it out of registers past this FMA: the kernel stays
+          // within 96 registers, 5 CTAs per SM; the order changes the pre-activation by at most
+          // an FP32 rounding, far below the BF16 rounding of y.)
           float s = fmaf(w[3][j + h], xt[j + h], acc0[j + h]);
           if (pos >= 1) s = fmaf(w[2][j + h], xm[2][j + h], s);
           if (pos >= 2) s = fmaf(w[1][j + h], xm[1][j + h], s);

@@ -67,6 +67,7 @@ cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, int device,
     return fail(e, "occupancy query failed on device %d: %s", device, cudaGetErrorString(e));
   }
   const int grid = static_cast<int>(chunks < resident ? chunks : resident);
+  (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
   kernel<<<grid, Traits::kThreads, 0, stream>>>(p);
   e = cudaGetLastError();
   if (e != cudaSuccess) return fail(e, "kernel launch failed: %s", cudaGetErrorString(e));
@@ -98,7 +99,8 @@ template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_fwd(CausalConv1dFwdParams p, int device, cudaStream_t stream) {
   constexpr int kThreads = CAKE_FWD_THREADS, kStrip = CAKE_FWD_STRIP_LEN, kRing = CAKE_FWD_RING,
                 kMinCtas = CAKE_FWD_MIN_CTAS, kMaxLanes = CAKE_FWD_MAX_LANES;
-  // C < 256: many strips per CTA, each thread searches several tokens; more registers, no spills.
+  // C < 256: more strips per CTA (and for C <= 64 several searched tokens per thread): these
+  // routes need more registers, so they run 4 CTAs per SM and do not spill.
   constexpr int kNarrowMinCtas = kMinCtas > 4 ? 4 : kMinCtas;
   const int vecs = p.C / 8;
   if constexpr (kMaxLanes >= 256 && kThreads % 256 == 0) {
@@ -142,9 +144,12 @@ cudaError_t causal_conv1d_fwd_entry(const void* x, void* y, const void* weight, 
   if (!is_no_bias<BiasT>() && (!bias || !aligned16(bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
   if (!cu_seqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null pointer");
   if (!workspace) return fail(cudaErrorInvalidValue, "workspace: expected a non-null pointer");
-  int current = -1;
-  cudaError_t e = cudaGetDevice(&current);
-  if (e != cudaSuccess || current != device) {
+  // Launch on the tensors' device, then give the thread back its current device (the driver
+  // context is shared with the caller's runtime, torch's included).
+  int previous = -1;
+  cudaError_t e = cudaGetDevice(&previous);
+  if (e != cudaSuccess) return fail(e, "cudaGetDevice failed: %s", cudaGetErrorString(e));
+  if (previous != device) {
     e = cudaSetDevice(device);
     if (e != cudaSuccess) return fail(e, "cudaSetDevice(%d) failed: %s", device, cudaGetErrorString(e));
   }
@@ -158,7 +163,15 @@ cudaError_t causal_conv1d_fwd_entry(const void* x, void* y, const void* weight, 
   p.S = static_cast<int32_t>(S);
   p.C = static_cast<int32_t>(C);
   p.num_docs = static_cast<int32_t>(num_docs);
-  return launch_causal_conv1d_fwd<WeightT, BiasT>(p, device, stream);
+  e = launch_causal_conv1d_fwd<WeightT, BiasT>(p, device, stream);
+  if (previous != device) {
+    const cudaError_t restore = cudaSetDevice(previous);
+    if (e == cudaSuccess && restore != cudaSuccess) {
+      return fail(restore, "cudaSetDevice(%d) (restoring the caller's device) failed: %s", previous,
+                  cudaGetErrorString(restore));
+    }
+  }
+  return e;
 }
 
 }  // namespace flashinfer_cake
