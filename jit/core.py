@@ -44,9 +44,10 @@ def load(spec: VariantSpec) -> CompiledModule:
     return module
 
 
-def _disabled_error(spec: VariantSpec, where: str) -> RuntimeError:
+def _disabled_error(spec: VariantSpec, cache: Path) -> RuntimeError:
+    searched = [str(d) for d in env.aot_dirs()] + [str(cache)]
     return RuntimeError(
-        f"flashinfer_cake: module {spec.uri} is not prebuilt ({where}) and "
+        f"flashinfer_cake: module {spec.uri} is not prebuilt (searched {searched}) and "
         f"FLASHINFER_CAKE_DISABLE_JIT is set. Prebuild it with `flashinfer-cake build` or "
         f"`python scripts/aot_build.py --out DIR` and point FLASHINFER_CAKE_AOT_DIR at DIR, "
         f"or unset FLASHINFER_CAKE_DISABLE_JIT."
@@ -67,14 +68,13 @@ def _find_or_build(spec: VariantSpec) -> CompiledModule:
 
 def _find_or_build_in_cache(spec: VariantSpec, prefix: str) -> Path:
     cache = env.cache_dir()
-    searched = f"searched {[str(d) for d in env.aot_dirs()] + [str(cache)]}"
     nvcc = env.nvcc_path()
     if nvcc is None or env.jit_disabled():  # nothing will be compiled: any compiler's build will do
         path = find_published(cache, prefix)
         if path is not None:
             return path
         if env.jit_disabled():
-            raise _disabled_error(spec, searched)
+            raise _disabled_error(spec, cache)
         env.require_nvcc()  # raises, naming FLASHINFER_CAKE_NVCC / CUDA_HOME
     name = spec.module_name(env.toolchain_digest(nvcc))
     target = cache / f"{name}.so"

@@ -4,7 +4,6 @@
 
 #include <atomic>
 #include <cstdio>
-#include <type_traits>
 
 #include "causal_conv1d_fwd.cuh"
 
@@ -120,9 +119,6 @@ cudaError_t launch_causal_conv1d_fwd(CausalConv1dFwdParams p, int device, cudaSt
   return launch_causal_conv1d_fwd_route<FwdTraits<1, kThreads, kStrip, kRing, kNarrowMinCtas>, WeightT, BiasT>(p, device, stream);
 }
 
-template <class BiasT>
-constexpr bool is_no_bias() { return std::is_same<BiasT, NoBias>::value; }
-
 inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
 
 // The C entry point's body: re-checks what the Python layer validated (the binary may be called
@@ -141,7 +137,7 @@ cudaError_t causal_conv1d_fwd_entry(const void* x, void* y, const void* weight, 
   if (!x || !aligned16(x)) return fail(cudaErrorInvalidValue, "x: expected a non-null 16-byte aligned pointer");
   if (!y || !aligned16(y)) return fail(cudaErrorInvalidValue, "out: expected a non-null 16-byte aligned pointer");
   if (!weight || !aligned16(weight)) return fail(cudaErrorInvalidValue, "weight: expected a non-null 16-byte aligned pointer");
-  if (!is_no_bias<BiasT>() && (!bias || !aligned16(bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
+  if (detail::kHasBias<BiasT> && (!bias || !aligned16(bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
   if (!cu_seqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null pointer");
   if (!workspace) return fail(cudaErrorInvalidValue, "workspace: expected a non-null pointer");
   // Launch on the tensors' device, then give the thread back its current device (the driver
