@@ -11,9 +11,12 @@ _c_void_p, _c_int, _c_int64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
 
 class CompiledModule:
-    """A loaded module. ``causal_conv1d_fwd`` is the raw ctypes function:
-    ``(x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream) -> int`` with
-    device pointers and the stream as ints; it returns a cudaError_t code (0 on success)."""
+    """A loaded module. ``causal_conv1d_fwd`` and ``causal_conv1d_bwd`` are the raw ctypes
+    functions, with device pointers and the stream as ints, returning a cudaError_t code (0 on
+    success; the message is then in :meth:`last_error_message`):
+    ``causal_conv1d_fwd(x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream)``
+    ``causal_conv1d_bwd(x, dy, dx, weight, bias, cu_seqlens, workspace, workspace_bytes, dweight,
+    dbias, S, C, num_docs, item_tokens, round_preact, device, stream)``."""
 
     def __init__(self, path: Path):
         try:
@@ -32,7 +35,11 @@ class CompiledModule:
         fwd.argtypes = [_c_void_p] * 6 + [_c_int64] * 3 + [_c_int, _c_void_p]
         self.path = path
         self.variant = lib.cake_variant().decode()
+        bwd = lib.cake_causal_conv1d_bwd
+        bwd.restype = _c_int
+        bwd.argtypes = [_c_void_p] * 7 + [_c_int64] + [_c_void_p] * 2 + [_c_int64] * 4 + [_c_int] * 2 + [_c_void_p]
         self.causal_conv1d_fwd = fwd
+        self.causal_conv1d_bwd = bwd
         self._lib = lib
 
     def last_error_message(self) -> str:

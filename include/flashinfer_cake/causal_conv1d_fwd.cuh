@@ -20,15 +20,9 @@
 // DocSearch for what garbage values produce.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
-
-#include <type_traits>
+#include "causal_conv1d_common.cuh"
 
 namespace flashinfer_cake {
-
-struct NoBias {};  // the bias type of the variants without a bias
 
 struct CausalConv1dFwdParams {
   const __nv_bfloat16* x;  // [S, C]
@@ -61,152 +55,6 @@ struct FwdTraits {
   static_assert(kRing >= 2, "the ring needs two rows");
   static_assert(kTileTokens % 32 == 0 || kTileTokens > kThreads, "searching threads are whole warps");
 };
-
-namespace detail {
-
-__device__ __forceinline__ void bf16x8_to_float(const uint4& v, float (&f)[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-
-__device__ __forceinline__ uint32_t pack_bf16x2_rn(float lo, float hi) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);  // round to nearest even
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-constexpr float kLog2e = 1.4426950408889634f;
-
-// The taps and bias are pre-scaled by -log2(e), so the FP32 accumulator holds u = -a log2(e) for
-// the pre-activation a. Then silu(a) = a / (1 + 2^u) = u / (-(1 + 2^u) log2(e)): one ex2, one
-// FMA, one rcp, one multiply. ex2/rcp are the hardware approximations (relative error about
-// 2^-22 each, far below the BF16 rounding of the result), written as PTX so the output does not
-// depend on compiler flags such as --use_fast_math. Saturation: 2^u = +inf gives -0 (a -> -inf),
-// 2^u = 0 gives a.
-__device__ __forceinline__ float silu_of_scaled(float u) {
-  float e, r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u));
-  // .ftz: for pre-activations in (-88.7, -87.3) the reciprocal is subnormal and flushes, giving
-  // -0 where plain FP32 math gives about -1e-36 (absolute difference < 1e-35); the non-ftz
-  // variant costs the register that keeps the main route at 5 CTAs per SM without spills.
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fmaf(e, -kLog2e, -kLog2e)));
-  return u * r;
-}
-
-// 16-byte global -> shared copy that bypasses L1; valid == false writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-// Wait until at most kPending of this thread's most recent groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Taps of 8 channels: w[k][j] multiplies x[t - 3 + k] of channel c0 + j.
-template <class WeightT>
-__device__ __forceinline__ void load_weights(const void* weight, int c0, float (&w)[4][8]);
-
-template <>
-__device__ __forceinline__ void load_weights<float>(const void* weight, int c0, float (&w)[4][8]) {
-  const float4* p = reinterpret_cast<const float4*>(weight) + c0;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float4 v = __ldg(p + j);
-    w[0][j] = v.x;
-    w[1][j] = v.y;
-    w[2][j] = v.z;
-    w[3][j] = v.w;
-  }
-}
-
-template <>
-__device__ __forceinline__ void load_weights<__nv_bfloat16>(const void* weight, int c0,
-                                                            float (&w)[4][8]) {
-  // 4 BF16 taps per channel = 8 bytes; one 16-byte load holds two channels.
-  const uint4* p = reinterpret_cast<const uint4*>(weight) + c0 / 2;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint4 v = __ldg(p + j);
-    const uint32_t q[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      w[0][2 * j + h] = __uint_as_float(q[2 * h] << 16);
-      w[1][2 * j + h] = __uint_as_float(q[2 * h] & 0xffff0000u);
-      w[2][2 * j + h] = __uint_as_float(q[2 * h + 1] << 16);
-      w[3][2 * j + h] = __uint_as_float(q[2 * h + 1] & 0xffff0000u);
-    }
-  }
-}
-
-template <class BiasT>
-constexpr bool kHasBias = !std::is_same<BiasT, NoBias>::value;
-
-template <class BiasT>
-__device__ __forceinline__ void load_bias(const void* bias, int c0, float (&b)[8]);
-
-template <>
-__device__ __forceinline__ void load_bias<NoBias>(const void*, int, float (&b)[8]) {}
-
-template <>
-__device__ __forceinline__ void load_bias<float>(const void* bias, int c0, float (&b)[8]) {
-  const float4* p = reinterpret_cast<const float4*>(bias) + c0 / 4;
-  const float4 lo = __ldg(p), hi = __ldg(p + 1);
-  b[0] = lo.x; b[1] = lo.y; b[2] = lo.z; b[3] = lo.w;
-  b[4] = hi.x; b[5] = hi.y; b[6] = hi.z; b[7] = hi.w;
-}
-
-template <>
-__device__ __forceinline__ void load_bias<__nv_bfloat16>(const void* bias, int c0, float (&b)[8]) {
-  bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(bias) + c0 / 8), b);
-}
-
-// Position of token t in its document, capped at 3: min(t - start, 3) where start is the last
-// cu_seqlens entry <= t, found by a branchless binary search over cu_seqlens[0..num_docs] (0 when
-// there is none). For a valid cu_seqlens that is the token's position; for any other content the
-// search still reads only cu_seqlens[0..num_docs] and yields a value in [0, 3], the history that
-// token then keeps (never memory outside x).
-//
-// The search runs as steps k = 0 .. K + 1, K = ceil(log2(num_docs + 1)) halvings, the same
-// schedule for every thread: step k takes the answer of halving k - 1, then issues the load of
-// halving k, or the final load, or turns the final value into the position. A step issues at most one load and
-// uses the previous step's, so the kernel runs one step per streamed row and the search's
-// latency hides behind the rows; every branch is uniform across threads.
-struct DocSearch {
-  int t, base, n, half, val, pos;
-
-  __device__ __forceinline__ static int halvings(int num_docs) { return 32 - __clz(num_docs); }
-  __device__ __forceinline__ void start(int num_docs, int token) {
-    t = token;
-    base = 0;
-    n = num_docs + 1;  // candidates cu[base .. base + n - 1]
-    pos = 0;
-  }
-  __device__ __forceinline__ void step(const int32_t* __restrict__ cu, int K, int k) {
-    if (k >= 1 && k <= K && val <= t) base += half;
-    if (k < K) {
-      half = n >> 1;
-      n -= half;
-      val = __ldg(cu + base + half);  // base + n_k - 1 <= num_docs
-    } else if (k == K) {
-      val = __ldg(cu + base);
-    } else if (k == K + 1) {
-      const int64_t d = static_cast<int64_t>(t) - val;
-      pos = val > t ? 0 : (d < 3 ? static_cast<int>(d) : 3);
-    }
-  }
-};
-
-}  // namespace detail
 
 template <class Traits, class WeightT, class BiasT>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)

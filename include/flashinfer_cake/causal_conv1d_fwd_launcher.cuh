@@ -1,50 +1,11 @@
-// Host side of the forward: the route rule (tile geometry from C), the persistent grid size,
-// argument checks and the error message of the last failed call. No torch, no Python.
+// Host side of the forward: the route rule (tile geometry from C), the persistent grid size and
+// the C entry point's argument checks. No torch, no Python.
 #pragma once
 
-#include <atomic>
-#include <cstdio>
-
 #include "causal_conv1d_fwd.cuh"
+#include "launch_common.cuh"
 
 namespace flashinfer_cake {
-
-constexpr int kMaxDevices = 64;
-
-// Message of the last failed call on this thread ("" after a success).
-inline char* last_error_buffer() {
-  static thread_local char buffer[512] = "";
-  return buffer;
-}
-
-template <class... Args>
-inline cudaError_t fail(cudaError_t code, const char* fmt, Args... args) {
-  if constexpr (sizeof...(Args) == 0) {
-    std::snprintf(last_error_buffer(), 512, "%s", fmt);
-  } else {
-    std::snprintf(last_error_buffer(), 512, fmt, args...);
-  }
-  return code;
-}
-
-// CTAs of this kernel that fit on one SM and the SM count, per device, queried once.
-template <class Kernel>
-inline cudaError_t resident_ctas(Kernel kernel, int threads, int device, int* out) {
-  static std::atomic<int> cache[kMaxDevices];
-  int n = cache[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    int per_sm = 0, sms = 0;
-    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
-    if (e != cudaSuccess) return e;
-    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (e != cudaSuccess) return e;
-    n = per_sm * sms;
-    if (n <= 0) return cudaErrorInvalidConfiguration;
-    cache[device].store(n, std::memory_order_relaxed);
-  }
-  *out = n;
-  return cudaSuccess;
-}
 
 template <class Traits, class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, int device,
@@ -119,8 +80,6 @@ cudaError_t launch_causal_conv1d_fwd(CausalConv1dFwdParams p, int device, cudaSt
   return launch_causal_conv1d_fwd_route<FwdTraits<1, kThreads, kStrip, kRing, kNarrowMinCtas>, WeightT, BiasT>(p, device, stream);
 }
 
-inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
-
 // The C entry point's body: re-checks what the Python layer validated (the binary may be called
 // directly), selects the device, launches. Returns a cudaError_t code; on failure the message is
 // in last_error_buffer().
@@ -140,15 +99,6 @@ cudaError_t causal_conv1d_fwd_entry(const void* x, void* y, const void* weight, 
   if (detail::kHasBias<BiasT> && (!bias || !aligned16(bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
   if (!cu_seqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null pointer");
   if (!workspace) return fail(cudaErrorInvalidValue, "workspace: expected a non-null pointer");
-  // Launch on the tensors' device, then give the thread back its current device (the driver
-  // context is shared with the caller's runtime, torch's included).
-  int previous = -1;
-  cudaError_t e = cudaGetDevice(&previous);
-  if (e != cudaSuccess) return fail(e, "cudaGetDevice failed: %s", cudaGetErrorString(e));
-  if (previous != device) {
-    e = cudaSetDevice(device);
-    if (e != cudaSuccess) return fail(e, "cudaSetDevice(%d) failed: %s", device, cudaGetErrorString(e));
-  }
   CausalConv1dFwdParams p{};
   p.x = static_cast<const __nv_bfloat16*>(x);
   p.y = static_cast<__nv_bfloat16*>(y);
@@ -159,15 +109,7 @@ cudaError_t causal_conv1d_fwd_entry(const void* x, void* y, const void* weight, 
   p.S = static_cast<int32_t>(S);
   p.C = static_cast<int32_t>(C);
   p.num_docs = static_cast<int32_t>(num_docs);
-  e = launch_causal_conv1d_fwd<WeightT, BiasT>(p, device, stream);
-  if (previous != device) {
-    const cudaError_t restore = cudaSetDevice(previous);
-    if (e == cudaSuccess && restore != cudaSuccess) {
-      return fail(restore, "cudaSetDevice(%d) (restoring the caller's device) failed: %s", previous,
-                  cudaGetErrorString(restore));
-    }
-  }
-  return e;
+  return on_device(device, [&] { return launch_causal_conv1d_fwd<WeightT, BiasT>(p, device, stream); });
 }
 
 }  // namespace flashinfer_cake

@@ -1,0 +1,119 @@
+// Host side of the backward: the route rule (tile geometry from C), the two
+// launches (streaming kernel, then the in-order reduction of dweight/dbias) and the C entry
+// point's argument checks. No torch, no Python.
+#pragma once
+
+#include "causal_conv1d_bwd.cuh"
+#include "launch_common.cuh"
+
+namespace flashinfer_cake {
+
+template <class Traits, class WeightT, class BiasT>
+cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t stream) {
+  const int64_t vecs_per_row = p.C / kBwdVec;
+  const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
+  const int64_t blocks = int64_t(p.groups) * tiles_c;
+  if (blocks > INT32_MAX || int64_t(p.S) * vecs_per_row >= (int64_t(1) << 32)) {
+    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for one launch (max 2^35 - 1)",
+                (long long)p.S * p.C);
+  }
+  p.tiles_c = static_cast<int32_t>(tiles_c);
+  (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
+  if (blocks > 0) {
+    causal_conv1d_bwd_kernel<Traits, WeightT, BiasT><<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return fail(e, "backward kernel launch failed: %s", cudaGetErrorString(e));
+  }
+  const int reduce_blocks = (p.C + kReduceChannels - 1) / kReduceChannels;
+  causal_conv1d_bwd_reduce_kernel<WeightT, BiasT><<<reduce_blocks, kReduceChannels * kReduceWarps, 0, stream>>>(p);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return fail(e, "backward reduction launch failed: %s", cudaGetErrorString(e));
+  return cudaSuccess;
+}
+
+// Tile geometry of the streaming kernel; -D overrides measure alternatives.
+#ifndef CAKE_BWD_THREADS
+#define CAKE_BWD_THREADS 128
+#endif
+#ifndef CAKE_BWD_STRIP_LEN
+#define CAKE_BWD_STRIP_LEN 32  // flashinfer_cake._bwd_item_tokens rounds groups to it
+#endif
+#ifndef CAKE_BWD_RING
+#define CAKE_BWD_RING 6
+#endif
+#ifndef CAKE_BWD_MIN_CTAS
+#define CAKE_BWD_MIN_CTAS 4
+#endif
+
+// Token groups (the item_tokens argument) must be a multiple of this.
+constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
+
+// Channel lanes per CTA: 32 (128 channels), or 8 when C <= 32 (a few idle lanes at tiny C; two
+// routes keep the module's compile time down).
+template <class WeightT, class BiasT>
+cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_t stream) {
+  constexpr int kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BWD_STRIP_LEN, kRing = CAKE_BWD_RING,
+                kMinCtas = CAKE_BWD_MIN_CTAS;
+  if (p.C > 32) return launch_causal_conv1d_bwd_route<BwdTraits<32, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, stream);
+  return launch_causal_conv1d_bwd_route<BwdTraits<8, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, stream);
+}
+
+// Bytes of workspace a backward of S tokens x C channels in token groups of item_tokens needs.
+inline int64_t causal_conv1d_bwd_workspace_bytes(int64_t S, int64_t C, int64_t item_tokens) {
+  const int64_t groups = (S + item_tokens - 1) / item_tokens;
+  return groups * kBwdPartialRows * C * int64_t(sizeof(float));
+}
+
+// The C entry point's body: re-checks what the Python layer validated (the binary may be called
+// directly), selects the device, launches both kernels. Returns a cudaError_t code; on failure the
+// message is in last_error_buffer().
+template <class WeightT, class BiasT>
+cudaError_t causal_conv1d_bwd_entry(const void* x, const void* dy, void* dx, const void* weight,
+                                    const void* bias, const int32_t* cu_seqlens, void* workspace,
+                                    int64_t workspace_bytes, void* dweight, void* dbias, int64_t S,
+                                    int64_t C, int64_t num_docs, int64_t item_tokens,
+                                    int round_preact, int device, cudaStream_t stream) {
+  last_error_buffer()[0] = '\0';
+  if (S < 0 || S > INT32_MAX) return fail(cudaErrorInvalidValue, "x: S must be in [0, 2^31), got %lld", (long long)S);
+  if (C <= 0 || C % 8 != 0 || C > INT32_MAX / 8) return fail(cudaErrorInvalidValue, "x: C must be a positive multiple of 8, got %lld", (long long)C);
+  if (num_docs < 0 || num_docs >= INT32_MAX) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 1), got %lld", (long long)num_docs);
+  if (item_tokens <= 0 || item_tokens % kBwdStripLen != 0 || item_tokens > (int64_t(1) << 30)) {
+    return fail(cudaErrorInvalidValue, "item_tokens must be a positive multiple of %d up to 2^30, got %lld", kBwdStripLen, (long long)item_tokens);
+  }
+  if (round_preact != 0 && round_preact != 1) return fail(cudaErrorInvalidValue, "round_preact must be 0 or 1, got %d", round_preact);
+  if (device < 0 || device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %d out of range", device);
+  const int64_t need = causal_conv1d_bwd_workspace_bytes(S, C, item_tokens);
+  if (workspace_bytes < need) {
+    return fail(cudaErrorInvalidValue, "workspace: expected at least %lld bytes, got %lld", (long long)need, (long long)workspace_bytes);
+  }
+  if (!dweight) return fail(cudaErrorInvalidValue, "dweight: expected a non-null pointer");
+  if (detail::kHasBias<BiasT> && !dbias) return fail(cudaErrorInvalidValue, "dbias: expected a non-null pointer");
+  if (S > 0) {
+    if (!x || !aligned16(x)) return fail(cudaErrorInvalidValue, "x: expected a non-null 16-byte aligned pointer");
+    if (!dy || !aligned16(dy)) return fail(cudaErrorInvalidValue, "dy: expected a non-null 16-byte aligned pointer");
+    if (!dx || !aligned16(dx)) return fail(cudaErrorInvalidValue, "dx: expected a non-null 16-byte aligned pointer");
+    if (!weight || !aligned16(weight)) return fail(cudaErrorInvalidValue, "weight: expected a non-null 16-byte aligned pointer");
+    if (detail::kHasBias<BiasT> && (!bias || !aligned16(bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
+    if (!cu_seqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null pointer");
+    if (!workspace) return fail(cudaErrorInvalidValue, "workspace: expected a non-null pointer");
+  }
+  CausalConv1dBwdParams p{};
+  p.x = static_cast<const __nv_bfloat16*>(x);
+  p.dy = static_cast<const __nv_bfloat16*>(dy);
+  p.dx = static_cast<__nv_bfloat16*>(dx);
+  p.weight = weight;
+  p.bias = bias;
+  p.cu_seqlens = cu_seqlens;
+  p.partials = static_cast<float*>(workspace);
+  p.dweight = dweight;
+  p.dbias = dbias;
+  p.S = static_cast<int32_t>(S);
+  p.C = static_cast<int32_t>(C);
+  p.num_docs = static_cast<int32_t>(num_docs);
+  p.item_tokens = static_cast<int32_t>(item_tokens);
+  p.groups = static_cast<int32_t>((S + item_tokens - 1) / item_tokens);
+  p.round_preact = round_preact;
+  return on_device(device, [&] { return launch_causal_conv1d_bwd<WeightT, BiasT>(p, stream); });
+}
+
+}  // namespace flashinfer_cake

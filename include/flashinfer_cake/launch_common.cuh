@@ -1,0 +1,74 @@
+// Host helpers shared by the launchers: the error message of the last failed call, the resident
+// CTA count of a kernel, pointer alignment, and launching on a given device.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <atomic>
+#include <cstdio>
+
+namespace flashinfer_cake {
+
+constexpr int kMaxDevices = 64;
+
+// Message of the last failed call on this thread ("" after a success).
+inline char* last_error_buffer() {
+  static thread_local char buffer[512] = "";
+  return buffer;
+}
+
+template <class... Args>
+inline cudaError_t fail(cudaError_t code, const char* fmt, Args... args) {
+  if constexpr (sizeof...(Args) == 0) {
+    std::snprintf(last_error_buffer(), 512, "%s", fmt);
+  } else {
+    std::snprintf(last_error_buffer(), 512, fmt, args...);
+  }
+  return code;
+}
+
+// CTAs of this kernel that fit on one SM and the SM count, per device, queried once.
+template <class Kernel>
+inline cudaError_t resident_ctas(Kernel kernel, int threads, int device, int* out) {
+  static std::atomic<int> cache[kMaxDevices];
+  int n = cache[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    int per_sm = 0, sms = 0;
+    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
+    if (e != cudaSuccess) return e;
+    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (e != cudaSuccess) return e;
+    n = per_sm * sms;
+    if (n <= 0) return cudaErrorInvalidConfiguration;
+    cache[device].store(n, std::memory_order_relaxed);
+  }
+  *out = n;
+  return cudaSuccess;
+}
+
+inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+// Runs launch() with `device` current, then gives the thread back its current device (the driver
+// context is shared with the caller's runtime, torch's included).
+template <class Launch>
+cudaError_t on_device(int device, Launch&& launch) {
+  int previous = -1;
+  cudaError_t e = cudaGetDevice(&previous);
+  if (e != cudaSuccess) return fail(e, "cudaGetDevice failed: %s", cudaGetErrorString(e));
+  if (previous != device) {
+    e = cudaSetDevice(device);
+    if (e != cudaSuccess) return fail(e, "cudaSetDevice(%d) failed: %s", device, cudaGetErrorString(e));
+  }
+  e = launch();
+  if (previous != device) {
+    const cudaError_t restore = cudaSetDevice(previous);
+    if (e == cudaSuccess && restore != cudaSuccess) {
+      return fail(restore, "cudaSetDevice(%d) (restoring the caller's device) failed: %s", previous,
+                  cudaGetErrorString(restore));
+    }
+  }
+  return e;
+}
+
+}  // namespace flashinfer_cake
