@@ -2,6 +2,11 @@
 
 from ._version import __version__
 from .cake_causal_conv1d_train import (
+    CakeCausalConv1dFunction,
+    cake_causal_conv1d,
+    cake_causal_conv1d_train_backward,
+    cake_causal_conv1d_train_backward_workspace,
+    cake_causal_conv1d_train_backward_workspace_bytes,
     cake_causal_conv1d_train_forward,
     cake_causal_conv1d_train_forward_workspace,
     cake_causal_conv1d_train_forward_workspace_bytes,
@@ -10,6 +15,11 @@ from .cake_causal_conv1d_train import (
 
 __all__ = [
     "__version__",
+    "CakeCausalConv1dFunction",
+    "cake_causal_conv1d",
+    "cake_causal_conv1d_train_backward",
+    "cake_causal_conv1d_train_backward_workspace",
+    "cake_causal_conv1d_train_backward_workspace_bytes",
     "cake_causal_conv1d_train_forward",
     "cake_causal_conv1d_train_forward_workspace",
     "cake_causal_conv1d_train_forward_workspace_bytes",

@@ -1,46 +1,47 @@
-"""Packed (varlen) width-4 causal conv1d + SiLU for training: the forward and its workspace."""
+"""Packed (varlen) width-4 causal conv1d + SiLU for training: the forward, the backward, their
+workspaces, and the autograd entry point :func:`cake_causal_conv1d` (also under torch.compile)."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
-from . import jit
-from .jit.env import ARCH_OF_CAPABILITY
+from . import _checks, jit
+from ._checks import PARAM_DTYPES, arch_of, overlaps
 
 __all__ = [
+    "CakeCausalConv1dFunction",
+    "cake_causal_conv1d",
+    "cake_causal_conv1d_train_backward",
+    "cake_causal_conv1d_train_backward_workspace",
+    "cake_causal_conv1d_train_backward_workspace_bytes",
     "cake_causal_conv1d_train_forward",
     "cake_causal_conv1d_train_forward_workspace",
     "cake_causal_conv1d_train_forward_workspace_bytes",
     "is_cake_causal_conv1d_train_supported",
 ]
 
-_FN = "cake_causal_conv1d_train_forward"
-_PARAM_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-# Token-chunk counters of the persistent grid (kFwdWorkspaceCounters in the template): every
-# route uses the same two int32.
+_FWD = "cake_causal_conv1d_train_forward"
+_BWD = "cake_causal_conv1d_train_backward"
+# Token-chunk counters of the forward's persistent grid (kFwdWorkspaceCounters in the template):
+# every route uses the same two int32.
 _FWD_WORKSPACE_COUNTERS = 2
+# The backward's partial sums: kBwdPartialRows FP32 rows of C per token group.
+_BWD_PARTIAL_ROWS = 5
+# silu_grad_preactivation -> the kernel's round_preact flag.
+_SILU_GRAD_POLICIES = {"bf16": 1, "fp32": 0}
 
-# (device index, stream handle) -> zeroed int32 workspace kept for calls without one.
-_default_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+# ("fwd" | "bwd", device index, stream handle) -> workspace kept for calls without one.
+_default_workspaces: dict[tuple[str, int, int], torch.Tensor] = {}
 # (device index, weight dtype, bias dtype) -> loaded module.
 _modules: dict[tuple[int, torch.dtype, torch.dtype | None], jit.core.CompiledModule] = {}
-
-
-def _check_size_args(S, C, device) -> torch.device:
-    if not isinstance(S, int) or isinstance(S, bool) or S < 0:
-        raise ValueError(f"S must be a non-negative int, got {S!r}")
-    if not isinstance(C, int) or isinstance(C, bool) or C <= 0 or C % 8:
-        raise ValueError(f"C must be a positive multiple of 8, got {C!r}")
-    return torch.device(device)
 
 
 def cake_causal_conv1d_train_forward_workspace_bytes(S: int, C: int, device) -> int:
     """Bytes of int32 workspace a forward of ``[S, C]`` on ``device`` needs: the most over every
     route (today every route uses the same two token-chunk counters)."""
-    _check_size_args(S, C, device)
+    _checks.check_sizes(S, C, device)
     return 4 * _FWD_WORKSPACE_COUNTERS
 
 
@@ -49,14 +50,45 @@ def cake_causal_conv1d_train_forward_workspace(S: int, C: int, device) -> torch.
     ``cake_causal_conv1d_train_forward_workspace_bytes(S, C, device)`` bytes on ``device``.
     Every launch leaves it zero, so one serves every later call of one stream (graph replays
     included); launches that may run at once need one each."""
-    device = _check_size_args(S, C, device)
+    device = _checks.check_sizes(S, C, device)
     nbytes = cake_causal_conv1d_train_forward_workspace_bytes(S, C, device)
     return torch.zeros(math.ceil(nbytes / 4), dtype=torch.int32, device=device)
 
 
-@functools.cache
-def _arch_of(device_index: int) -> str | None:
-    return ARCH_OF_CAPABILITY.get(torch.cuda.get_device_capability(device_index))
+def _bwd_groups(S: int, C: int) -> int:
+    """Token groups of the backward (one partial row of dweight/dbias each): about 1024 work
+    items (groups x 128-channel tiles, a few waves of an H200's resident CTAs), with groups of
+    128 to 1024 tokens. Non-decreasing in S, so a workspace sized for the largest S serves every
+    smaller one; a function of (S, C) only, so the summation order, and with it every bit of
+    dweight/dbias, is the same on every GPU."""
+    return min(-(-S // 128), max(-(-S // 1024), -(-1024 // -(-C // 128))))
+
+
+def _bwd_item_tokens(S: int, C: int) -> int:
+    """Tokens per group: S split over _bwd_groups(S, C) groups, rounded up to the kernel's
+    32-token strips (kBwdStripLen); at most that many groups then cover S."""
+    groups = max(_bwd_groups(S, C), 1)
+    return -(-S // (32 * groups)) * 32 or 32
+
+
+def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device) -> int:
+    """Bytes of FP32 workspace a backward of ``[S, C]`` on ``device`` needs: one partial row of
+    the four taps' and the bias's gradient sums per token group (5 x C x 4 bytes per 128 to
+    1024 tokens: 1 % to 8 % of x's bytes, 0.3 % to 2.6 % of the bytes the backward moves);
+    0 when ``S == 0``. Never
+    decreases with S: a workspace for the largest S serves every smaller one."""
+    _checks.check_sizes(S, C, device)
+    return _bwd_groups(S, C) * _BWD_PARTIAL_ROWS * C * 4
+
+
+def cake_causal_conv1d_train_backward_workspace(S: int, C: int, device) -> torch.Tensor:
+    """An FP32 workspace of at least
+    ``cake_causal_conv1d_train_backward_workspace_bytes(S, C, device)`` bytes on ``device``. Its
+    contents never matter (every launch writes what it reads); launches that may run at once
+    need one each."""
+    device = _checks.check_sizes(S, C, device)
+    nbytes = cake_causal_conv1d_train_backward_workspace_bytes(S, C, device)
+    return torch.empty(math.ceil(nbytes / 4), dtype=torch.float32, device=device)
 
 
 def is_cake_causal_conv1d_train_supported(device=None) -> bool:
@@ -72,93 +104,7 @@ def is_cake_causal_conv1d_train_supported(device=None) -> bool:
     index = torch.cuda.current_device() if device.index is None else device.index
     if index >= torch.cuda.device_count():
         return False
-    return _arch_of(index) is not None
-
-
-def _check_args(x, weight, cu_seqlens, bias, out, workspace) -> tuple[int, int, int]:
-    """Validate everything the host may look at (never an element of a device tensor). Types
-    first, then dtypes/shapes/layouts, then devices. Returns (S, C, device index). Pointer
-    alignment and overlap are checked by the caller, which reads the pointers once for the launch.
-    Written for the eager host budget: each property is read once."""
-    for name, t in (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{_FN}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in (("bias", bias), ("out", out), ("workspace", workspace)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{_FN}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
-
-    shape = x.shape
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"{_FN}: x must have dtype torch.bfloat16, got {x.dtype}")
-    if len(shape) == 2:
-        S, C = shape
-    elif len(shape) == 3 and shape[0] == 1:
-        S, C = shape[1], shape[2]
-    else:
-        raise ValueError(f"{_FN}: x must have shape [S, C] or [1, S, C], got {tuple(shape)}")
-    if C <= 0 or C % 8:
-        raise ValueError(f"{_FN}: x's channel count C must be a positive multiple of 8, got C={C}")
-    if S >= 2**31 or S * C >= 2**35:  # int32 token indices; 32-bit 16-byte offsets in the kernel
-        raise ValueError(f"{_FN}: x must have S < 2^31 and S * C < 2^35 elements, got S={S}, C={C}")
-    if not x.is_contiguous():
-        raise ValueError(f"{_FN}: x must be contiguous, got strides {x.stride()}")
-    if weight.dtype not in _PARAM_DTYPES:
-        raise ValueError(f"{_FN}: weight must have dtype torch.float32 or torch.bfloat16, got {weight.dtype}")
-    if weight.shape != (C, 4):
-        raise ValueError(f"{_FN}: weight must have shape [C, 4] = [{C}, 4] (C from x), got {tuple(weight.shape)}")
-    if not weight.is_contiguous():
-        raise ValueError(f"{_FN}: weight must be contiguous, got strides {weight.stride()}")
-    if bias is not None:
-        if bias.dtype not in _PARAM_DTYPES:
-            raise ValueError(f"{_FN}: bias must have dtype torch.float32 or torch.bfloat16, got {bias.dtype}")
-        if bias.shape != (C,):
-            raise ValueError(f"{_FN}: bias must have shape [C] = [{C}] (C from x), got {tuple(bias.shape)}")
-        if not bias.is_contiguous():
-            raise ValueError(f"{_FN}: bias must be contiguous, got strides {bias.stride()}")
-    if cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"{_FN}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
-        raise ValueError(
-            f"{_FN}: cu_seqlens must be 1-D [num_docs + 1] with at least one entry, got shape {tuple(cu_seqlens.shape)}"
-        )
-    if not cu_seqlens.is_contiguous():
-        raise ValueError(f"{_FN}: cu_seqlens must be contiguous, got strides {cu_seqlens.stride()}")
-    if out is not None:
-        if out.dtype != torch.bfloat16:
-            raise ValueError(f"{_FN}: out must have dtype torch.bfloat16, got {out.dtype}")
-        if out.shape != shape:
-            raise ValueError(f"{_FN}: out must have x's shape {tuple(shape)}, got {tuple(out.shape)}")
-        if not out.is_contiguous():
-            raise ValueError(f"{_FN}: out must be contiguous, got strides {out.stride()}")
-    if workspace is not None:
-        if workspace.dtype != torch.int32:
-            raise ValueError(f"{_FN}: workspace must have dtype torch.int32, got {workspace.dtype}")
-        if workspace.dim() != 1 or not workspace.is_contiguous():
-            raise ValueError(
-                f"{_FN}: workspace must be a contiguous 1-D tensor, got shape {tuple(workspace.shape)} "
-                f"strides {workspace.stride()}"
-            )
-        need = 4 * _FWD_WORKSPACE_COUNTERS
-        if workspace.shape[0] * 4 < need:
-            raise ValueError(
-                f"{_FN}: workspace must hold at least {need} bytes "
-                f"(cake_causal_conv1d_train_forward_workspace_bytes), got {workspace.shape[0] * 4}"
-            )
-
-    device = x.get_device()
-    if device < 0:
-        raise ValueError(f"{_FN}: x must be a CUDA tensor, got device {x.device}")
-    for name, t in (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias), ("out", out),
-                    ("workspace", workspace)):
-        if t is not None and t.get_device() != device:
-            raise ValueError(f"{_FN}: {name} must be on x's device {x.device}, got {t.device}")
-    if _arch_of(device) is None:
-        cap = torch.cuda.get_device_capability(device)
-        raise RuntimeError(
-            f"{_FN}: device cuda:{device} has compute capability {cap[0]}.{cap[1]}; supported: "
-            f"{', '.join(f'{a}.{b}' for a, b in ARCH_OF_CAPABILITY)}"
-        )
-    return S, C, device
+    return arch_of(index) is not None
 
 
 def _module(device: int, weight_dtype: torch.dtype, bias_dtype: torch.dtype | None):
@@ -166,7 +112,7 @@ def _module(device: int, weight_dtype: torch.dtype, bias_dtype: torch.dtype | No
     module = _modules.get(key)
     if module is None:
         spec = jit.VariantSpec(
-            _PARAM_DTYPES[weight_dtype], "none" if bias_dtype is None else _PARAM_DTYPES[bias_dtype], _arch_of(device)
+            PARAM_DTYPES[weight_dtype], "none" if bias_dtype is None else PARAM_DTYPES[bias_dtype], arch_of(device)
         )
         module = _modules[key] = jit.load(spec)
     return module
@@ -180,15 +126,38 @@ def _capturing(device: int) -> bool:
         return torch._C._cuda_isCurrentStreamCapturing()
 
 
-def _default_workspace(device: int, stream: int, S: int, C: int) -> torch.Tensor:
+def _default_workspace(kind: str, device: int, stream: int, S: int, C: int) -> torch.Tensor:
+    """The workspace of a call without one: kept per (kind, device, stream) and grown when a
+    backward needs more; a buffer of the call's own while the stream captures a CUDA graph (the
+    graph replays with it: never shared with eager calls or other graphs)."""
+    make, need = (
+        (cake_causal_conv1d_train_forward_workspace, 4 * _FWD_WORKSPACE_COUNTERS)
+        if kind == "fwd"
+        else (cake_causal_conv1d_train_backward_workspace, None)
+    )
+    cuda = torch.device("cuda", device)
     if _capturing(device):
-        # A graph replays with this buffer: never share it with eager calls or other graphs.
-        return cake_causal_conv1d_train_forward_workspace(S, C, torch.device("cuda", device))
-    ws = _default_workspaces.get((device, stream))
-    if ws is None:
-        ws = cake_causal_conv1d_train_forward_workspace(S, C, torch.device("cuda", device))
-        _default_workspaces[(device, stream)] = ws
+        return make(S, C, cuda)
+    ws = _default_workspaces.get((kind, device, stream))
+    if need is None:
+        need = cake_causal_conv1d_train_backward_workspace_bytes(S, C, cuda)
+    if ws is None or ws.shape[0] * 4 < need:
+        # A replaced buffer may still be in use by this stream's queued work: the caching
+        # allocator hands its memory out again only in this stream's order.
+        ws = _default_workspaces[(kind, device, stream)] = make(S, C, cuda)
     return ws
+
+
+def _aligned_param(t: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """The kernels read taps and bias 16 bytes at a time: a misaligned view (a slice of a larger
+    parameter) is copied, a few KB. Returns the tensor and its address (0 for None)."""
+    if t is None:
+        return None, 0
+    ptr = t.data_ptr()
+    if ptr & 15:
+        t = t.clone()
+        ptr = t.data_ptr()
+    return t, ptr
 
 
 def cake_causal_conv1d_train_forward(
@@ -243,39 +212,264 @@ def cake_causal_conv1d_train_forward(
         RuntimeError: x's device is not supported, the module cannot be built or loaded, or the
             launch fails (with the CUDA error string).
     """
-    S, C, device = _check_args(x, weight, cu_seqlens, bias, out, workspace)
+    _checks.check_types(_FWD, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens)),
+                        (("bias", bias), ("out", out), ("workspace", workspace)))
+    S, C = _checks.check_x(_FWD, x)
+    _checks.check_params(_FWD, weight, cu_seqlens, bias, C)
+    if out is not None:
+        _checks.check_like(_FWD, "out", out, torch.bfloat16, x.shape, "x's shape")
+    if workspace is not None:
+        _checks.check_workspace(_FWD, workspace, torch.int32, 4 * _FWD_WORKSPACE_COUNTERS,
+                                "cake_causal_conv1d_train_forward_workspace_bytes")
+    device = _checks.check_devices(_FWD, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
+                                             ("out", out), ("workspace", workspace)))
     if S == 0:
         return torch.empty_like(x) if out is None else out
-    x_ptr, w_ptr = x.data_ptr(), weight.data_ptr()
-    b_ptr = 0 if bias is None else bias.data_ptr()
-    # The kernel reads taps and bias 16 bytes at a time: a misaligned view (a slice of a larger
-    # parameter) is copied, a few KB; x and out are the caller's big buffers and must be aligned.
-    if w_ptr & 15:
-        weight = weight.clone()
-        w_ptr = weight.data_ptr()
-    if b_ptr & 15:
-        bias = bias.clone()
-        b_ptr = bias.data_ptr()
+    x_ptr = x.data_ptr()
+    weight, w_ptr = _aligned_param(weight)
+    bias, b_ptr = _aligned_param(bias)
     if out is not None:
         out_ptr = out.data_ptr()
-        if out_ptr < x_ptr + 2 * S * C and x_ptr < out_ptr + 2 * S * C:
-            raise ValueError(f"{_FN}: out must not overlap x (the kernel reads x after writing out)")
+        if overlaps(out_ptr, 2 * S * C, x_ptr, 2 * S * C):
+            raise ValueError(f"{_FWD}: out must not overlap x (the kernel reads x after writing out)")
     else:
         out_ptr = 0
     if (x_ptr | out_ptr) & 15:  # 16-byte vector loads and stores
         name, ptr = ("x", x_ptr) if x_ptr & 15 else ("out", out_ptr)
-        raise ValueError(f"{_FN}: {name} must start at a 16-byte aligned address, got {ptr:#x}")
+        raise ValueError(f"{_FWD}: {name} must start at a 16-byte aligned address, got {ptr:#x}")
     module = _module(device, weight.dtype, None if bias is None else bias.dtype)
     if out is None:
         out = torch.empty_like(x)  # the allocator hands out 512-byte aligned blocks
         out_ptr = out.data_ptr()
     stream = torch._C._cuda_getCurrentRawStream(device)
     if workspace is None:
-        workspace = _default_workspace(device, stream, S, C)
+        workspace = _default_workspace("fwd", device, stream, S, C)
     rc = module.causal_conv1d_fwd(
         x_ptr, out_ptr, w_ptr, b_ptr, cu_seqlens.data_ptr(), workspace.data_ptr(), S, C, cu_seqlens.shape[0] - 1,
         device, stream,
     )
     if rc:
-        raise RuntimeError(f"{_FN}: launch failed with CUDA error {rc}: {module.last_error_message()}")
+        raise RuntimeError(f"{_FWD}: launch failed with CUDA error {rc}: {module.last_error_message()}")
     return out
+
+
+def cake_causal_conv1d_train_backward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    dy: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    silu_grad_preactivation: str = "bf16",
+    workspace: torch.Tensor | None = None,
+    dx: torch.Tensor | None = None,
+    dweight: torch.Tensor | None = None,
+    dbias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Backward of :func:`cake_causal_conv1d_train_forward`: gradients of x, weight and bias
+    given ``dy``, the gradient of ``y``.
+
+    Recomputes the FP32 pre-activation ``a[t, c] = bias[c] + sum_k weight[c, k] * x[t - 3 + k, c]``
+    from x (the forward saves nothing else), forms ``g = dy * silu'(a')`` in FP32 and returns::
+
+        dx[s, c]      = bf16(sum_k weight[c, k] * g[s + 3 - k, c])    (taps inside a document)
+        dweight[c, k] = sum_t g[t, c] * x[t - 3 + k, c]              (taps inside t's document)
+        dbias[c]      = sum_t g[t, c]
+
+    No gradient crosses a document boundary: a tap the forward skipped contributes nothing.
+    dweight and dbias are summed in FP32 in a fixed order (per-token-group partial sums in the
+    workspace, then a second launch that adds them in group order; no atomics), so they are
+    bitwise identical run to run for a given (S, C, weight dtype, bias dtype, policy). No host
+    synchronization; CUDA-graph capturable.
+
+    Args:
+        x, weight, cu_seqlens, bias: the forward's arguments, with the forward's requirements.
+        dy: BF16 gradient of ``y``, x's shape, contiguous, 16-byte aligned, on x's device.
+        silu_grad_preactivation: ``"bf16"`` (default) evaluates ``silu'`` at the pre-activation
+            rounded to BF16 (to nearest even), ``"fp32"`` at the unrounded FP32 value.
+        workspace: optional caller-owned FP32 1-D buffer of at least
+            :func:`cake_causal_conv1d_train_backward_workspace_bytes` bytes, e.g. from
+            :func:`cake_causal_conv1d_train_backward_workspace`; its contents do not matter.
+            Launches that may run at once need one each. When omitted, a buffer kept per
+            (device, current stream) is used (grown when too small), or a buffer of the call's
+            own while the current stream is capturing a CUDA graph.
+        dx: optional preallocated BF16 output of x's shape, contiguous, 16-byte aligned.
+        dweight: optional preallocated output of weight's dtype and shape ``[C, 4]``, contiguous.
+        dbias: optional preallocated output of bias's dtype and shape ``[C]``, contiguous; only
+            with ``bias``. No output may overlap an input, the workspace or another output.
+
+    Returns:
+        ``(dx, dweight)``, or ``(dx, dweight, dbias)`` when ``bias`` is given; the given output
+        tensors when passed. ``S == 0``: dx is empty, dweight and dbias are zero.
+
+    Raises:
+        TypeError: a tensor argument is not a tensor.
+        ValueError: a bad dtype, shape, layout, device, alignment, overlap, size or policy;
+            nothing is launched and no output is touched.
+        RuntimeError: x's device is not supported, the module cannot be built or loaded, or the
+            launch fails (with the CUDA error string).
+    """
+    _checks.check_types(_BWD, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy)),
+                        (("bias", bias), ("workspace", workspace), ("dx", dx), ("dweight", dweight),
+                         ("dbias", dbias)))
+    round_preact = _SILU_GRAD_POLICIES.get(silu_grad_preactivation) if isinstance(silu_grad_preactivation, str) else None
+    if round_preact is None:
+        raise ValueError(
+            f"{_BWD}: silu_grad_preactivation must be one of {sorted(_SILU_GRAD_POLICIES)}, got {silu_grad_preactivation!r}"
+        )
+    S, C = _checks.check_x(_BWD, x)
+    _checks.check_params(_BWD, weight, cu_seqlens, bias, C)
+    _checks.check_like(_BWD, "dy", dy, torch.bfloat16, x.shape, "x's shape")
+    if dx is not None:
+        _checks.check_like(_BWD, "dx", dx, torch.bfloat16, x.shape, "x's shape")
+    if dweight is not None:
+        _checks.check_like(_BWD, "dweight", dweight, weight.dtype, weight.shape, "weight's dtype and shape")
+    if dbias is not None:
+        if bias is None:
+            raise ValueError(f"{_BWD}: dbias must be None when bias is None, got a tensor of shape {tuple(dbias.shape)}")
+        _checks.check_like(_BWD, "dbias", dbias, bias.dtype, bias.shape, "bias's dtype and shape")
+    item_tokens = _bwd_item_tokens(S, C)
+    need = _bwd_groups(S, C) * _BWD_PARTIAL_ROWS * C * 4
+    if workspace is not None:
+        _checks.check_workspace(_BWD, workspace, torch.float32, need,
+                                "cake_causal_conv1d_train_backward_workspace_bytes")
+    device = _checks.check_devices(_BWD, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy),
+                                             ("bias", bias), ("workspace", workspace), ("dx", dx),
+                                             ("dweight", dweight), ("dbias", dbias)))
+    x_ptr, dy_ptr = x.data_ptr(), dy.data_ptr()
+    dx_ptr = 0 if dx is None else dx.data_ptr()
+    ws_ptr = 0 if workspace is None else workspace.data_ptr()
+    if S and (x_ptr | dy_ptr | dx_ptr) & 15:  # 8-byte vectors; 16 keeps the forward's rule
+        name, ptr = next((n, p) for n, p in (("x", x_ptr), ("dy", dy_ptr), ("dx", dx_ptr)) if p & 15)
+        raise ValueError(f"{_BWD}: {name} must start at a 16-byte aligned address, got {ptr:#x}")
+    if dx is not None or dweight is not None or dbias is not None:
+        # An output may overlap no input and no other output: the kernels read x, dy, weight,
+        # bias and cu_seqlens after writing dx, and the reduction reads the workspace.
+        spans = [(n, t.data_ptr(), t.numel() * t.element_size()) for n, t in (
+            ("x", x), ("dy", dy), ("weight", weight), ("bias", bias), ("cu_seqlens", cu_seqlens),
+            ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias)) if t is not None]
+        for i, (name, ptr, size) in enumerate(spans):
+            if name not in ("dx", "dweight", "dbias") or not size:
+                continue
+            for other, optr, osize in spans[:i]:
+                if osize and overlaps(ptr, size, optr, osize):
+                    raise ValueError(f"{_BWD}: {name} must not overlap {other}")
+    weight, w_ptr = _aligned_param(weight)
+    bias, b_ptr = _aligned_param(bias)
+    module = _module(device, weight.dtype, None if bias is None else bias.dtype)
+    if dx is None:
+        dx = torch.empty_like(x)
+        dx_ptr = dx.data_ptr()
+    if dweight is None:
+        dweight = torch.empty_like(weight)
+    if dbias is None and bias is not None:
+        dbias = torch.empty_like(bias)
+    stream = torch._C._cuda_getCurrentRawStream(device)
+    if workspace is None:
+        workspace = _default_workspace("bwd", device, stream, S, C)
+        ws_ptr = workspace.data_ptr()
+    rc = module.causal_conv1d_bwd(
+        x_ptr, dy_ptr, dx_ptr, w_ptr, b_ptr, cu_seqlens.data_ptr(), ws_ptr, workspace.shape[0] * 4,
+        dweight.data_ptr(), 0 if dbias is None else dbias.data_ptr(), S, C, cu_seqlens.shape[0] - 1,
+        item_tokens, round_preact, device, stream,
+    )
+    if rc:
+        raise RuntimeError(f"{_BWD}: launch failed with CUDA error {rc}: {module.last_error_message()}")
+    return (dx, dweight) if bias is None else (dx, dweight, dbias)
+
+
+# torch.compile sees the kernels as two custom ops (opaque to the compiler, with fake
+# implementations for shape propagation). Eager calls skip the op dispatcher: they call the
+# functions above directly, which is what the ops run too.
+@torch.library.custom_op("flashinfer_cake::causal_conv1d_fwd", mutates_args=(), device_types="cuda")
+def _causal_conv1d_fwd_op(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    return cake_causal_conv1d_train_forward(x, weight, cu_seqlens, bias=bias)
+
+
+@_causal_conv1d_fwd_op.register_fake
+def _(x, weight, cu_seqlens, bias):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("flashinfer_cake::causal_conv1d_bwd", mutates_args=(), device_types="cuda")
+def _causal_conv1d_bwd_op(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, dy: torch.Tensor,
+                          bias: torch.Tensor | None, silu_grad_preactivation: str
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dweight, *dbias = _backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation)
+    # A custom op returns tensors only: no bias -> an empty dbias, turned back into None by the caller.
+    return dx, dweight, dbias[0] if dbias else x.new_empty(0)
+
+
+@_causal_conv1d_bwd_op.register_fake
+def _(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation):
+    return torch.empty_like(x), torch.empty_like(weight), x.new_empty(0) if bias is None else torch.empty_like(bias)
+
+
+def _backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation):
+    """The backward with an incoming gradient of any dtype and layout, materialized once as a
+    BF16 contiguous 16-byte aligned tensor when it is not one."""
+    if dy.dtype != torch.bfloat16 or not dy.is_contiguous() or dy.data_ptr() & 15:
+        dy = torch.empty_like(x).copy_(dy)
+    return cake_causal_conv1d_train_backward(x, weight, cu_seqlens, dy, bias=bias,
+                                             silu_grad_preactivation=silu_grad_preactivation)
+
+
+class CakeCausalConv1dFunction(torch.autograd.Function):
+    """Autograd of :func:`cake_causal_conv1d`: saves x, weight, bias and cu_seqlens only (the
+    backward recomputes the pre-activation); gradients come back in the inputs' dtypes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, cu_seqlens, bias, silu_grad_preactivation):
+        ctx.save_for_backward(x, weight, bias, cu_seqlens)
+        ctx.silu_grad_preactivation = silu_grad_preactivation
+        if torch.compiler.is_compiling():
+            return torch.ops.flashinfer_cake.causal_conv1d_fwd(x, weight, cu_seqlens, bias)
+        return cake_causal_conv1d_train_forward(x, weight, cu_seqlens, bias=bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward is not itself differentiable
+    def backward(ctx, dy):
+        x, weight, bias, cu_seqlens = ctx.saved_tensors
+        policy = ctx.silu_grad_preactivation
+        if torch.compiler.is_compiling():
+            dx, dweight, dbias = torch.ops.flashinfer_cake.causal_conv1d_bwd(x, weight, cu_seqlens, dy, bias, policy)
+            dbias = None if bias is None else dbias
+        else:
+            dx, dweight, *rest = _backward(x, weight, cu_seqlens, dy, bias, policy)
+            dbias = rest[0] if rest else None
+        return dx, dweight, None, dbias, None
+
+
+def cake_causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    silu_grad_preactivation: str = "bf16",
+) -> torch.Tensor:
+    """Packed width-4 causal conv1d + SiLU with autograd: the training entry point.
+
+    ``y = cake_causal_conv1d_train_forward(x, weight, cu_seqlens, bias=bias)``; ``y.backward``
+    runs :func:`cake_causal_conv1d_train_backward` (x, weight and bias get gradients in their own
+    dtypes; cu_seqlens none). Only x, weight, bias and cu_seqlens are saved for the backward; an
+    incoming gradient that is not BF16, contiguous and 16-byte aligned is copied once into one
+    that is. Under ``torch.compile`` the kernels are the custom ops
+    ``torch.ops.flashinfer_cake.causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (no graph break,
+    ``fullgraph=True`` works); eager calls launch them directly.
+
+    Args:
+        x, weight, cu_seqlens, bias: as in :func:`cake_causal_conv1d_train_forward`.
+        silu_grad_preactivation: ``"bf16"`` or ``"fp32"``, as in
+            :func:`cake_causal_conv1d_train_backward`.
+
+    Returns:
+        BF16 ``y`` of x's shape.
+    """
+    if not isinstance(silu_grad_preactivation, str) or silu_grad_preactivation not in _SILU_GRAD_POLICIES:
+        raise ValueError(
+            f"cake_causal_conv1d: silu_grad_preactivation must be one of {sorted(_SILU_GRAD_POLICIES)}, "
+            f"got {silu_grad_preactivation!r}"
+        )
+    return CakeCausalConv1dFunction.apply(x, weight, cu_seqlens, bias, silu_grad_preactivation)

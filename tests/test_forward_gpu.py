@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from doclengths import docs_3000, docs_16_to_64, fill, make_cu, one_doc, split
 from flashinfer_cake import (
     cake_causal_conv1d_train_forward,
     cake_causal_conv1d_train_forward_workspace,
@@ -53,47 +54,6 @@ def device():
 
 def sync():
     torch.cuda.synchronize()
-
-
-def make_cu(S, lengths):
-    """int32 cu_seqlens on the GPU from document lengths that sum to S (0 = empty document)."""
-    assert sum(lengths) == S and min(lengths, default=0) >= 0, (S, lengths)
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
-    return torch.tensor(bounds, dtype=I32, device=DEV)
-
-
-def split(S, n_docs, rng):
-    """`n_docs` lengths summing to S at random cut points (repeated cuts are empty documents)."""
-    cuts = sorted(rng.randint(0, S) for _ in range(n_docs - 1))
-    bounds = [0, *cuts, S]
-    return [b - a for a, b in zip(bounds, bounds[1:])]
-
-
-def fill(S, rng, choices, p_empty=0.0):
-    """Lengths drawn from `choices` (the last one cut short) until they sum to S."""
-    lengths, left = [], S
-    while left:
-        n = min(left, rng.choice(choices))
-        lengths.append(n)
-        left -= n
-        if rng.random() < p_empty:
-            lengths.append(0)
-    return lengths
-
-
-# Document mixes: (S, rng) -> lengths.
-def one_doc(S, rng):
-    return [S]
-
-
-def docs_16_to_64(S, rng):
-    return split(S, rng.randint(16, 64), rng)
-
-
-def docs_3000(S, rng):
-    return split(S, 3000, rng)
 
 
 def empty_at_ends(S, rng):

@@ -34,7 +34,7 @@ from flashinfer_cake.jit.variant import VariantSpec
 SPEC = VariantSpec("fp32", "none", "sm_90a")
 ALL = jit.all_variants(["sm_90a"])
 CXX = {"fp32": "float", "bf16": "__nv_bfloat16", "none": "flashinfer_cake::NoBias"}
-ENTRY_POINTS = ("cake_abi_version", "cake_variant", "cake_last_error_message", "cake_causal_conv1d_fwd")
+ENTRY_POINTS = ("cake_abi_version", "cake_variant", "cake_last_error_message", "cake_causal_conv1d_fwd", "cake_causal_conv1d_bwd")
 CUDA_ERROR_INVALID_VALUE = 1
 # Variables a test sets itself; FLASHINFER_CAKE_NVCC / CUDA_HOME (which compiler CI uses) are kept.
 ISOLATED_VARS = ("FLASHINFER_CAKE_CACHE_DIR", "FLASHINFER_CAKE_AOT_DIR", "FLASHINFER_CAKE_DISABLE_JIT",
@@ -91,7 +91,7 @@ def copy_cache(src: Path, dst: Path) -> Path:
 
 
 def published(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.glob("causal_conv1d_fwd_*") if p.suffix in (".so", ".json"))
+    return sorted(p.name for p in directory.glob("causal_conv1d_w_*") if p.suffix in (".so", ".json"))
 
 
 def forbid_processes(monkeypatch) -> None:
@@ -188,7 +188,7 @@ def fresh_import(tmp_path_factory):
 
 @pytest.mark.parametrize("spec", ALL, ids=lambda s: s.uri)
 def test_variant_naming(spec):
-    assert spec.uri == f"causal_conv1d_fwd_w_{spec.weight}_b_{spec.bias}_sm_90a"
+    assert spec.uri == f"causal_conv1d_w_{spec.weight}_b_{spec.bias}_sm_90a"
     tc = toolchain()
     module_name = spec.module_name(tc)
     assert re.fullmatch(rf"{spec.uri}_[0-9a-f]{{16}}_{tc[:8]}", module_name)
@@ -545,7 +545,7 @@ def _cache_of_other_user(cache, aot):
 
 def _world_writable_aot(cache, aot):
     aot.mkdir()
-    for f in cache.glob("causal_conv1d_fwd_*"):
+    for f in cache.glob("causal_conv1d_w_*"):
         shutil.copy2(f, aot)
     aot.chmod(0o777)
     return aot

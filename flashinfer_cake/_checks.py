@@ -1,0 +1,136 @@
+"""Argument validation shared by the public functions: host-side metadata only (never an element
+of a device tensor). Callers check in this order: types, then dtypes/shapes/layouts of every
+argument, then devices, so a mistake is reported the same way on any device. Each check names
+the argument, the expected and the received value. Written for the eager host budget: every
+tensor property is read once."""
+
+from __future__ import annotations
+
+import torch
+
+from .jit.env import ARCH_OF_CAPABILITY
+
+PARAM_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def check_types(fn: str, required, optional) -> None:
+    """``required`` / ``optional``: (name, value) pairs; optional ones may be None."""
+    for name, t in required:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in optional:
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
+
+
+def check_x(fn: str, x: torch.Tensor) -> tuple[int, int]:
+    """x: BF16 [S, C] or [1, S, C], contiguous, C a multiple of 8, within the kernels' index
+    range. Returns (S, C)."""
+    shape = x.shape
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"{fn}: x must have dtype torch.bfloat16, got {x.dtype}")
+    if len(shape) == 2:
+        S, C = shape
+    elif len(shape) == 3 and shape[0] == 1:
+        S, C = shape[1], shape[2]
+    else:
+        raise ValueError(f"{fn}: x must have shape [S, C] or [1, S, C], got {tuple(shape)}")
+    if C <= 0 or C % 8:
+        raise ValueError(f"{fn}: x's channel count C must be a positive multiple of 8, got C={C}")
+    if S >= 2**31 or S * C >= 2**35:  # int32 token indices; 32-bit vector offsets in the kernels
+        raise ValueError(f"{fn}: x must have S < 2^31 and S * C < 2^35 elements, got S={S}, C={C}")
+    if not x.is_contiguous():
+        raise ValueError(f"{fn}: x must be contiguous, got strides {x.stride()}")
+    return S, C
+
+
+def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, C: int) -> None:
+    """weight FP32/BF16 [C, 4], bias None or FP32/BF16 [C], cu_seqlens int32 [num_docs + 1]."""
+    if weight.dtype not in PARAM_DTYPES:
+        raise ValueError(f"{fn}: weight must have dtype torch.float32 or torch.bfloat16, got {weight.dtype}")
+    if weight.shape != (C, 4):
+        raise ValueError(f"{fn}: weight must have shape [C, 4] = [{C}, 4] (C from x), got {tuple(weight.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError(f"{fn}: weight must be contiguous, got strides {weight.stride()}")
+    if bias is not None:
+        if bias.dtype not in PARAM_DTYPES:
+            raise ValueError(f"{fn}: bias must have dtype torch.float32 or torch.bfloat16, got {bias.dtype}")
+        if bias.shape != (C,):
+            raise ValueError(f"{fn}: bias must have shape [C] = [{C}] (C from x), got {tuple(bias.shape)}")
+        if not bias.is_contiguous():
+            raise ValueError(f"{fn}: bias must be contiguous, got strides {bias.stride()}")
+    if cu_seqlens.dtype != torch.int32:
+        raise ValueError(f"{fn}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(
+            f"{fn}: cu_seqlens must be 1-D [num_docs + 1] with at least one entry, got shape {tuple(cu_seqlens.shape)}"
+        )
+    if not cu_seqlens.is_contiguous():
+        raise ValueError(f"{fn}: cu_seqlens must be contiguous, got strides {cu_seqlens.stride()}")
+
+
+def check_like(fn: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape, shape_text: str) -> None:
+    """t has exactly ``dtype`` and ``shape`` and is contiguous."""
+    if t.dtype != dtype:
+        raise ValueError(f"{fn}: {name} must have dtype {dtype}, got {t.dtype}")
+    if t.shape != shape:
+        raise ValueError(f"{fn}: {name} must have {shape_text} {tuple(shape)}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{fn}: {name} must be contiguous, got strides {t.stride()}")
+
+
+def check_workspace(fn: str, workspace: torch.Tensor, dtype: torch.dtype, need: int, bytes_fn: str) -> None:
+    """A contiguous 1-D ``dtype`` buffer of at least ``need`` bytes."""
+    if workspace.dtype != dtype:
+        raise ValueError(f"{fn}: workspace must have dtype {dtype}, got {workspace.dtype}")
+    if workspace.dim() != 1 or not workspace.is_contiguous():
+        raise ValueError(
+            f"{fn}: workspace must be a contiguous 1-D tensor, got shape {tuple(workspace.shape)} "
+            f"strides {workspace.stride()}"
+        )
+    have = workspace.shape[0] * workspace.element_size()
+    if have < need:
+        raise ValueError(f"{fn}: workspace must hold at least {need} bytes ({bytes_fn}), got {have}")
+
+
+def check_devices(fn: str, x: torch.Tensor, others) -> int:
+    """Every tensor of ``others`` ((name, tensor or None) pairs) on x's CUDA device, of a supported
+    arch. Returns the device index."""
+    device = x.get_device()
+    if device < 0:
+        raise ValueError(f"{fn}: x must be a CUDA tensor, got device {x.device}")
+    for name, t in others:
+        if t is not None and t.get_device() != device:
+            raise ValueError(f"{fn}: {name} must be on x's device {x.device}, got {t.device}")
+    if arch_of(device) is None:
+        cap = torch.cuda.get_device_capability(device)
+        raise RuntimeError(
+            f"{fn}: device cuda:{device} has compute capability {cap[0]}.{cap[1]}; supported: "
+            f"{', '.join(f'{a}.{b}' for a, b in ARCH_OF_CAPABILITY)}"
+        )
+    return device
+
+
+_arch_cache: dict[int, str | None] = {}
+
+
+def arch_of(device_index: int) -> str | None:
+    """The module arch of a CUDA device (e.g. "sm_90a"), None when unsupported; queried once."""
+    try:
+        return _arch_cache[device_index]
+    except KeyError:
+        arch = _arch_cache[device_index] = ARCH_OF_CAPABILITY.get(torch.cuda.get_device_capability(device_index))
+        return arch
+
+
+def overlaps(a_ptr: int, a_bytes: int, b_ptr: int, b_bytes: int) -> bool:
+    return a_ptr < b_ptr + b_bytes and b_ptr < a_ptr + a_bytes
+
+
+def check_sizes(S, C, device) -> torch.device:
+    """Arguments of the *_workspace_bytes functions."""
+    if not isinstance(S, int) or isinstance(S, bool) or S < 0:
+        raise ValueError(f"S must be a non-negative int, got {S!r}")
+    if not isinstance(C, int) or isinstance(C, bool) or C <= 0 or C % 8:
+        raise ValueError(f"C must be a positive multiple of 8, got {C!r}")
+    return torch.device(device)

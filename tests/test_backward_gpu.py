@@ -1,0 +1,913 @@
+"""GPU tests of cake_causal_conv1d_train_backward and of the autograd entry cake_causal_conv1d
+(sm_90; skipped without one, see conftest.py).
+
+Every gradient is checked against the FP64 reference backward on fresh random inputs (never
+zeros), into NaN-poisoned dx / dweight / dbias where they are passed, so an element the kernels
+never wrote fails the test. Tolerances (see `assert_grads_match_reference`) are derived from
+the kernels' arithmetic: FP32 math, dx rounded to BF16, dweight / dbias summed in FP32 and
+rounded to the parameter's dtype.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import sys
+import re
+import time
+
+import pytest
+import torch
+
+from doclengths import docs_3000, docs_16_to_64, fill, make_cu, one_doc, split
+from flashinfer_cake import (
+    cake_causal_conv1d,
+    cake_causal_conv1d_train_backward,
+    cake_causal_conv1d_train_backward_workspace,
+    cake_causal_conv1d_train_backward_workspace_bytes,
+    cake_causal_conv1d_train_forward,
+    cake_causal_conv1d_train_forward_workspace,
+)
+from flashinfer_cake.reference import (
+    causal_conv1d_backward_reference,
+    causal_conv1d_preactivation_reference,
+)
+
+pytestmark = pytest.mark.gpu
+
+fwd = cake_causal_conv1d_train_forward
+bwd = cake_causal_conv1d_train_backward
+workspace_bytes = cake_causal_conv1d_train_backward_workspace_bytes
+new_workspace = cake_causal_conv1d_train_backward_workspace
+new_fwd_workspace = cake_causal_conv1d_train_forward_workspace
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+F32 = torch.float32
+F64 = torch.float64
+I32 = torch.int32
+WEIGHT_DTYPES = [pytest.param(F32, id="w_fp32"), pytest.param(BF16, id="w_bf16")]
+BIAS_DTYPES = [
+    pytest.param(None, id="b_none"),
+    pytest.param(F32, id="b_fp32"),
+    pytest.param(BF16, id="b_bf16"),
+]
+POLICIES = ["bf16", "fp32"]
+BOUNDARY_LENGTHS = (63, 64, 65, 127, 128, 129, 1023, 1024, 1025)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def device():
+    return torch.device(DEV, torch.cuda.current_device())
+
+
+def sync():
+    torch.cuda.synchronize()
+
+
+def empty_ends_and_middle(S, rng):
+    return [0, 0] + split(S // 2, 4, rng) + [0, 0] + split(S - S // 2, 4, rng) + [0, 0, 0]
+
+
+def tiny_docs(S, rng):
+    """Thousands of 1-8 token documents (for large S), a few empty ones."""
+    return fill(S, rng, (1, 2, 3, 4, 5, 6, 7, 8), p_empty=0.02)
+
+
+def short_docs(S, rng):
+    """1-3 token documents: every token is within 3 of a document start."""
+    return fill(S, rng, (1, 2, 3), p_empty=0.05)
+
+
+def boundary_mix(S, rng):
+    return fill(S, rng, BOUNDARY_LENGTHS + (1, 2, 3), p_empty=0.02)
+
+
+def make_inputs(S, C, *, seed, weight_dtype=F32, bias_dtype=F32, batch_dim=False):
+    """Fresh random x, dy (BF16), weight and bias (None when bias_dtype is None) on the GPU."""
+    g = torch.Generator(device=DEV)
+    g.manual_seed(seed)
+    x = torch.randn(S, C, device=DEV, generator=g).to(BF16)
+    dy = torch.randn(S, C, device=DEV, generator=g).to(BF16)
+    if batch_dim:
+        x, dy = x.unsqueeze(0), dy.unsqueeze(0)
+    weight = (0.5 * torch.randn(C, 4, device=DEV, generator=g)).to(weight_dtype)
+    bias = None
+    if bias_dtype is not None:
+        bias = (0.5 * torch.randn(C, device=DEV, generator=g)).to(bias_dtype)
+    return x, weight, bias, dy
+
+
+def poisoned(shape, dtype=BF16):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+def poisoned_grads(x, weight, bias):
+    """NaN-filled dx, dweight, dbias (None without a bias) for the `dx=`/`dweight=`/`dbias=`."""
+    return (poisoned(x.shape), poisoned(weight.shape, weight.dtype),
+            None if bias is None else poisoned(bias.shape, bias.dtype))
+
+
+def same_bits(a, b):
+    """Bitwise equality (None == None) that also holds for NaN-poisoned tensors."""
+    if a is None or b is None:
+        return a is None and b is None
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
+def backward(x, weight, cu, dy, bias=None, policy="bf16", **kw):
+    """The raw backward, always as (dx, dweight, dbias or None)."""
+    grads = bwd(x, weight, cu, dy, bias=bias, silu_grad_preactivation=policy, **kw)
+    assert isinstance(grads, tuple) and len(grads) == (2 if bias is None else 3), len(grads)
+    return grads if bias is not None else (*grads, None)
+
+
+def backward_into(x, weight, cu, dy, bias=None, policy="bf16", **kw):
+    """The raw backward into NaN-poisoned outputs; checks that it returns exactly them."""
+    outs = poisoned_grads(x, weight, bias)
+    grads = backward(x, weight, cu, dy, bias, policy, dx=outs[0], dweight=outs[1], dbias=outs[2], **kw)
+    assert all(g is o for g, o in zip(grads, outs)), "the given output tensors must be returned"
+    return grads
+
+
+def assert_same_grads(got, want, what=""):
+    for name, g, w in zip(("dx", "dweight", "dbias"), got, want):
+        assert same_bits(g, w), f"{what}{name} differs bitwise"
+
+
+def silu_grad(a):
+    s = torch.sigmoid(a)
+    return s * (1 + a * (1 - s))
+
+
+def _lookahead(v, w_abs):
+    """``sum_k w_abs[:, k] * v[s + 3 - k]`` over every tap, across documents too (used for
+    error bounds of dx: v >= 0, so ignoring documents only makes it larger)."""
+    out = v * w_abs[:, 3]
+    for back in (1, 2, 3):
+        if back < v.shape[0]:
+            out[:-back] += v[back:] * w_abs[:, 3 - back]
+    return out
+
+
+def _lookback(v, x_abs):
+    """``[C, 4]``: ``sum_t v[t] * x_abs[t - 3 + k]`` over every tap (bounds of dweight)."""
+    S = v.shape[0]
+    cols = [(v[back:] * x_abs[: max(S - back, 0)]).sum(0) for back in (3, 2, 1)]
+    return torch.stack(cols + [(v * x_abs).sum(0)], dim=1)
+
+
+def _g_error_bound(x, weight, cu, dy, bias, policy):
+    """Per element, a bound of |g_kernel - g_ref| with g = dy * silu'(a').
+
+    The kernel's FP32 pre-activation is within 2^-20 * (|b| + sum |w x|) of the exact one (four
+    roundings of 2^-24). silu' has |silu''| <= 1/2 and is evaluated with the hardware ex2 / rcp
+    (relative error ~2^-21). With the "bf16" policy, an FP32 pre-activation within that error
+    of a BF16 rounding midpoint may round to the neighbouring BF16 value: silu' then differs by
+    up to |silu'(neighbour) - silu'(ref)|, allowed here only where such a tie is possible.
+    """
+    C = x.shape[-1]
+    a = causal_conv1d_preactivation_reference(x, weight, cu, bias).reshape(-1, C)
+    a_mag = causal_conv1d_preactivation_reference(
+        x.abs(), weight.abs(), cu, None if bias is None else bias.abs()).reshape(-1, C)
+    a_err = 2.0**-20 * a_mag
+    dy_abs = dy.reshape(-1, C).double().abs()
+    err = dy_abs * (2.0**-19 + 0.5 * a_err)
+    if policy == "bf16":
+        def rounded(v):
+            return v.to(BF16).double()
+
+        at_ref = silu_grad(rounded(a))
+        flip = torch.maximum((silu_grad(rounded(a - a_err)) - at_ref).abs(),
+                             (silu_grad(rounded(a + a_err)) - at_ref).abs())
+        err = err + dy_abs * flip
+    return err
+
+
+def _check_close(what, got, want, tol):
+    assert torch.isfinite(got).all(), (
+        f"{what}: {int((~torch.isfinite(got)).sum())} of {got.numel()} values are NaN/inf (never written?); "
+        f"first at {(~torch.isfinite(got)).nonzero()[0].tolist()}"
+    )
+    err = (got.double() - want).abs()
+    bad = err > tol
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {got.numel()} values out of tolerance; first at {i}: "
+            f"got {got[i].item()!r}, want {want[i].item()!r}, tol {tol[i].item():.3g}; "
+            f"max abs err {err.max().item():.3g}"
+        )
+
+
+def assert_grads_match_reference(grads, x, weight, cu, dy, bias=None, policy="bf16"):
+    """dx, dweight, dbias of the right dtype / shape / device, fully written, and within the
+    kernels' rounding of the FP64 reference backward.
+
+    With G = 1.1 |dy| >= |g| (|silu'| <= 1.0999) and E the bound of |g_kernel - g_ref|:
+      dx:      2^-7 |ref| (BF16 rounding) + 2^-16 sum_k |w| G (FP32 sum) + sum_k |w| E
+      dweight: 2^-8 |ref| when BF16 + 1e-5 sum_t G |x| (FP32 sums of up to ~10^5 terms in a
+               fixed tree) + sum_t E |x|;  dbias likewise with |x| -> 1.
+    A missing tap, a leak across a document boundary or a wrong policy is far outside these.
+    """
+    dx, dweight, dbias = grads
+    C = x.shape[-1]
+    assert dx.dtype == BF16 and dx.shape == x.shape and dx.device == x.device and dx.is_contiguous()
+    assert dweight.dtype == weight.dtype and dweight.shape == (C, 4) and dweight.device == x.device
+    if bias is None:
+        assert dbias is None
+    else:
+        assert dbias.dtype == bias.dtype and dbias.shape == (C,) and dbias.device == x.device
+
+    ref_dx, ref_dw, ref_db = causal_conv1d_backward_reference(x, weight, cu, dy, bias,
+                                                              silu_grad_preactivation=policy)
+    x_abs = x.reshape(-1, C).double().abs()
+    w_abs = weight.double().abs()
+    g_mag = 1.1 * dy.reshape(-1, C).double().abs()
+    g_err = _g_error_bound(x, weight, cu, dy, bias, policy)
+
+    ref_dx = ref_dx.reshape(-1, C)
+    tol_dx = 2.0**-7 * ref_dx.abs() + 2.0**-16 * _lookahead(g_mag, w_abs) + 1.01 * _lookahead(g_err, w_abs)
+    _check_close("dx", dx.reshape(-1, C), ref_dx, tol_dx)
+    if ref_dx.numel():
+        rel_l2 = ((dx.reshape(-1, C).double() - ref_dx).norm() / ref_dx.norm().clamp_min(1e-30)).item()
+        assert rel_l2 < 1e-2, f"dx relative L2 error {rel_l2:.3g}"
+
+    def param_tol(ref, mag, slack, dtype):
+        rel = 2.0**-8 if dtype == BF16 else 0.0
+        return rel * ref.abs() + (1 + rel) * (1e-5 * mag + 1.01 * slack) + 1e-30
+
+    tol_dw = param_tol(ref_dw, _lookback(g_mag, x_abs), _lookback(g_err, x_abs), weight.dtype)
+    _check_close("dweight", dweight, ref_dw, tol_dw)
+    if bias is not None:
+        _check_close("dbias", dbias, ref_db, param_tol(ref_db, g_mag.sum(0), g_err.sum(0), bias.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# correctness
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("bias_dtype", BIAS_DTYPES)
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_every_variant_matches_reference(weight_dtype, bias_dtype, policy):
+    S, C = 5000, 136
+    seed = 2000 + 10 * (weight_dtype is BF16) + {None: 0, F32: 1, BF16: 2}[bias_dtype] + 100 * (policy == "fp32")
+    rng = random.Random(seed)
+    x, w, b, dy = make_inputs(S, C, seed=seed, weight_dtype=weight_dtype, bias_dtype=bias_dtype)
+    cu = make_cu(S, [0] + split(S // 2, 40, rng) + [0] + short_docs(S - S // 2, rng) + [0])
+
+    grads = backward_into(x, w, cu, dy, b, policy)
+    assert_grads_match_reference(grads, x, w, cu, dy, b, policy)
+    fresh = backward(x, w, cu, dy, b, policy)  # allocated outputs, default workspace: same bits
+    assert fresh[0].data_ptr() not in (x.data_ptr(), dy.data_ptr())
+    assert_same_grads(fresh, grads)
+
+
+def test_policies_differ_and_default_is_bf16():
+    """The two policies give different gradients on random data; the default is "bf16"."""
+    S, C = 3000, 264
+    x, w, b, dy = make_inputs(S, C, seed=41)
+    cu = make_cu(S, split(S, 9, random.Random(41)))
+    g_bf16, g_fp32 = backward(x, w, cu, dy, b, "bf16"), backward(x, w, cu, dy, b, "fp32")
+    assert not torch.equal(g_bf16[1], g_fp32[1])
+    assert_same_grads(bwd(x, w, cu, dy, bias=b), g_bf16)
+
+
+DOC_CASES = [
+    # S, C, document mix, weight dtype, bias dtype, policy
+    pytest.param(1, 8, one_doc, F32, None, "bf16", id="S1-C8-one"),
+    pytest.param(2, 24, one_doc, BF16, F32, "fp32", id="S2-C24-one"),
+    pytest.param(3, 40, empty_ends_and_middle, F32, BF16, "bf16", id="S3-C40-empties"),
+    pytest.param(5, 32, short_docs, BF16, None, "fp32", id="S5-C32-short"),
+    pytest.param(67, 8, short_docs, F32, F32, "bf16", id="S67-C8-short"),
+    pytest.param(1000, 2048, docs_16_to_64, F32, F32, "bf16", id="S1000-C2048-docs16-64"),
+    pytest.param(4097, 136, empty_ends_and_middle, BF16, BF16, "fp32", id="S4097-C136-empties"),
+    pytest.param(8192, 32, one_doc, F32, F32, "fp32", id="S8192-C32-one"),
+    pytest.param(12345, 24, short_docs, F32, BF16, "bf16", id="S12345-C24-short"),
+    pytest.param(20000, 136, docs_3000, F32, F32, "fp32", id="S20000-C136-3000docs"),
+    pytest.param(3001, 2048, boundary_mix, F32, BF16, "fp32", id="S3001-C2048-boundary-mix"),
+    pytest.param(33000, 136, empty_ends_and_middle, BF16, F32, "bf16", id="S33000-C136-empties"),
+    pytest.param(70000, 8, tiny_docs, BF16, F32, "bf16", id="S70000-C8-tiny"),
+    pytest.param(69999, 40, boundary_mix, F32, None, "fp32", id="S69999-C40-boundary-mix"),
+    pytest.param(65600, 2048, docs_16_to_64, BF16, BF16, "bf16", id="S65600-C2048-docs16-64"),
+]
+
+
+@pytest.mark.parametrize("S, C, mix, weight_dtype, bias_dtype, policy", DOC_CASES)
+def test_document_mixes_match_reference(S, C, mix, weight_dtype, bias_dtype, policy):
+    seed = 7919 * S + C
+    x, w, b, dy = make_inputs(S, C, seed=seed, weight_dtype=weight_dtype, bias_dtype=bias_dtype)
+    cu = make_cu(S, mix(S, random.Random(seed)))
+    grads = backward_into(x, w, cu, dy, b, policy)
+    assert_grads_match_reference(grads, x, w, cu, dy, b, policy)
+
+
+@pytest.mark.parametrize("C", [24, 136])
+@pytest.mark.parametrize("L", BOUNDARY_LENGTHS)
+def test_tile_boundary_document_lengths(L, C):
+    """Five documents of length L, then 1, 2 and 3 token ones (63/64/65/.../1023/1024/1025)."""
+    S = 5 * L + 6
+    policy = POLICIES[L % 2]
+    x, w, b, dy = make_inputs(S, C, seed=31 * L + C)
+    cu = make_cu(S, [L] * 5 + [1, 2, 3])
+    grads = backward_into(x, w, cu, dy, b, policy)
+    assert_grads_match_reference(grads, x, w, cu, dy, b, policy)
+
+
+@pytest.mark.parametrize("C", [8, 136])
+@pytest.mark.parametrize("S", [4, 17, 31, 32, 33, 65, 129, 257, 1025, 16385])
+def test_sequence_lengths_one_document(S, C):
+    """S around the kernel's token strips (16 / 32) and token groups (64 .. 1024), one document."""
+    x, w, b, dy = make_inputs(S, C, seed=S * 11 + C, weight_dtype=BF16)
+    cu = make_cu(S, [S])
+    grads = backward_into(x, w, cu, dy, b, "bf16")
+    assert_grads_match_reference(grads, x, w, cu, dy, b, "bf16")
+
+
+@pytest.mark.parametrize("S, C", [(1, 8), (4097, 264), (3001, 2048)])
+def test_batch_dim_input(S, C):
+    x, w, b, dy = make_inputs(S, C, seed=S + C, batch_dim=True)
+    assert x.shape == dy.shape == (1, S, C)
+    cu = make_cu(S, split(S, 20, random.Random(S)))
+    grads = backward_into(x, w, cu, dy, b)
+    assert grads[0].shape == (1, S, C)
+    assert_grads_match_reference(grads, x, w, cu, dy, b)
+    assert_same_grads(backward(x[0], w, cu, dy[0], b), (grads[0][0], grads[1], grads[2]))
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (1, 0, 64)], ids=["2d", "3d"])
+@pytest.mark.parametrize("bias_dtype", BIAS_DTYPES)
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_empty_sequence(shape, weight_dtype, bias_dtype):
+    """S == 0: dx is empty, dweight and dbias are zero (written over NaN)."""
+    C = shape[-1]
+    x = torch.empty(shape, dtype=BF16, device=DEV)
+    dy = torch.empty(shape, dtype=BF16, device=DEV)
+    w = torch.randn(C, 4, device=DEV).to(weight_dtype)
+    b = None if bias_dtype is None else torch.randn(C, device=DEV).to(bias_dtype)
+    for cu in (torch.zeros(1, dtype=I32, device=DEV), torch.zeros(4, dtype=I32, device=DEV)):
+        for ws in (None, new_workspace(0, C, device())):
+            for grads in (backward_into(x, w, cu, dy, b, workspace=ws), backward(x, w, cu, dy, b, workspace=ws)):
+                sync()
+                dx, dweight, dbias = grads
+                assert dx.shape == x.shape and dx.dtype == BF16 and dx.device == x.device
+                assert dweight.dtype == weight_dtype and torch.equal(dweight, torch.zeros_like(w))
+                if b is None:
+                    assert dbias is None
+                else:
+                    assert dbias.dtype == bias_dtype and torch.equal(dbias, torch.zeros_like(b))
+
+
+def test_gradients_stay_in_their_document():
+    """dy nonzero in one document only: dx is zero everywhere else (the tokens right before the
+    document included), and the document's dx equals the backward of the document alone."""
+    lengths = [700, 1, 0, 3, 2, 1000, 0, 64, 1, 129, 100]
+    S, C = sum(lengths), 136
+    cu = make_cu(S, lengths)
+    x, w, b, dy_all = make_inputs(S, C, seed=61)
+    bounds = cu.tolist()
+    for d, n in enumerate(lengths):
+        if n == 0:
+            continue
+        lo, hi = bounds[d], bounds[d + 1]
+        dy = torch.zeros_like(dy_all)
+        dy[lo:hi] = dy_all[lo:hi]
+        for policy in POLICIES:
+            dx, _, _ = backward_into(x, w, cu, dy, b, policy)
+            outside = torch.cat([dx[:lo], dx[hi:]])
+            assert torch.count_nonzero(outside).item() == 0, f"document {d}: gradient leaked out of [{lo}, {hi})"
+            alone, _, _ = backward(x[lo:hi].clone(), w, make_cu(n, [n]), dy[lo:hi].clone(), b, policy)
+            assert same_bits(dx[lo:hi], alone), f"document {d}: dx differs from the document alone"
+
+
+# ---------------------------------------------------------------------------------------------
+# workspace and determinism
+
+
+def test_workspace_allocator():
+    dev = device()
+    for S, C in [(0, 8), (1, 8), (4097, 264), (20000, 1000), (65600, 2048), (1500, 16384)]:
+        nbytes = workspace_bytes(S, C, dev)
+        assert isinstance(nbytes, int) and nbytes >= 0
+        assert (nbytes == 0) == (S == 0)
+        ws = new_workspace(S, C, dev)
+        assert ws.dtype == F32 and ws.dim() == 1 and ws.is_contiguous()
+        assert ws.device == dev
+        assert ws.numel() * 4 >= nbytes
+
+
+@pytest.mark.parametrize(
+    "weight_dtype, bias_dtype, policy",
+    [
+        pytest.param(F32, F32, "bf16", id="w_fp32-b_fp32-bf16"),
+        pytest.param(BF16, BF16, "fp32", id="w_bf16-b_bf16-fp32"),
+    ],
+)
+def test_bitwise_deterministic(weight_dtype, bias_dtype, policy):
+    """Three runs, explicit workspaces of any content, and a fresh default workspace (another
+    stream's) all give the same bits."""
+    S, C = 20000, 1000
+    x, w, b, dy = make_inputs(S, C, seed=77, weight_dtype=weight_dtype, bias_dtype=bias_dtype)
+    cu = make_cu(S, split(S, 500, random.Random(77)))
+    first = backward_into(x, w, cu, dy, b, policy)
+    assert_grads_match_reference(first, x, w, cu, dy, b, policy)
+    for i in range(3):
+        assert_same_grads(backward_into(x, w, cu, dy, b, policy), first, f"run {i}: ")
+        assert_same_grads(backward(x, w, cu, dy, b, policy), first, f"run {i}, allocated outputs: ")
+    ws = new_workspace(S, C, device())
+    for content in (float("nan"), 0.0, 1e30):
+        ws.fill_(content)
+        assert_same_grads(backward_into(x, w, cu, dy, b, policy, workspace=ws), first, f"workspace of {content}: ")
+    bigger = torch.full((ws.numel() * 3 + 5,), float("nan"), device=DEV)
+    assert_same_grads(backward_into(x, w, cu, dy, b, policy, workspace=bigger), first, "bigger workspace: ")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a stream of its own: a new default workspace
+        on_side = backward_into(x, w, cu, dy, b, policy)
+    torch.cuda.current_stream().wait_stream(side)
+    sync()
+    assert_same_grads(on_side, first, "fresh default workspace: ")
+
+
+def test_default_workspace_grows_and_shrinking_calls_stay_exact():
+    """Calls of growing and shrinking sizes on one stream share the default workspace."""
+    shapes = [(500, 264, 7), (65600, 2048, 40), (70000, 8, 3000), (5, 8, 2), (20000, 1000, 30), (131072, 8, 50)]
+    for i, (S, C, n_docs) in enumerate(shapes):
+        x, w, b, dy = make_inputs(S, C, seed=300 + i, weight_dtype=(F32, BF16)[i % 2])
+        cu = make_cu(S, split(S, n_docs, random.Random(i)))
+        grads = backward(x, w, cu, dy, b, POLICIES[i % 2])
+        explicit = backward_into(x, w, cu, dy, b, POLICIES[i % 2], workspace=new_workspace(S, C, device()))
+        assert_same_grads(grads, explicit, f"S={S}, C={C}: ")
+        if S * C < 50_000_000:
+            assert_grads_match_reference(grads, x, w, cu, dy, b, POLICIES[i % 2])
+
+
+# ---------------------------------------------------------------------------------------------
+# streams, graphs, host synchronization
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit-outputs-workspaces", "defaults"])
+def test_cuda_graph_forward_backward_replay_with_new_data(explicit):
+    S, C, n_docs, policy = 5000, 520, 37, "bf16"
+    x, w, b, dy = make_inputs(S, C, seed=9)
+    cu = make_cu(S, split(S, n_docs, random.Random(9)))
+    if explicit:
+        y_out = poisoned(x.shape)
+        dx, dweight, dbias = poisoned_grads(x, w, b)
+        kw_fwd = dict(out=y_out, workspace=new_fwd_workspace(S, C, device()))
+        kw_bwd = dict(dx=dx, dweight=dweight, dbias=dbias, workspace=new_workspace(S, C, device()))
+    else:
+        kw_fwd, kw_bwd = {}, {}
+
+    def step():
+        y = fwd(x, w, cu, bias=b, **kw_fwd)
+        return y, backward(x, w, cu, dy, b, policy, **kw_bwd)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: modules loaded, default workspaces made
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    sync()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, grads = step()
+    if explicit:
+        assert y is y_out and grads[0] is dx and grads[1] is dweight and grads[2] is dbias
+
+    for seed in (10, 11, 12):
+        new_x, _, _, new_dy = make_inputs(S, C, seed=seed)
+        new_cu = make_cu(S, split(S, n_docs, random.Random(seed)))
+        for t in (y, *grads):
+            t.fill_(float("nan"))
+        x.copy_(new_x)
+        dy.copy_(new_dy)
+        cu.copy_(new_cu)
+        graph.replay()
+        expected_y = fwd(new_x, w, new_cu, bias=b)
+        expected = backward(new_x, w, new_cu, new_dy, b, policy)
+        sync()
+        assert same_bits(y, expected_y), f"replay with seed {seed}: y differs from eager"
+        assert_same_grads(grads, expected, f"replay with seed {seed}: ")
+    assert_grads_match_reference(grads, new_x, w, new_cu, new_dy, b, policy)
+
+
+@pytest.mark.parametrize("bias_dtype", [pytest.param(None, id="b_none"), pytest.param(F32, id="b_fp32")])
+def test_cuda_graph_autograd_replay_with_new_data(bias_dtype):
+    """cake_causal_conv1d + y.backward(dy) captured whole (the pattern of whole-network capture),
+    replayed with new x, dy and cu_seqlens: y and the .grad tensors equal eager raw calls."""
+    S, C, n_docs, policy = 4096, 264, 21, "fp32"
+    x, w, b, dy = make_inputs(S, C, seed=19, bias_dtype=bias_dtype)
+    cu = make_cu(S, split(S, n_docs, random.Random(19)))
+    leaves = [t.requires_grad_() for t in (x, w, b) if t is not None]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        y = cake_causal_conv1d(x, w, cu, b, silu_grad_preactivation=policy)
+        y.backward(dy)
+        return y
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    sync()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    grads = (x.grad, w.grad, None if b is None else b.grad)
+
+    for seed in (20, 21):
+        new_x, _, _, new_dy = make_inputs(S, C, seed=seed)
+        new_cu = make_cu(S, split(S, n_docs, random.Random(seed)))
+        with torch.no_grad():
+            x.copy_(new_x)
+        dy.copy_(new_dy)
+        cu.copy_(new_cu)
+        graph.replay()
+        w0, b0 = w.detach(), None if b is None else b.detach()
+        expected_y = fwd(new_x, w0, new_cu, bias=b0)
+        expected = backward(new_x, w0, new_cu, new_dy, b0, policy)
+        sync()
+        assert same_bits(y.detach(), expected_y), f"replay with seed {seed}: y differs from eager"
+        assert_same_grads(grads, expected, f"replay with seed {seed}: ")
+
+
+def test_two_streams_at_once_default_workspaces():
+    S, C, reps = 8192, 2048, 4
+    xa, wa, ba, dya = make_inputs(S, C, seed=21)
+    xb, wb, bb, dyb = make_inputs(S, C, seed=22, weight_dtype=BF16, bias_dtype=None)
+    cua = make_cu(S, split(S, 3, random.Random(21)))
+    cub = make_cu(S, tiny_docs(S, random.Random(22)))
+    outs_a = [poisoned_grads(xa, wa, ba) for _ in range(reps)]
+    outs_b = [poisoned_grads(xb, wb, bb) for _ in range(reps)]
+    current = torch.cuda.current_stream()
+    sa, sb = torch.cuda.Stream(), torch.cuda.Stream()
+    sa.wait_stream(current)
+    sb.wait_stream(current)
+    for i in range(reps):  # interleaved: both streams have work queued at once
+        with torch.cuda.stream(sa):
+            backward(xa, wa, cua, dya, ba, "bf16", dx=outs_a[i][0], dweight=outs_a[i][1], dbias=outs_a[i][2])
+        with torch.cuda.stream(sb):
+            backward(xb, wb, cub, dyb, bb, "fp32", dx=outs_b[i][0], dweight=outs_b[i][1])
+    current.wait_stream(sa)
+    current.wait_stream(sb)
+    sync()
+    assert_grads_match_reference(outs_a[0], xa, wa, cua, dya, ba, "bf16")
+    assert_grads_match_reference(outs_b[0], xb, wb, cub, dyb, bb, "fp32")
+    for i in range(1, reps):
+        assert_same_grads(outs_a[i], outs_a[0], f"stream A call {i}: ")
+        assert_same_grads(outs_b[i], outs_b[0], f"stream B call {i}: ")
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["default", "outputs-and-workspace"])
+def test_no_host_synchronization(explicit):
+    S, C = 4096, 1024
+    x, w, b, dy = make_inputs(S, C, seed=5)
+    cu = make_cu(S, split(S, 50, random.Random(5)))
+    ws = new_workspace(S, C, device()) if explicit else None
+    backward(x, w, cu, dy, b, workspace=ws)  # warm-up: module loaded, default workspace made
+    sync()
+    outs = poisoned_grads(x, w, b) if explicit else (None, None, None)
+    stream = torch.cuda.current_stream()
+
+    start = time.perf_counter()
+    torch.cuda._sleep(int(1e9))  # ~0.5 s of GPU busy-wait on the current stream
+    before = time.perf_counter()
+    grads = backward(x, w, cu, dy, b, workspace=ws, dx=outs[0], dweight=outs[1], dbias=outs[2])
+    after = time.perf_counter()
+    still_busy = not stream.query()
+    sync()
+    finished = time.perf_counter()
+
+    assert finished - start > 0.2, "busy kernel too short for this test to mean anything"
+    assert still_busy, "the stream was idle right after the call: the call waited for the GPU"
+    assert after - before < 0.05, f"the call blocked the host for {after - before:.3f} s"
+    assert_grads_match_reference(grads, x, w, cu, dy, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# autograd and torch.compile
+
+
+def _leaves(x, w, b):
+    """Copies of x, weight, bias that require grad (bias None stays None)."""
+    return (x.clone().requires_grad_(), w.clone().requires_grad_(),
+            None if b is None else b.clone().requires_grad_())
+
+
+def _grads_of(xl, wl, bl):
+    return xl.grad, wl.grad, None if bl is None else bl.grad
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("bias_dtype", BIAS_DTYPES)
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_autograd_matches_raw_functions(weight_dtype, bias_dtype, policy):
+    S, C = 3000, 136
+    seed = 900 + 10 * (weight_dtype is BF16) + {None: 0, F32: 1, BF16: 2}[bias_dtype]
+    x, w, b, dy = make_inputs(S, C, seed=seed, weight_dtype=weight_dtype, bias_dtype=bias_dtype)
+    cu = make_cu(S, [0] + split(S, 30, random.Random(seed)) + [0])
+    xl, wl, bl = _leaves(x, w, b)
+
+    y = cake_causal_conv1d(xl, wl, cu, bl, silu_grad_preactivation=policy)
+    assert y.dtype == BF16 and y.shape == x.shape and y.requires_grad
+    assert same_bits(y.detach(), fwd(x, w, cu, bias=b))
+    y.backward(dy)
+    got = _grads_of(xl, wl, bl)
+    assert got[1].dtype == weight_dtype and (bl is None or got[2].dtype == bias_dtype)
+    assert_same_grads(got, backward(x, w, cu, dy, b, policy))
+    if policy == "bf16":  # the default policy
+        xl2, wl2, bl2 = _leaves(x, w, b)
+        cake_causal_conv1d(xl2, wl2, cu, bl2).backward(dy)
+        assert_same_grads(_grads_of(xl2, wl2, bl2), got, "default policy: ")
+
+
+def test_autograd_only_parameters_require_grad():
+    """x without requires_grad (a first layer): weight and bias still get their gradients."""
+    S, C = 2000, 264
+    x, w, b, dy = make_inputs(S, C, seed=93, weight_dtype=BF16, bias_dtype=BF16)
+    cu = make_cu(S, split(S, 12, random.Random(93)))
+    wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
+    cake_causal_conv1d(x, wl, cu, bl).backward(dy)
+    _, dweight, dbias = backward(x, w, cu, dy, b)
+    assert same_bits(wl.grad, dweight) and same_bits(bl.grad, dbias)
+
+
+def _misaligned(t):
+    """A contiguous copy of t whose data pointer is one element past an aligned address."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+INCOMING_GRADS = {
+    "fp32": lambda dy: dy.float(),
+    "transposed-view": lambda dy: dy.t().contiguous().t(),
+    "fp32-transposed-view": lambda dy: dy.float().t().contiguous().t(),
+    "row-stride-2C": lambda dy: torch.cat([dy, dy], dim=1)[:, : dy.shape[1]],
+    "misaligned": _misaligned,
+}
+
+
+@pytest.mark.parametrize("form", list(INCOMING_GRADS))
+def test_autograd_incoming_grad_of_any_dtype_and_layout(form):
+    """y.backward(g) with g FP32, a strided view or misaligned: the same gradients as the BF16
+    contiguous g (materialized once; the raw function rejects such a dy)."""
+    S, C = 3000, 136
+    x, w, b, dy = make_inputs(S, C, seed=71)
+    cu = make_cu(S, split(S, 17, random.Random(71)))
+    g = INCOMING_GRADS[form](dy)
+    assert torch.equal(g.to(BF16), dy)
+    assert g.dtype != BF16 or not g.is_contiguous() or g.data_ptr() % 16
+    if g.dtype == BF16:  # what the raw function says about it
+        with pytest.raises(ValueError, match=r"\bdy\b"):
+            bwd(x, w, cu, g, bias=b)
+    xl, wl, bl = _leaves(x, w, b)
+    cake_causal_conv1d(xl, wl, cu, bl).backward(g)
+    assert_same_grads(_grads_of(xl, wl, bl), backward(x, w, cu, dy, b))
+
+
+def test_autograd_grads_from_losses():
+    """Losses whose gradient reaches y as an expanded (stride 0) or transposed tensor."""
+    S, C = 2500, 264
+    x, w, b, _ = make_inputs(S, C, seed=72)
+    cu = make_cu(S, split(S, 9, random.Random(72)))
+
+    xl, wl, bl = _leaves(x, w, b)
+    cake_causal_conv1d(xl, wl, cu, bl).sum().backward()  # dy: ones expanded, strides (0, 0)
+    assert_same_grads(_grads_of(xl, wl, bl), backward(x, w, cu, torch.ones_like(x), b), "y.sum(): ")
+
+    t = torch.randn(C, S, device=DEV).to(BF16)
+    xl, wl, bl = _leaves(x, w, b)
+    (cake_causal_conv1d(xl, wl, cu, bl).t() * t).sum().backward()  # dy: t.t(), strides (1, S)
+    assert_same_grads(_grads_of(xl, wl, bl), backward(x, w, cu, t.t().contiguous(), b), "(y.t() * t).sum(): ")
+
+
+class _ConvSiLULoss(torch.nn.Module):
+    def __init__(self, weight, bias, policy):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.clone())
+        self.bias = None if bias is None else torch.nn.Parameter(bias.clone())
+        self.policy = policy
+
+    def forward(self, x, cu_seqlens):
+        y = cake_causal_conv1d(x, self.weight, cu_seqlens, self.bias, silu_grad_preactivation=self.policy)
+        return (y.float() ** 2).sum(), y.detach()
+
+
+@pytest.mark.parametrize("bias_dtype", [pytest.param(None, id="b_none"), pytest.param(F32, id="b_fp32")])
+def test_torch_compile_fullgraph_matches_eager(bias_dtype):
+    """The custom ops under torch.compile(fullgraph=True): same y (the same kernel) and the same
+    gradients (dy = 2 y is exact in BF16, then the same backward kernel)."""
+    S, C = 3000, 264
+    x, w, b, _ = make_inputs(S, C, seed=81, bias_dtype=bias_dtype)
+    cu = make_cu(S, split(S, 13, random.Random(81)))
+
+    def run(model):
+        xl = x.clone().requires_grad_()
+        loss, y = model(xl, cu)
+        loss.backward()
+        params = [model.weight] + ([] if model.bias is None else [model.bias])
+        return loss.detach(), y, xl.grad, [p.grad for p in params]
+
+    eager = run(_ConvSiLULoss(w, b, "bf16"))
+    compiled_model = torch.compile(_ConvSiLULoss(w, b, "bf16"), fullgraph=True)
+    for _ in range(2):  # the second call runs the cached graph
+        compiled_model.weight.grad = None
+        if compiled_model.bias is not None:
+            compiled_model.bias.grad = None
+        compiled = run(compiled_model)
+        assert torch.equal(compiled[1], eager[1]), "y differs under torch.compile"
+        torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=0)
+        torch.testing.assert_close(compiled[2], eager[2], rtol=0, atol=0)  # dx: expected bitwise
+        for got, want in zip(compiled[3], eager[3]):
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# rejected inputs on the GPU
+
+
+def _cpu(name):
+    def mutate(a):
+        a[name] = a[name].cpu()
+
+    return mutate
+
+
+def _short_workspace(a):
+    S, C = a["x"].shape
+    a["workspace"] = torch.zeros(workspace_bytes(S, C, device()) // 4 - 1, device=DEV)
+
+
+def _same_as(name, other):
+    def mutate(a):
+        a[name] = a[other]
+
+    return mutate
+
+
+def _dx_overlaps(other):
+    """dx and x (or dy) half-overlapping views of one buffer."""
+    def mutate(a):
+        S, C = a["x"].shape
+        buf = torch.randn(2 * S, C, device=DEV).to(BF16)
+        a[other], a["dx"] = buf[:S], buf[S // 2 : S // 2 + S]
+
+    return mutate
+
+
+def _shares_bytes_with_workspace(name):
+    """`name` (dx or dweight) and the workspace carved from one byte buffer, overlapping."""
+    def mutate(a):
+        t, ws = a[name], a["workspace"]
+        t_bytes, ws_bytes = t.numel() * t.element_size(), ws.numel() * 4
+        buf = torch.zeros(t_bytes + ws_bytes, dtype=torch.uint8, device=DEV)
+        start = (t_bytes // 2) // 16 * 16
+        a[name] = buf[:t_bytes].view(t.dtype).view(t.shape).fill_(float("nan"))
+        a["workspace"] = buf[start : start + ws_bytes].view(F32)
+
+    return mutate
+
+
+def _misaligned_arg(name):
+    def mutate(a):
+        a[name] = _misaligned(a[name])
+
+    return mutate
+
+
+BAD_GPU_CASES = [
+    pytest.param("x", _cpu("x"), id="x-cpu"),
+    pytest.param("weight", _cpu("weight"), id="weight-cpu"),
+    pytest.param("cu_seqlens", _cpu("cu_seqlens"), id="cu-cpu"),
+    pytest.param("dy", _cpu("dy"), id="dy-cpu"),
+    pytest.param("bias", _cpu("bias"), id="bias-cpu"),
+    pytest.param("workspace", _cpu("workspace"), id="workspace-cpu"),
+    pytest.param("dx", _cpu("dx"), id="dx-cpu"),
+    pytest.param("dweight", _cpu("dweight"), id="dweight-cpu"),
+    pytest.param("dbias", _cpu("dbias"), id="dbias-cpu"),
+    pytest.param("workspace", _short_workspace, id="workspace-one-float-short"),
+    pytest.param("dx", _same_as("dx", "x"), id="dx-is-x"),
+    pytest.param("dx", _same_as("dx", "dy"), id="dx-is-dy"),
+    pytest.param("dx", _dx_overlaps("x"), id="dx-overlaps-x"),
+    pytest.param("dx", _dx_overlaps("dy"), id="dx-overlaps-dy"),
+    pytest.param("dx", _shares_bytes_with_workspace("dx"), id="dx-overlaps-workspace"),
+    pytest.param("dweight", _shares_bytes_with_workspace("dweight"), id="dweight-overlaps-workspace"),
+    pytest.param("x", _misaligned_arg("x"), id="x-misaligned"),
+    pytest.param("dy", _misaligned_arg("dy"), id="dy-misaligned"),
+    pytest.param("dx", _misaligned_arg("dx"), id="dx-misaligned"),
+]
+
+
+@pytest.mark.parametrize("argname, mutate", BAD_GPU_CASES)
+def test_bad_gpu_input_rejected_and_nothing_written(argname, mutate):
+    S, C = 1000, 264
+    x, w, b, dy = make_inputs(S, C, seed=3)
+    dx, dweight, dbias = poisoned_grads(x, w, b)
+    args = {
+        "x": x, "weight": w, "cu_seqlens": make_cu(S, split(S, 9, random.Random(3))), "dy": dy, "bias": b,
+        "workspace": torch.full((workspace_bytes(S, C, device()) // 4,), 7.0, device=DEV),
+        "dx": dx, "dweight": dweight, "dbias": dbias,
+    }
+    mutate(args)
+    before = {k: v.clone() for k, v in args.items()}
+    with pytest.raises(ValueError, match=rf"\b{argname}\b") as info:
+        bwd(args["x"], args["weight"], args["cu_seqlens"], args["dy"], bias=args["bias"],
+            workspace=args["workspace"], dx=args["dx"], dweight=args["dweight"], dbias=args["dbias"])
+    assert re.match(rf"cake_causal_conv1d_train_backward: {argname}\b", str(info.value)), str(info.value)
+    sync()
+    for name, t in args.items():
+        assert same_bits(t, before[name]), f"a rejected call wrote {name}"
+
+
+@pytest.mark.parametrize("argname", ["weight", "bias"])
+def test_misaligned_parameter_is_copied_and_correct(argname):
+    """A misaligned weight / bias view (a slice of a larger parameter) works; dweight / dbias
+    still come back in its dtype."""
+    S, C = 1000, 264
+    x, w, b, dy = make_inputs(S, C, seed=4)
+    cu = make_cu(S, split(S, 9, random.Random(4)))
+    args = {"weight": w, "bias": b}
+    args[argname] = _misaligned(args[argname])
+    assert args[argname].data_ptr() % 16
+    grads = backward_into(x, args["weight"], cu, dy, args["bias"])
+    assert_same_grads(grads, backward(x, w, cu, dy, b))
+    assert_grads_match_reference(grads, x, w, cu, dy, b)
+
+
+CORRUPT_CU = {
+    "descending": lambda S: [0, S, S // 2, S // 4, 1, S],
+    "negative": lambda S: [0, -5, 10, -(2**31), S],
+    "beyond-S": lambda S: [0, S // 2, S + 100, 2 * S, S + 1],
+    "first-nonzero": lambda S: [7, 100, S],
+    "length-1-S": lambda S: [S],
+    "garbage": lambda S: [random.Random(S).randint(-(2**31), 2**31 - 1) for _ in range(64)],
+}
+
+
+@pytest.mark.parametrize("pattern", list(CORRUPT_CU))
+def test_corrupt_cu_seqlens_do_not_fault(pattern):
+    """Any cu_seqlens content: no fault, every dx row written, finite, deterministic."""
+    S, C = 3000, 264
+    x, w, b, dy = make_inputs(S, C, seed=S + C)
+    bad_cu = torch.tensor(CORRUPT_CU[pattern](S), dtype=I32, device=DEV)
+    grads = backward_into(x, w, bad_cu, dy, b)
+    again = backward(x, w, bad_cu, dy, b)
+    sync()  # raises if a kernel faulted
+    for t in grads:
+        assert torch.isfinite(t.float()).all()
+    assert_same_grads(again, grads)
+    cu = make_cu(S, split(S, 11, random.Random(S)))  # a valid call afterwards is still exact
+    assert_grads_match_reference(backward_into(x, w, cu, dy, b), x, w, cu, dy, b)
+
+
+_MEMCHECK_SCRIPT = """
+import torch
+from flashinfer_cake import cake_causal_conv1d_train_backward as bwd
+PATTERNS = {patterns}
+for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096)]:
+    x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    w = torch.randn(C, 4, device="cuda")
+    b = torch.randn(C, device="cuda", dtype=torch.bfloat16)
+    for cu in [[0, S], [0, 1, 2, 5, S], *PATTERNS.values()]:
+        bwd(x, w, torch.tensor(cu, dtype=torch.int32, device="cuda"), dy, bias=b)
+        bwd(x, w.bfloat16(), torch.tensor(cu, dtype=torch.int32, device="cuda"), dy)
+torch.cuda.synchronize()
+print("memcheck-script-done")
+"""
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
+def test_memcheck_clean(tmp_path):
+    """compute-sanitizer's memcheck sees no out-of-bounds access, for tails of S and C and for
+    every corrupt cu_seqlens pattern."""
+    patterns = {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(1000)] for name, make in CORRUPT_CU.items()}
+    script = tmp_path / "memcheck_bwd.py"
+    script.write_text(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)))
+    proc = subprocess.run(
+        ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "memcheck-script-done" in out
+    assert re.search(r"ERROR SUMMARY: 0 errors", out), out[-4000:]

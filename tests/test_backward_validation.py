@@ -1,0 +1,472 @@
+"""CPU tests of the backward's argument validation and of the FP64 backward reference (no GPU
+needed: they run in CI).
+
+The backward validates argument types first, then the policy, then dtypes/shapes/contiguity of
+every argument, then devices, so every dtype/shape/type/policy error below is raised for CPU
+tensors. Each case checks the exact exception type and that the message is about the offending
+argument (the argument is the subject of the message, right after the function's name).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from flashinfer_cake import (
+    cake_causal_conv1d,
+    cake_causal_conv1d_train_backward,
+    cake_causal_conv1d_train_backward_workspace,
+    cake_causal_conv1d_train_backward_workspace_bytes,
+)
+from flashinfer_cake.reference import (
+    causal_conv1d_backward_reference,
+    causal_conv1d_preactivation_reference,
+    causal_conv1d_reference,
+)
+
+FN = "cake_causal_conv1d_train_backward"
+S, C = 16, 32
+BF16 = torch.bfloat16
+F32 = torch.float32
+F64 = torch.float64
+I32 = torch.int32
+workspace_bytes = cake_causal_conv1d_train_backward_workspace_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# bad inputs
+
+
+def valid_args(**override):
+    """Valid arguments (all on the CPU, with a bias) with some of them replaced by `override`."""
+    args = {
+        "x": torch.randn(S, C).to(BF16),
+        "weight": torch.randn(C, 4),
+        "cu_seqlens": torch.tensor([0, 5, 5, S], dtype=I32),
+        "dy": torch.randn(S, C).to(BF16),
+        "bias": torch.randn(C),
+        "silu_grad_preactivation": "bf16",
+        "workspace": None,
+        "dx": None,
+        "dweight": None,
+        "dbias": None,
+    }
+    args.update(override)
+    return args
+
+
+def call(args):
+    return cake_causal_conv1d_train_backward(
+        args["x"],
+        args["weight"],
+        args["cu_seqlens"],
+        args["dy"],
+        bias=args["bias"],
+        silu_grad_preactivation=args["silu_grad_preactivation"],
+        workspace=args["workspace"],
+        dx=args["dx"],
+        dweight=args["dweight"],
+        dbias=args["dbias"],
+    )
+
+
+def case(case_id, exc, argname, **override):
+    """One bad-input case: `override` maps an argument to a zero-argument factory."""
+    return pytest.param(override, exc, argname, id=case_id)
+
+
+def policy(case_id, value):
+    return case(case_id, ValueError, "silu_grad_preactivation", silu_grad_preactivation=lambda: value)
+
+
+BAD_INPUTS = [
+    # x
+    case("x-fp16", ValueError, "x", x=lambda: torch.randn(S, C).half()),
+    case("x-fp32", ValueError, "x", x=lambda: torch.randn(S, C)),
+    case("x-1d", ValueError, "x", x=lambda: torch.randn(S * C).to(BF16)),
+    case("x-4d", ValueError, "x", x=lambda: torch.randn(1, 1, S, C).to(BF16)),
+    case("x-batch2", ValueError, "x", x=lambda: torch.randn(2, S, C).to(BF16)),
+    case("x-C-not-mult-8", ValueError, "x",
+         x=lambda: torch.randn(S, 12).to(BF16), weight=lambda: torch.randn(12, 4),
+         dy=lambda: torch.randn(S, 12).to(BF16), bias=lambda: torch.randn(12)),
+    case("x-noncontig", ValueError, "x", x=lambda: torch.randn(C, S).to(BF16).t()),
+    case("x-list", TypeError, "x", x=lambda: torch.randn(S, C).tolist()),
+    case("x-none", TypeError, "x", x=lambda: None),
+    # weight
+    case("weight-width3", ValueError, "weight", weight=lambda: torch.randn(C, 3)),
+    case("weight-wrong-C", ValueError, "weight", weight=lambda: torch.randn(C + 8, 4)),
+    case("weight-fp16", ValueError, "weight", weight=lambda: torch.randn(C, 4).half()),
+    case("weight-fp64", ValueError, "weight", weight=lambda: torch.randn(C, 4).double()),
+    case("weight-transposed", ValueError, "weight", weight=lambda: torch.randn(4, C).t()),
+    case("weight-list", TypeError, "weight", weight=lambda: torch.randn(C, 4).tolist()),
+    # bias
+    case("bias-wrong-len", ValueError, "bias", bias=lambda: torch.randn(C + 8)),
+    case("bias-fp16", ValueError, "bias", bias=lambda: torch.randn(C).half()),
+    case("bias-2d", ValueError, "bias", bias=lambda: torch.randn(1, C)),
+    case("bias-noncontig", ValueError, "bias", bias=lambda: torch.randn(2 * C)[::2]),
+    case("bias-float", TypeError, "bias", bias=lambda: 0.5),
+    # cu_seqlens
+    case("cu-int64", ValueError, "cu_seqlens", cu_seqlens=lambda: torch.tensor([0, 5, S])),
+    case("cu-2d", ValueError, "cu_seqlens", cu_seqlens=lambda: torch.tensor([[0, 5, S]], dtype=I32)),
+    case("cu-empty", ValueError, "cu_seqlens", cu_seqlens=lambda: torch.empty(0, dtype=I32)),
+    case("cu-noncontig", ValueError, "cu_seqlens",
+         cu_seqlens=lambda: torch.tensor([0, 9, 5, 9, S, 9], dtype=I32)[::2]),
+    case("cu-list", TypeError, "cu_seqlens", cu_seqlens=lambda: [0, 5, S]),
+    # dy
+    case("dy-fp32", ValueError, "dy", dy=lambda: torch.randn(S, C)),
+    case("dy-fp16", ValueError, "dy", dy=lambda: torch.randn(S, C).half()),
+    case("dy-more-rows", ValueError, "dy", dy=lambda: torch.randn(S + 1, C).to(BF16)),
+    case("dy-fewer-cols", ValueError, "dy", dy=lambda: torch.randn(S, C - 8).to(BF16)),
+    case("dy-3d-for-2d-x", ValueError, "dy", dy=lambda: torch.randn(1, S, C).to(BF16)),
+    case("dy-2d-for-3d-x", ValueError, "dy", x=lambda: torch.randn(1, S, C).to(BF16)),
+    case("dy-noncontig", ValueError, "dy", dy=lambda: torch.randn(C, S).to(BF16).t()),
+    case("dy-expanded", ValueError, "dy", dy=lambda: torch.ones((), dtype=BF16).expand(S, C)),
+    case("dy-list", TypeError, "dy", dy=lambda: torch.randn(S, C).tolist()),
+    case("dy-none", TypeError, "dy", dy=lambda: None),
+    # dx
+    case("dx-fp32", ValueError, "dx", dx=lambda: torch.empty(S, C)),
+    case("dx-more-rows", ValueError, "dx", dx=lambda: torch.empty(S + 1, C, dtype=BF16)),
+    case("dx-3d-for-2d-x", ValueError, "dx", dx=lambda: torch.empty(1, S, C, dtype=BF16)),
+    case("dx-noncontig", ValueError, "dx", dx=lambda: torch.empty(C, S, dtype=BF16).t()),
+    case("dx-list", TypeError, "dx", dx=lambda: [[0.0] * C] * S),
+    # dweight: weight's dtype (FP32 here) and shape
+    case("dweight-bf16-for-fp32", ValueError, "dweight", dweight=lambda: torch.empty(C, 4, dtype=BF16)),
+    case("dweight-fp32-for-bf16", ValueError, "dweight",
+         weight=lambda: torch.randn(C, 4).to(BF16), dweight=lambda: torch.empty(C, 4)),
+    case("dweight-fp64", ValueError, "dweight", dweight=lambda: torch.empty(C, 4, dtype=F64)),
+    case("dweight-width3", ValueError, "dweight", dweight=lambda: torch.empty(C, 3)),
+    case("dweight-flat", ValueError, "dweight", dweight=lambda: torch.empty(4 * C)),
+    case("dweight-transposed", ValueError, "dweight", dweight=lambda: torch.empty(4, C).t()),
+    case("dweight-list", TypeError, "dweight", dweight=lambda: [[0.0] * 4] * C),
+    # dbias: bias's dtype (FP32 here) and shape; only with a bias
+    case("dbias-without-bias", ValueError, "dbias", bias=lambda: None, dbias=lambda: torch.empty(C)),
+    case("dbias-bf16-for-fp32", ValueError, "dbias", dbias=lambda: torch.empty(C, dtype=BF16)),
+    case("dbias-fp32-for-bf16", ValueError, "dbias",
+         bias=lambda: torch.randn(C).to(BF16), dbias=lambda: torch.empty(C)),
+    case("dbias-wrong-len", ValueError, "dbias", dbias=lambda: torch.empty(C + 8)),
+    case("dbias-2d", ValueError, "dbias", dbias=lambda: torch.empty(1, C)),
+    case("dbias-noncontig", ValueError, "dbias", dbias=lambda: torch.empty(2 * C)[::2]),
+    case("dbias-float", TypeError, "dbias", dbias=lambda: 0.0),
+    # silu_grad_preactivation
+    policy("policy-upper", "BF16"),
+    policy("policy-fp16", "fp16"),
+    policy("policy-fp64", "fp64"),
+    policy("policy-empty", ""),
+    policy("policy-padded", " bf16"),
+    policy("policy-none", None),
+    policy("policy-int", 1),
+    policy("policy-bool", True),
+    policy("policy-bytes", b"bf16"),
+    policy("policy-list", ["bf16"]),
+    policy("policy-dtype", torch.bfloat16),
+    # workspace: FP32, 1-D, contiguous, large enough
+    case("ws-int32", ValueError, "workspace", workspace=lambda: torch.zeros(1 << 16, dtype=I32)),
+    case("ws-fp64", ValueError, "workspace", workspace=lambda: torch.zeros(1 << 16, dtype=F64)),
+    case("ws-bf16", ValueError, "workspace", workspace=lambda: torch.zeros(1 << 16, dtype=BF16)),
+    case("ws-empty", ValueError, "workspace", workspace=lambda: torch.zeros(0)),
+    case("ws-one-float-short", ValueError, "workspace",
+         workspace=lambda: torch.zeros(workspace_bytes(S, C, "cpu") // 4 - 1)),
+    case("ws-2d", ValueError, "workspace", workspace=lambda: torch.zeros(256, 256)),
+    case("ws-noncontig", ValueError, "workspace", workspace=lambda: torch.zeros(1 << 17)[::2]),
+    case("ws-list", TypeError, "workspace", workspace=lambda: [0.0] * 1024),
+    # device: every argument is well-formed, but x is not on a CUDA device
+    case("x-on-cpu", ValueError, "x"),
+    case("x-on-cpu-no-bias", ValueError, "x", bias=lambda: None),
+    case("x-on-cpu-all-outputs", ValueError, "x",
+         workspace=lambda: torch.zeros(1 << 16), dx=lambda: torch.empty(S, C, dtype=BF16),
+         dweight=lambda: torch.empty(C, 4), dbias=lambda: torch.empty(C)),
+]
+
+
+@pytest.mark.parametrize("override, exc, argname", BAD_INPUTS)
+def test_bad_input_is_rejected_naming_the_argument(override, exc, argname):
+    args = valid_args(**{name: make() for name, make in override.items()})
+    with pytest.raises(exc, match=rf"^{FN}: {argname}\b"):
+        call(args)
+
+
+def test_rejected_call_leaves_outputs_untouched():
+    """A ValueError (here: x on the CPU) is raised before anything is written."""
+    dx = torch.full((S, C), float("nan"), dtype=BF16)
+    dweight = torch.full((C, 4), float("nan"))
+    dbias = torch.full((C,), float("nan"))
+    workspace = torch.full((1 << 12,), 7.0)
+    args = valid_args(dx=dx, dweight=dweight, dbias=dbias, workspace=workspace)
+    with pytest.raises(ValueError, match=rf"^{FN}: x\b"):
+        call(args)
+    assert dx.isnan().all() and dweight.isnan().all() and dbias.isnan().all()
+    assert (workspace == 7.0).all()
+
+
+@pytest.mark.parametrize("shape", [(2**31, 8), (2**28, 128), (1, 2**30, 32)], ids=["S=2^31", "SC=2^35", "3d"])
+def test_too_large_is_rejected_before_anything(shape):
+    """Sizes past the kernels' index range are a ValueError naming x (meta tensors: no memory)."""
+    x = torch.empty(shape, dtype=BF16, device="meta")
+    dy = torch.empty(shape, dtype=BF16, device="meta")
+    with pytest.raises(ValueError, match=rf"^{FN}: x\b.*2\^3"):
+        cake_causal_conv1d_train_backward(x, torch.randn(shape[-1], 4), torch.tensor([0], dtype=I32), dy)
+
+
+@pytest.mark.parametrize("value", ["BF16", "fp16", "", None, 1, b"fp32", ["bf16"], {"bf16": 1}], ids=repr)
+def test_autograd_entry_rejects_bad_policy(value):
+    x = torch.randn(S, C).to(BF16)
+    with pytest.raises(ValueError, match=r"\bsilu_grad_preactivation\b"):
+        cake_causal_conv1d(x, torch.randn(C, 4), torch.tensor([0, S], dtype=I32), silu_grad_preactivation=value)
+
+
+
+
+def test_autograd_entry_with_cpu_x_is_a_value_error():
+    x = torch.randn(S, C).to(BF16).requires_grad_()
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        cake_causal_conv1d(x, torch.randn(C, 4), torch.tensor([0, S], dtype=I32), silu_grad_preactivation="fp32")
+
+
+# ---------------------------------------------------------------------------------------------
+# workspace size
+
+
+SIZES_S = (0, 1, 2, 7, 63, 64, 65, 1000, 4097, 65536, 70001, 131071, 131072, 1 << 20, 1 << 24)
+SIZES_C = (8, 32, 136, 1000, 4096, 16384)
+
+
+def test_workspace_bytes_properties():
+    device = torch.device("cpu")
+    for c in SIZES_C:
+        assert workspace_bytes(0, c, device) == 0
+        for s in SIZES_S:
+            n = workspace_bytes(s, c, device)
+            assert isinstance(n, int) and not isinstance(n, bool), (s, c, n)
+            assert n % 4 == 0, (s, c, n)
+            if s > 0:
+                # Between one FP32 partial row of the four taps and the bias per channel per 64
+                # tokens (rounded up) and one per 1024 tokens.
+                assert 20 * c * -(-s // 1024) <= n <= 20 * c * -(-s // 64), (s, c, n)
+    # The same whatever form the device argument takes.
+    assert workspace_bytes(4097, 264, "cpu") == workspace_bytes(4097, 264, torch.device("cpu"))
+
+
+def test_workspace_bytes_is_monotone_in_S():
+    """A workspace sized for the largest S serves every smaller S: checked on a grid and on
+    every S up to 2^17 + 2^10 for a few C (the group size changes with S)."""
+    device = torch.device("cpu")
+    for c in SIZES_C:
+        previous = 0
+        for s in SIZES_S:
+            n = workspace_bytes(s, c, device)
+            assert n >= previous, f"workspace bytes shrank from {previous} to {n} at S={s}, C={c}"
+            previous = n
+    for c in (8, 136, 2048, 16384):
+        previous = 0
+        for s in range(0, (1 << 17) + 1024):
+            n = workspace_bytes(s, c, device)
+            assert n >= previous, f"workspace bytes shrank from {previous} to {n} at S={s}, C={c}"
+            previous = n
+
+
+@pytest.mark.parametrize("s, c", [(0, 8), (1, 8), (16, 32), (4097, 264), (70000, 136), (1 << 20, 2048)])
+def test_workspace_tensor_matches_bytes(s, c):
+    ws = cake_causal_conv1d_train_backward_workspace(s, c, "cpu")
+    assert ws.dtype == F32 and ws.dim() == 1 and ws.is_contiguous()
+    assert ws.device == torch.device("cpu")
+    assert ws.numel() * 4 == workspace_bytes(s, c, "cpu")
+
+
+@pytest.mark.parametrize(
+    "s, c, argname",
+    [
+        pytest.param(-1, 32, "S", id="S-negative"),
+        pytest.param(16.0, 32, "S", id="S-float"),
+        pytest.param(True, 32, "S", id="S-bool"),
+        pytest.param("16", 32, "S", id="S-str"),
+        pytest.param(16, 12, "C", id="C-not-mult-8"),
+        pytest.param(16, 0, "C", id="C-0"),
+        pytest.param(16, -8, "C", id="C-negative"),
+        pytest.param(16, 32.0, "C", id="C-float"),
+    ],
+)
+def test_workspace_functions_reject_bad_sizes(s, c, argname):
+    with pytest.raises(ValueError, match=rf"\b{argname}\b"):
+        workspace_bytes(s, c, torch.device("cpu"))
+    with pytest.raises(ValueError, match=rf"\b{argname}\b"):
+        cake_causal_conv1d_train_backward_workspace(s, c, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the FP64 reference backward
+
+
+def make_lengths(S, rng):
+    """Random document lengths summing to S: a mix of 0 (empty), 1-3 token and longer documents,
+    with empty documents at both ends."""
+    lengths, left = [0], S
+    while left:
+        n = min(left, rng.choice((0, 1, 1, 2, 3, 3, 4, 7, 16, 40)))
+        lengths.append(n)
+        left -= n
+    return lengths + [0, 0]
+
+
+def cu_of(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=I32)
+
+
+def random_case(seed, S, C, *, bias=True, batch_dim=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(S, C, generator=g).to(BF16)
+    dy = torch.randn(S, C, generator=g).to(BF16)
+    if batch_dim:
+        x, dy = x.unsqueeze(0), dy.unsqueeze(0)
+    w = 0.5 * torch.randn(C, 4, generator=g)
+    b = 0.5 * torch.randn(C, generator=g) if bias else None
+    cu = cu_of(make_lengths(S, random.Random(seed)))
+    return x, w, cu, dy, b
+
+
+def autograd_grads(x, w, cu, dy, b):
+    """FP64 autograd of the forward reference: (dx, dweight, dbias or None)."""
+    leaves = [x.double().requires_grad_(), w.double().requires_grad_()]
+    if b is not None:
+        leaves.append(b.double().requires_grad_())
+    y = causal_conv1d_reference(leaves[0], leaves[1], cu, leaves[2] if b is not None else None)
+    grads = torch.autograd.grad(y, leaves, dy.double())
+    return grads[0], grads[1], grads[2] if b is not None else None
+
+
+def assert_close64(got, want, what, tol=1e-10):
+    assert got.dtype == F64 and got.shape == want.shape, (what, got.dtype, got.shape, want.shape)
+    err = (got - want).abs().max().item() if got.numel() else 0.0
+    scale = max(1.0, want.abs().max().item() if want.numel() else 0.0)
+    assert err <= tol * scale, f"{what}: max abs error {err:.3g} (scale {scale:.3g})"
+
+
+@pytest.mark.parametrize("S, C, bias, batch_dim", [
+    (1, 8, True, False),
+    (3, 8, False, False),
+    (50, 16, True, False),
+    (300, 24, False, False),
+    (777, 40, True, True),
+])
+def test_reference_backward_fp32_policy_matches_autograd(S, C, bias, batch_dim):
+    for seed in range(3):
+        x, w, cu, dy, b = random_case(100 * S + seed, S, C, bias=bias, batch_dim=batch_dim)
+        dx, dw, db = causal_conv1d_backward_reference(x, w, cu, dy, b, silu_grad_preactivation="fp32")
+        want_dx, want_dw, want_db = autograd_grads(x, w, cu, dy, b)
+        assert dx.shape == x.shape and dw.shape == (C, 4)
+        assert_close64(dx, want_dx, "dx")
+        assert_close64(dw, want_dw, "dweight")
+        if b is None:
+            assert db is None
+        else:
+            assert_close64(db, want_db, "dbias")
+
+
+def test_reference_backward_bf16_policy_is_autograd_at_rounded_preactivation():
+    """"bf16" = the chain rule with silu' taken at bf16(a): g from autograd of silu at the rounded
+    pre-activation, then autograd of the (linear) pre-activation with that g."""
+    x, w, cu, dy, b = random_case(5, 500, 24)
+    dx, dw, db = causal_conv1d_backward_reference(x, w, cu, dy, b, silu_grad_preactivation="bf16")
+
+    a = causal_conv1d_preactivation_reference(x, w, cu, b)
+    a_bf16 = a.to(BF16).double().requires_grad_()
+    (g,) = torch.autograd.grad(torch.nn.functional.silu(a_bf16), a_bf16, dy.double())
+    leaves = [x.double().requires_grad_(), w.double().requires_grad_(), b.double().requires_grad_()]
+    want = torch.autograd.grad(causal_conv1d_preactivation_reference(*leaves[:2], cu, leaves[2]), leaves, g)
+    assert_close64(dx, want[0], "dx")
+    assert_close64(dw, want[1], "dweight")
+    assert_close64(db, want[2], "dbias")
+
+
+def test_reference_policies_equal_when_preactivation_is_bf16_exact():
+    """Small integers and halves: every pre-activation is a multiple of 1/4 below 16, exact in
+    BF16, so rounding changes nothing and the two policies agree bit for bit."""
+    S, C = 400, 16
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(-2, 3, (S, C), generator=g).to(BF16)
+    w = torch.randint(-2, 3, (C, 4), generator=g) / 2.0
+    b = torch.randint(-4, 5, (C,), generator=g) / 4.0
+    dy = torch.randn(S, C, generator=g).to(BF16)
+    cu = cu_of(make_lengths(S, random.Random(11)))
+    a = causal_conv1d_preactivation_reference(x, w, cu, b)
+    assert torch.equal(a.to(BF16).double(), a), "test inputs should make every pre-activation BF16-exact"
+    assert a.abs().max() > 2  # the inputs exercise a range of silu' values
+    bf16 = causal_conv1d_backward_reference(x, w, cu, dy, b, silu_grad_preactivation="bf16")
+    fp32 = causal_conv1d_backward_reference(x, w, cu, dy, b, silu_grad_preactivation="fp32")
+    for got, want in zip(bf16, fp32):
+        assert torch.equal(got, want)
+
+
+def test_reference_policies_differ_only_by_the_rounding():
+    """On random inputs the policies differ, by at most |dy| max|silu''| |a - bf16(a)| per g."""
+    x, w, cu, dy, b = random_case(12, 600, 32)
+    bf16 = causal_conv1d_backward_reference(x, w, cu, dy, b, silu_grad_preactivation="bf16")
+    fp32 = causal_conv1d_backward_reference(x, w, cu, dy, b, silu_grad_preactivation="fp32")
+    assert not torch.equal(bf16[0], fp32[0]), "random pre-activations are not all BF16-exact"
+
+    a = causal_conv1d_preactivation_reference(x, w, cu, b)
+    g_bound = dy.double().abs() * 0.5 * (a - a.to(BF16).double()).abs()  # max |silu''| = 0.5
+    slack = 1e-12
+    db_diff = (bf16[2] - fp32[2]).abs()
+    assert (db_diff <= g_bound.sum(0) + slack).all()
+    # dx[s] mixes g of tokens s .. s + 3 with |w| <= max|w|: a coarse but sound bound.
+    window = g_bound.clone()
+    for back in (1, 2, 3):
+        window[:-back] += g_bound[back:]
+    dx_diff = (bf16[0] - fp32[0]).abs()
+    assert (dx_diff <= w.abs().max().double() * window + slack).all()
+    assert dx_diff.max() < 0.05 * fp32[0].abs().max()
+
+
+def test_reference_gradients_stay_in_their_document():
+    """Changing dy inside one document changes dx only in that document, and changes no dx of
+    another document (tokens right before it included)."""
+    lengths = [5, 1, 0, 7, 2, 3, 9]
+    S, C = sum(lengths), 8
+    cu = cu_of(lengths)
+    x, w, _, dy, b = random_case(13, S, C)
+    bounds = cu.tolist()
+    for d in range(len(lengths)):
+        lo, hi = bounds[d], bounds[d + 1]
+        if lo == hi:
+            continue
+        dy2 = dy.clone()
+        dy2[lo:hi] = torch.randn(hi - lo, C).to(BF16)
+        for pol in ("bf16", "fp32"):
+            base = causal_conv1d_backward_reference(x, w, cu, dy, b, silu_grad_preactivation=pol)[0]
+            moved = causal_conv1d_backward_reference(x, w, cu, dy2, b, silu_grad_preactivation=pol)[0]
+            changed = (base != moved).any(dim=1).nonzero().flatten()
+            assert changed.numel() > 0
+            assert changed.min() >= lo and changed.max() < hi, (d, pol, changed.tolist())
+
+
+def test_reference_matches_shifted_single_document_case():
+    """A document's gradients do not depend on what comes before it: the same document alone
+    (cu = [0, n]) gives the same dx rows and its share of dweight/dbias."""
+    x, w, _, dy, b = random_case(14, 30, 8)
+    cu = torch.tensor([0, 11, 30], dtype=I32)
+    full = causal_conv1d_backward_reference(x, w, cu, dy, b)
+    alone = causal_conv1d_backward_reference(x[11:], w, torch.tensor([0, 19], dtype=I32), dy[11:], b)
+    first = causal_conv1d_backward_reference(x[:11], w, torch.tensor([0, 11], dtype=I32), dy[:11], b)
+    assert torch.equal(full[0][11:], alone[0])
+    assert torch.equal(full[0][:11], first[0])
+    assert_close64(full[1], alone[1] + first[1], "dweight")
+    assert_close64(full[2], alone[2] + first[2], "dbias")
+
+
+def test_reference_empty_sequence():
+    x = torch.empty(0, 16, dtype=BF16)
+    dx, dw, db = causal_conv1d_backward_reference(x, torch.randn(16, 4), torch.zeros(3, dtype=I32),
+                                                  torch.empty(0, 16), torch.randn(16))
+    assert dx.shape == (0, 16) and dx.dtype == F64
+    assert torch.equal(dw, torch.zeros(16, 4, dtype=F64))
+    assert torch.equal(db, torch.zeros(16, dtype=F64))
+
+
+@pytest.mark.parametrize("value", ["BF16", "fp16", None, 1])
+def test_reference_rejects_bad_policy(value):
+    x = torch.randn(4, 8).to(BF16)
+    with pytest.raises(ValueError, match=r"\bsilu_grad_preactivation\b"):
+        causal_conv1d_backward_reference(x, torch.randn(8, 4), torch.tensor([0, 4], dtype=I32), x,
+                                         silu_grad_preactivation=value)
