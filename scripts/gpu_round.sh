@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One whole round on a lent GPU machine (the device tool), results under $OUT:
-# install + AOT build + full test suite (ci_gpu.sh), SASS and resource report, benchmark.
+# install + AOT build + full test suite (ci_gpu.sh), SASS and resource report, both benchmarks.
 #   bash scripts/gpu_round.sh [--quick]      (carry .whl for the peers' wheels)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -19,10 +19,12 @@ python3 -m flashinfer_cake  # the CLI's default action: build what is needed, ch
 
 # Evidence from the build: registers/spills per kernel, and the SASS of the main loop.
 grep -h -A3 "Compiling entry function" flashinfer_cake/aot/build/prebuild/build.log > "$OUT/resource_usage.txt" 2>/dev/null
-so=$(ls flashinfer_cake/aot/causal_conv1d_fwd_w_fp32_b_fp32_*.so | head -1)
+so=$(ls flashinfer_cake/aot/causal_conv1d_w_fp32_b_fp32_*.so | head -1)
 cuobjdump --dump-sass "$so" > "$OUT/sass.txt" 2>&1
 
 echo "global/async memory instructions in the SASS:"; grep -o "LDGSTS[.A-Z0-9]*\|LDG[.A-Z0-9]*\|STG[.A-Z0-9]*" "$OUT/sass.txt" | sort | uniq -c
 
 python3 scripts/bench_fwd.py "$@" --json "$OUT/bench.json" --md "$OUT/bench.md" > "$OUT/bench.log" 2>&1
-tail -60 "$OUT/bench.log"
+tail -30 "$OUT/bench.log"
+python3 scripts/bench_bwd.py "$@" --json "$OUT/bench_bwd.json" --md "$OUT/bench_bwd.md" > "$OUT/bench_bwd.log" 2>&1
+tail -30 "$OUT/bench_bwd.log"

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Measure forward tile geometries side by side (one GPU run, many builds).
+"""Measure tile geometries of the forward or the backward side by side (one GPU run, many builds).
 
-Each config overrides the launcher's CAKE_FWD_* defaults (threads, strip length, ring rows,
-min CTAs per SM) for the fp32-taps + fp32-bias variant; all are built in parallel, then timed
-against a device copy of the same bytes on each shape: eager CUDA-event medians over rotated
-inputs, and for small shapes the kernel time from a replayed CUDA graph.
+Each config overrides the launcher's CAKE_FWD_* / CAKE_BWD_* defaults (threads, strip length,
+ring rows, min CTAs per SM) for the fp32-taps + fp32-bias variant; all are built in parallel,
+then timed against a device copy of the same DRAM bytes on each shape (forward: read x, write y;
+backward: read x and dy, write dx): eager CUDA-event medians over rotated inputs, and for small
+shapes the kernel time from a replayed CUDA graph. Every config must give bitwise the same result.
 
-    python scripts/tune_fwd.py --configs 128/32/8/4,128/16/8/4 [--json out.json]
+    python scripts/tune.py --op fwd --configs 128/32/8/4,128/16/8/4 [--json out.json]
+    python scripts/tune.py --op bwd --configs 128/16/5/4,128/16/9/4
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from pathlib import Path
 
 import torch
 
+from flashinfer_cake.cake_causal_conv1d_train import (
+    _bwd_item_tokens,
+    cake_causal_conv1d_train_backward_workspace_bytes,
+)
 from flashinfer_cake.jit import env
 from flashinfer_cake.jit.module import CompiledModule
 from flashinfer_cake.jit.variant import VariantSpec
@@ -28,15 +34,16 @@ SHAPES = [(16384, 8192, 16), (65536, 2048, 32), (32768, 4096, 1024), (32768, 409
           (131072, 4096, 32), (1024, 8192, 4), (4096, 4096, 1), (8192, 2048, 512)]
 
 
-def build(cfg: str, out: Path) -> Path:
+def build(op: str, cfg: str, out: Path) -> Path:
     threads, strip, ring, min_ctas, *lanes = cfg.split("/")
+    m = f"-DCAKE_{op.upper()}_"
     spec = VariantSpec("fp32", "fp32", "sm_90a")
-    src = out / f"tune_{cfg.replace('/', '_')}.cu"
+    src = out / f"tune_{op}_{cfg.replace('/', '_')}.cu"
     src.write_text(spec.source())
     so = src.with_suffix(".so")
     cmd = [str(env.require_nvcc()), *spec.nvcc_flags(), f"-I{env.include_dir()}", "-shared", str(src), "-o", str(so),
-           f"-DCAKE_FWD_THREADS={threads}", f"-DCAKE_FWD_STRIP_LEN={strip}", f"-DCAKE_FWD_RING={ring}",
-           f"-DCAKE_FWD_MIN_CTAS={min_ctas}", f"-DCAKE_FWD_MAX_LANES={lanes[0] if lanes else 32}"]
+           f"{m}THREADS={threads}", f"{m}STRIP_LEN={strip}", f"{m}RING={ring}", f"{m}MIN_CTAS={min_ctas}",
+           *([f"{m}MAX_LANES={lanes[0]}"] if lanes else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{cfg}: {proc.stderr}")
@@ -74,13 +81,14 @@ def graph_ms(fn, calls: int = 20, reps: int = 20) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--op", choices=("fwd", "bwd"), default="fwd")
     parser.add_argument("--configs", required=True, help="threads/strip/ring/min_ctas[/max_lanes],...")
     parser.add_argument("--json")
     args = parser.parse_args()
     configs = args.configs.split(",")
     out = Path(tempfile.mkdtemp())
     with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
-        builds = dict(zip(configs, pool.map(lambda c: build(c, out), configs)))
+        builds = dict(zip(configs, pool.map(lambda c: build(args.op, c, out), configs)))
     mods = {c: CompiledModule(so) for c, (so, _) in builds.items()}
     for c, (_, regs) in builds.items():
         used = sorted({r.split("Used ")[1].split(",")[0] for r in regs if "Used" in r})
@@ -92,6 +100,10 @@ def main() -> None:
         k = max(1, int(4e8 // (4 * S * C)) + 1)
         xs = [torch.randn(S, C, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
         ys = [torch.empty_like(xs[0]) for _ in range(k)]
+        dys = [torch.randn_like(xs[0]) for _ in range(k)] if args.op == "bwd" else None
+        dw, db = torch.empty(C, 4, device="cuda"), torch.empty(C, device="cuda")
+        item_tokens = _bwd_item_tokens(S, C)
+        pws = torch.empty(cake_causal_conv1d_train_backward_workspace_bytes(S, C, "cuda") // 4 + 1, device="cuda")
         w = torch.randn(C, 4, device="cuda")
         b = torch.randn(C, device="cuda")
         cuts = torch.randperm(S - 1, device="cuda")[: docs - 1] + 1
@@ -99,16 +111,28 @@ def main() -> None:
         ws = torch.zeros(2, dtype=torch.int32, device="cuda")
         row = {"S": S, "C": C, "docs": docs}
         small = S * C <= 16 * 2**20
-        copy = lambda i: ys[i % k].copy_(xs[i % k])  # noqa: E731
+        # A copy moving the op's DRAM bytes: 4 S C (forward) or 6 S C (backward).
+        if args.op == "fwd":
+            copy = lambda i: ys[i % k].copy_(xs[i % k])  # noqa: E731
+        else:
+            src = [torch.empty(3 * S * C // 2, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
+            dst = [torch.empty_like(t) for t in src]
+            copy = lambda i: dst[i % k].copy_(src[i % k])  # noqa: E731
         row["copy"] = median_ms(copy, 50)
         if small:
             row["copy_graph"] = graph_ms(copy)
         ref = None
         for c, m in mods.items():
             def fwd(i, m=m):
-                rc = m.causal_conv1d_fwd(xs[i % k].data_ptr(), ys[i % k].data_ptr(), w.data_ptr(), b.data_ptr(),
-                                         cu.data_ptr(), ws.data_ptr(), S, C, docs, dev,
-                                         torch._C._cuda_getCurrentRawStream(dev))
+                stream = torch._C._cuda_getCurrentRawStream(dev)
+                if args.op == "fwd":
+                    rc = m.causal_conv1d_fwd(xs[i % k].data_ptr(), ys[i % k].data_ptr(), w.data_ptr(), b.data_ptr(),
+                                             cu.data_ptr(), ws.data_ptr(), S, C, docs, dev, stream)
+                else:
+                    rc = m.causal_conv1d_bwd(xs[i % k].data_ptr(), dys[i % k].data_ptr(), ys[i % k].data_ptr(),
+                                             w.data_ptr(), b.data_ptr(), cu.data_ptr(), pws.data_ptr(),
+                                             pws.shape[0] * 4, dw.data_ptr(), db.data_ptr(), S, C, docs,
+                                             item_tokens, 1, dev, stream)
                 assert rc == 0, m.last_error_message()
             fwd(0)
             if ref is None:
@@ -118,7 +142,7 @@ def main() -> None:
             if small:
                 row[c + " graph"] = graph_ms(fwd)
         results.append(row)
-        gb = 4 * S * C / 1e6
+        gb = (4 if args.op == "fwd" else 6) * S * C / 1e6
         cells = " ".join(f"{c}:{row[c] * 1e3:.1f}us({row['copy'] / row[c] * 100:.0f}%)" for c in configs)
         if small:
             cells += " | graph " + " ".join(
