@@ -126,25 +126,20 @@ def _capturing(device: int) -> bool:
         return torch._C._cuda_isCurrentStreamCapturing()
 
 
-def _default_workspace(kind: str, device: int, stream: int, S: int, C: int) -> torch.Tensor:
-    """The workspace of a call without one: kept per (kind, device, stream) and grown when a
-    backward needs more; a buffer of the call's own while the stream captures a CUDA graph (the
-    graph replays with it: never shared with eager calls or other graphs)."""
-    make, need = (
-        (cake_causal_conv1d_train_forward_workspace, 4 * _FWD_WORKSPACE_COUNTERS)
-        if kind == "fwd"
-        else (cake_causal_conv1d_train_backward_workspace, None)
-    )
-    cuda = torch.device("cuda", device)
+def _default_workspace(kind: str, device: int, stream: int, S: int, C: int, need: int) -> torch.Tensor:
+    """The workspace of a call without one (``need`` bytes): kept per (kind, device, stream) and
+    replaced by a larger one when a backward needs more; a buffer of the call's own while the
+    stream captures a CUDA graph (the graph replays with it: never shared with eager calls or
+    other graphs)."""
+    make = cake_causal_conv1d_train_forward_workspace if kind == "fwd" else cake_causal_conv1d_train_backward_workspace
     if _capturing(device):
-        return make(S, C, cuda)
-    ws = _default_workspaces.get((kind, device, stream))
-    if need is None:
-        need = cake_causal_conv1d_train_backward_workspace_bytes(S, C, cuda)
+        return make(S, C, torch.device("cuda", device))
+    key = (kind, device, stream)
+    ws = _default_workspaces.get(key)
     if ws is None or ws.shape[0] * 4 < need:
         # A replaced buffer may still be in use by this stream's queued work: the caching
         # allocator hands its memory out again only in this stream's order.
-        ws = _default_workspaces[(kind, device, stream)] = make(S, C, cuda)
+        ws = _default_workspaces[key] = make(S, C, torch.device("cuda", device))
     return ws
 
 
@@ -243,7 +238,7 @@ def cake_causal_conv1d_train_forward(
         out_ptr = out.data_ptr()
     stream = torch._C._cuda_getCurrentRawStream(device)
     if workspace is None:
-        workspace = _default_workspace("fwd", device, stream, S, C)
+        workspace = _default_workspace("fwd", device, stream, S, C, 4 * _FWD_WORKSPACE_COUNTERS)
     rc = module.causal_conv1d_fwd(
         x_ptr, out_ptr, w_ptr, b_ptr, cu_seqlens.data_ptr(), workspace.data_ptr(), S, C, cu_seqlens.shape[0] - 1,
         device, stream,
@@ -366,7 +361,7 @@ def cake_causal_conv1d_train_backward(
         dbias = torch.empty_like(bias)
     stream = torch._C._cuda_getCurrentRawStream(device)
     if workspace is None:
-        workspace = _default_workspace("bwd", device, stream, S, C)
+        workspace = _default_workspace("bwd", device, stream, S, C, need)
         ws_ptr = workspace.data_ptr()
     rc = module.causal_conv1d_bwd(
         x_ptr, dy_ptr, dx_ptr, w_ptr, b_ptr, cu_seqlens.data_ptr(), ws_ptr, workspace.shape[0] * 4,

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import ctypes
+import struct
 from pathlib import Path
 
 from .variant import ABI_VERSION
 
-_c_void_p, _c_int, _c_int64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_c_int = ctypes.c_int
+# The launches' packed int64 arguments (see variant._SOURCE for the order).
+_FWD_ARGS = struct.Struct("<11q")
+_BWD_ARGS = struct.Struct("<17q")
 
 
 class CompiledModule:
     """A loaded module. ``causal_conv1d_fwd`` and ``causal_conv1d_bwd`` are the raw ctypes
-    functions, with device pointers and the stream as ints, returning a cudaError_t code (0 on
-    success; the message is then in :meth:`last_error_message`):
+    functions (arguments packed into one int64 array on the way), with device pointers and the
+    stream as ints, returning a cudaError_t code (0 on success; else the message is in
+    :meth:`last_error_message`):
     ``causal_conv1d_fwd(x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream)``
     ``causal_conv1d_bwd(x, dy, dx, weight, bias, cu_seqlens, workspace, workspace_bytes, dweight,
     dbias, S, C, num_docs, item_tokens, round_preact, device, stream)``."""
@@ -30,16 +35,15 @@ class CompiledModule:
             raise RuntimeError(f"flashinfer_cake: module {path} has ABI {abi}, expected {ABI_VERSION}")
         lib.cake_variant.restype = ctypes.c_char_p
         lib.cake_last_error_message.restype = ctypes.c_char_p
-        fwd = lib.cake_causal_conv1d_fwd
-        fwd.restype = _c_int
-        fwd.argtypes = [_c_void_p] * 6 + [_c_int64] * 3 + [_c_int, _c_void_p]
+        fwd, bwd = lib.cake_causal_conv1d_fwd, lib.cake_causal_conv1d_bwd
+        for fn in (fwd, bwd):
+            fn.restype = _c_int
+            fn.argtypes = [ctypes.c_char_p]
+        pack_fwd, pack_bwd = _FWD_ARGS.pack, _BWD_ARGS.pack
         self.path = path
         self.variant = lib.cake_variant().decode()
-        bwd = lib.cake_causal_conv1d_bwd
-        bwd.restype = _c_int
-        bwd.argtypes = [_c_void_p] * 7 + [_c_int64] + [_c_void_p] * 2 + [_c_int64] * 4 + [_c_int] * 2 + [_c_void_p]
-        self.causal_conv1d_fwd = fwd
-        self.causal_conv1d_bwd = bwd
+        self.causal_conv1d_fwd = lambda *args: fwd(pack_fwd(*args))
+        self.causal_conv1d_bwd = lambda *args: bwd(pack_bwd(*args))
         self._lib = lib
 
     def last_error_message(self) -> str:

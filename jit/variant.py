@@ -14,7 +14,7 @@ BIAS_DTYPES = ("none", "fp32", "bf16")
 _CXX_TYPE = {"fp32": "float", "bf16": "__nv_bfloat16", "none": "flashinfer_cake::NoBias"}
 
 # Bumped when the exported C functions change; the loader refuses a module of another version.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _FLAGS = (
     "-O3",
@@ -30,6 +30,8 @@ _SOURCE = """\
 #include <flashinfer_cake/causal_conv1d_bwd_launcher.cuh>
 #include <flashinfer_cake/causal_conv1d_fwd_launcher.cuh>
 
+#include <cstring>
+
 #define CAKE_EXPORT extern "C" __attribute__((visibility("default")))
 
 using WeightT = {weight_t};
@@ -43,24 +45,35 @@ CAKE_EXPORT const char* cake_last_error_message() {{
   return flashinfer_cake::last_error_buffer();
 }}
 
-CAKE_EXPORT int cake_causal_conv1d_fwd(const void* x, void* y, const void* weight,
-                                       const void* bias, const int32_t* cu_seqlens,
-                                       int32_t* workspace, int64_t S, int64_t C,
-                                       int64_t num_docs, int device, void* stream) {{
+// The launches take their arguments as one packed array of int64 (one ctypes argument instead
+// of 11 or 17: the eager host budget), read with memcpy (no alignment assumed). Pointers and the
+// stream are addresses; the order is the entry's parameter order.
+template <int N>
+struct PackedArgs {{
+  int64_t v[N];
+  explicit PackedArgs(const void* raw) {{ std::memcpy(v, raw, sizeof v); }}
+  template <class T>
+  T* ptr(int i) const {{ return reinterpret_cast<T*>(static_cast<intptr_t>(v[i])); }}
+}};
+
+// x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream
+CAKE_EXPORT int cake_causal_conv1d_fwd(const void* packed) {{
+  const PackedArgs<11> a(packed);
   return static_cast<int>(flashinfer_cake::causal_conv1d_fwd_entry<WeightT, BiasT>(
-      x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device,
-      static_cast<cudaStream_t>(stream)));
+      a.ptr<const void>(0), a.ptr<void>(1), a.ptr<const void>(2), a.ptr<const void>(3),
+      a.ptr<const int32_t>(4), a.ptr<int32_t>(5), a.v[6], a.v[7], a.v[8], static_cast<int>(a.v[9]),
+      a.ptr<CUstream_st>(10)));
 }}
 
-CAKE_EXPORT int cake_causal_conv1d_bwd(const void* x, const void* dy, void* dx, const void* weight,
-                                       const void* bias, const int32_t* cu_seqlens,
-                                       void* workspace, int64_t workspace_bytes, void* dweight,
-                                       void* dbias, int64_t S, int64_t C, int64_t num_docs,
-                                       int64_t item_tokens, int round_preact, int device,
-                                       void* stream) {{
+// x, dy, dx, weight, bias, cu_seqlens, workspace, workspace_bytes, dweight, dbias, S, C,
+// num_docs, item_tokens, round_preact, device, stream
+CAKE_EXPORT int cake_causal_conv1d_bwd(const void* packed) {{
+  const PackedArgs<17> a(packed);
   return static_cast<int>(flashinfer_cake::causal_conv1d_bwd_entry<WeightT, BiasT>(
-      x, dy, dx, weight, bias, cu_seqlens, workspace, workspace_bytes, dweight, dbias, S, C,
-      num_docs, item_tokens, round_preact, device, static_cast<cudaStream_t>(stream)));
+      a.ptr<const void>(0), a.ptr<const void>(1), a.ptr<void>(2), a.ptr<const void>(3),
+      a.ptr<const void>(4), a.ptr<const int32_t>(5), a.ptr<void>(6), a.v[7], a.ptr<void>(8),
+      a.ptr<void>(9), a.v[10], a.v[11], a.v[12], a.v[13], static_cast<int>(a.v[14]),
+      static_cast<int>(a.v[15]), a.ptr<CUstream_st>(16)));
 }}
 """
 

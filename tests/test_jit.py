@@ -350,13 +350,13 @@ def test_built_module_abi(built_cache, name, monkeypatch):
     fwd = m.causal_conv1d_fwd
     aligned = 1 << 20  # a fake but 16-byte aligned "device pointer": never dereferenced below
     args = [aligned] * 6
-    assert fwd(*args, 64, 7, 1, 0, None) == CUDA_ERROR_INVALID_VALUE
+    assert fwd(*args, 64, 7, 1, 0, 0) == CUDA_ERROR_INVALID_VALUE
     assert "C must be a positive multiple of 8, got 7" in m.last_error_message()
-    assert fwd(None, *args[1:], 64, 8, 1, 0, None) == CUDA_ERROR_INVALID_VALUE
+    assert fwd(0, *args[1:], 64, 8, 1, 0, 0) == CUDA_ERROR_INVALID_VALUE
     assert "x: expected a non-null 16-byte aligned pointer" in m.last_error_message()
-    assert fwd(*args, 0, 8, 0, 0, None) == 0 and m.last_error_message() == ""  # S == 0: nothing to do
+    assert fwd(*args, 0, 8, 0, 0, 0) == 0 and m.last_error_message() == ""  # S == 0: nothing to do
     if not torch.cuda.is_available():  # valid-looking args, no GPU: a CUDA error code, no crash
-        code = fwd(*args, 64, 8, 1, 0, None)
+        code = fwd(*args, 64, 8, 1, 0, 0)
         assert code != 0 and m.last_error_message()
 
 
