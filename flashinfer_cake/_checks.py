@@ -23,9 +23,16 @@ def check_types(fn: str, required, optional) -> None:
             raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
 
 
-def check_x(fn: str, x: torch.Tensor) -> tuple[int, int]:
-    """x: BF16 [S, C] or [1, S, C], contiguous, C a multiple of 8, within the kernels' index
-    range. Returns (S, C)."""
+# Index ranges of the kernels: the forward addresses 16-byte vectors of 8 channels with 32-bit
+# offsets (S * C / 8 < 2^32); the backward 8-byte vectors of 4 channels (S * C / 4 < 2^32) and
+# keeps token indices of a whole token group in int32 (S < 2^30).
+MAX_S = {"forward": 2**31, "backward": 2**30}
+MAX_ELEMENTS = {"forward": 2**35, "backward": 2**34}
+
+
+def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
+    """x: BF16 [S, C] or [1, S, C], contiguous, C a multiple of 8, within the index range of
+    ``op``'s kernel ("forward", or "backward": both kernels of a training step). Returns (S, C)."""
     shape = x.shape
     if x.dtype != torch.bfloat16:
         raise ValueError(f"{fn}: x must have dtype torch.bfloat16, got {x.dtype}")
@@ -37,8 +44,13 @@ def check_x(fn: str, x: torch.Tensor) -> tuple[int, int]:
         raise ValueError(f"{fn}: x must have shape [S, C] or [1, S, C], got {tuple(shape)}")
     if C <= 0 or C % 8:
         raise ValueError(f"{fn}: x's channel count C must be a positive multiple of 8, got C={C}")
-    if S >= 2**31 or S * C >= 2**35:  # int32 token indices; 32-bit vector offsets in the kernels
-        raise ValueError(f"{fn}: x must have S < 2^31 and S * C < 2^35 elements, got S={S}, C={C}")
+    max_s, max_elements = MAX_S[op], MAX_ELEMENTS[op]
+    if S >= max_s or S * C >= max_elements:
+        whose = "" if op == "forward" else " (the backward's range)"
+        raise ValueError(
+            f"{fn}: x must have S < 2^{max_s.bit_length() - 1} and S * C < 2^{max_elements.bit_length() - 1} "
+            f"elements{whose}, got S={S}, C={C}"
+        )
     if not x.is_contiguous():
         raise ValueError(f"{fn}: x must be contiguous, got strides {x.stride()}")
     return S, C

@@ -58,7 +58,7 @@ def cake_causal_conv1d_train_forward_workspace(S: int, C: int, device) -> torch.
 def _bwd_groups(S: int, C: int) -> int:
     """Token groups of the backward (one partial row of dweight/dbias each): about 1024 work
     items (groups x 128-channel tiles, a few waves of an H200's resident CTAs), with groups of
-    128 to 1024 tokens. Non-decreasing in S, so a workspace sized for the largest S serves every
+    128 to 1024 tokens (fewer when S itself is shorter). Non-decreasing in S, so a workspace sized for the largest S serves every
     smaller one; a function of (S, C) only, so the summation order, and with it every bit of
     dweight/dbias, is the same on every GPU."""
     return min(-(-S // 128), max(-(-S // 1024), -(-1024 // -(-C // 128))))
@@ -73,9 +73,9 @@ def _bwd_item_tokens(S: int, C: int) -> int:
 
 def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device) -> int:
     """Bytes of FP32 workspace a backward of ``[S, C]`` on ``device`` needs: one partial row of
-    the four taps' and the bias's gradient sums per token group (5 x C x 4 bytes per 128 to
-    1024 tokens: 1 % to 8 % of x's bytes, 0.3 % to 2.6 % of the bytes the backward moves);
-    0 when ``S == 0``. Never
+    the four taps' and the bias's gradient sums per token group (5 x C x 4 bytes per group of
+    128 to 1024 tokens: 1 % to 8 % of x's bytes once S >= 128, 0.3 % to 2.6 % of the bytes the
+    backward moves; a single group below that); 0 when ``S == 0``. Never
     decreases with S: a workspace for the largest S serves every smaller one."""
     _checks.check_sizes(S, C, device)
     return _bwd_groups(S, C) * _BWD_PARTIAL_ROWS * C * 4
@@ -278,7 +278,8 @@ def cake_causal_conv1d_train_backward(
     synchronization; CUDA-graph capturable.
 
     Args:
-        x, weight, cu_seqlens, bias: the forward's arguments, with the forward's requirements.
+        x, weight, cu_seqlens, bias: the forward's arguments, with the forward's requirements,
+            except that the backward's range is S < 2^30 and S * C < 2^34.
         dy: BF16 gradient of ``y``, x's shape, contiguous, 16-byte aligned, on x's device.
         silu_grad_preactivation: ``"bf16"`` (default) evaluates ``silu'`` at the pre-activation
             rounded to BF16 (to nearest even), ``"fp32"`` at the unrounded FP32 value.
@@ -291,7 +292,7 @@ def cake_causal_conv1d_train_backward(
         dx: optional preallocated BF16 output of x's shape, contiguous, 16-byte aligned.
         dweight: optional preallocated output of weight's dtype and shape ``[C, 4]``, contiguous.
         dbias: optional preallocated output of bias's dtype and shape ``[C]``, contiguous; only
-            with ``bias``. No output may overlap an input, the workspace or another output.
+            with ``bias``. No output and no workspace may overlap an input or each other.
 
     Returns:
         ``(dx, dweight)``, or ``(dx, dweight, dbias)`` when ``bias`` is given; the given output
@@ -312,7 +313,7 @@ def cake_causal_conv1d_train_backward(
         raise ValueError(
             f"{_BWD}: silu_grad_preactivation must be one of {sorted(_SILU_GRAD_POLICIES)}, got {silu_grad_preactivation!r}"
         )
-    S, C = _checks.check_x(_BWD, x)
+    S, C = _checks.check_x(_BWD, x, "backward")
     _checks.check_params(_BWD, weight, cu_seqlens, bias, C)
     _checks.check_like(_BWD, "dy", dy, torch.bfloat16, x.shape, "x's shape")
     if dx is not None:
@@ -337,14 +338,15 @@ def cake_causal_conv1d_train_backward(
     if S and (x_ptr | dy_ptr | dx_ptr) & 15:  # 8-byte vectors; 16 keeps the forward's rule
         name, ptr = next((n, p) for n, p in (("x", x_ptr), ("dy", dy_ptr), ("dx", dx_ptr)) if p & 15)
         raise ValueError(f"{_BWD}: {name} must start at a 16-byte aligned address, got {ptr:#x}")
-    if dx is not None or dweight is not None or dbias is not None:
-        # An output may overlap no input and no other output: the kernels read x, dy, weight,
-        # bias and cu_seqlens after writing dx, and the reduction reads the workspace.
+    if workspace is not None or dx is not None or dweight is not None or dbias is not None:
+        # What the kernels write (dx, the workspace's partial rows, dweight, dbias) may overlap
+        # nothing else: they read x, dy, weight, bias and cu_seqlens while writing dx and the
+        # partial rows, and the reduction reads the partial rows while writing dweight/dbias.
         spans = [(n, t.data_ptr(), t.numel() * t.element_size()) for n, t in (
             ("x", x), ("dy", dy), ("weight", weight), ("bias", bias), ("cu_seqlens", cu_seqlens),
             ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias)) if t is not None]
         for i, (name, ptr, size) in enumerate(spans):
-            if name not in ("dx", "dweight", "dbias") or not size:
+            if name not in ("workspace", "dx", "dweight", "dbias") or not size:
                 continue
             for other, optr, osize in spans[:i]:
                 if osize and overlaps(ptr, size, optr, osize):
@@ -461,10 +463,18 @@ def cake_causal_conv1d(
 
     Returns:
         BF16 ``y`` of x's shape.
+
+    Raises:
+        As the forward; and a ValueError up front when x is outside the backward's range
+        (S < 2^30, S * C < 2^34).
     """
     if not isinstance(silu_grad_preactivation, str) or silu_grad_preactivation not in _SILU_GRAD_POLICIES:
         raise ValueError(
             f"cake_causal_conv1d: silu_grad_preactivation must be one of {sorted(_SILU_GRAD_POLICIES)}, "
             f"got {silu_grad_preactivation!r}"
         )
+    if isinstance(x, torch.Tensor) and x.dim() in (2, 3):  # fail before the forward, not in the backward
+        S, C = x.shape[-2], x.shape[-1]
+        if S >= _checks.MAX_S["backward"] or S * C >= _checks.MAX_ELEMENTS["backward"]:
+            _checks.check_x("cake_causal_conv1d", x, "backward")
     return CakeCausalConv1dFunction.apply(x, weight, cu_seqlens, bias, silu_grad_preactivation)

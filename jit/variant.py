@@ -61,7 +61,7 @@ CAKE_EXPORT int cake_causal_conv1d_fwd(const void* packed) {{
   const PackedArgs<11> a(packed);
   return static_cast<int>(flashinfer_cake::causal_conv1d_fwd_entry<WeightT, BiasT>(
       a.ptr<const void>(0), a.ptr<void>(1), a.ptr<const void>(2), a.ptr<const void>(3),
-      a.ptr<const int32_t>(4), a.ptr<int32_t>(5), a.v[6], a.v[7], a.v[8], static_cast<int>(a.v[9]),
+      a.ptr<const int32_t>(4), a.ptr<int32_t>(5), a.v[6], a.v[7], a.v[8], a.v[9],
       a.ptr<CUstream_st>(10)));
 }}
 
@@ -72,8 +72,7 @@ CAKE_EXPORT int cake_causal_conv1d_bwd(const void* packed) {{
   return static_cast<int>(flashinfer_cake::causal_conv1d_bwd_entry<WeightT, BiasT>(
       a.ptr<const void>(0), a.ptr<const void>(1), a.ptr<void>(2), a.ptr<const void>(3),
       a.ptr<const void>(4), a.ptr<const int32_t>(5), a.ptr<void>(6), a.v[7], a.ptr<void>(8),
-      a.ptr<void>(9), a.v[10], a.v[11], a.v[12], a.v[13], static_cast<int>(a.v[14]),
-      static_cast<int>(a.v[15]), a.ptr<CUstream_st>(16)));
+      a.ptr<void>(9), a.v[10], a.v[11], a.v[12], a.v[13], a.v[14], a.v[15], a.ptr<CUstream_st>(16)));
 }}
 """
 

@@ -787,6 +787,15 @@ def _shares_bytes_with_workspace(name):
     return mutate
 
 
+def _workspace_overlaps_weight(a):
+    """An FP32 workspace carved from the same buffer as the FP32 taps (the kernel writes the
+    workspace while reading the taps)."""
+    w, ws = a["weight"], a["workspace"]
+    buf = torch.empty(w.numel() + ws.numel(), device=DEV)
+    a["weight"] = buf[: w.numel()].view(w.shape).copy_(w)
+    a["workspace"] = buf[w.numel() // 2 : w.numel() // 2 + ws.numel()]
+
+
 def _misaligned_arg(name):
     def mutate(a):
         a[name] = _misaligned(a[name])
@@ -811,6 +820,7 @@ BAD_GPU_CASES = [
     pytest.param("dx", _dx_overlaps("dy"), id="dx-overlaps-dy"),
     pytest.param("dx", _shares_bytes_with_workspace("dx"), id="dx-overlaps-workspace"),
     pytest.param("dweight", _shares_bytes_with_workspace("dweight"), id="dweight-overlaps-workspace"),
+    pytest.param("workspace", _workspace_overlaps_weight, id="workspace-overlaps-weight"),
     pytest.param("x", _misaligned_arg("x"), id="x-misaligned"),
     pytest.param("dy", _misaligned_arg("dy"), id="dy-misaligned"),
     pytest.param("dx", _misaligned_arg("dx"), id="dx-misaligned"),

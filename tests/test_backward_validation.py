@@ -200,13 +200,26 @@ def test_rejected_call_leaves_outputs_untouched():
     assert (workspace == 7.0).all()
 
 
-@pytest.mark.parametrize("shape", [(2**31, 8), (2**28, 128), (1, 2**30, 32)], ids=["S=2^31", "SC=2^35", "3d"])
+BACKWARD_TOO_LARGE = [(2**31, 8), (2**28, 128), (1, 2**30, 32), (2**30, 8), (2**20, 16384), (1, 2**29, 32)]
+BACKWARD_TOO_LARGE_IDS = ["S=2^31", "SC=2^35", "3d", "S=2^30", "SC=2^34", "3d-SC=2^34"]
+
+
+@pytest.mark.parametrize("shape", BACKWARD_TOO_LARGE, ids=BACKWARD_TOO_LARGE_IDS)
 def test_too_large_is_rejected_before_anything(shape):
-    """Sizes past the kernels' index range are a ValueError naming x (meta tensors: no memory)."""
+    """Sizes past the backward kernel's index range (S < 2^30, S * C < 2^34: half the
+    forward's) are a ValueError naming x (meta tensors: no memory)."""
     x = torch.empty(shape, dtype=BF16, device="meta")
     dy = torch.empty(shape, dtype=BF16, device="meta")
     with pytest.raises(ValueError, match=rf"^{FN}: x\b.*2\^3"):
         cake_causal_conv1d_train_backward(x, torch.randn(shape[-1], 4), torch.tensor([0], dtype=I32), dy)
+
+
+@pytest.mark.parametrize("shape", BACKWARD_TOO_LARGE[3:], ids=BACKWARD_TOO_LARGE_IDS[3:])
+def test_autograd_entry_rejects_what_the_backward_cannot_take(shape):
+    """A size the forward accepts but the backward does not fails before the forward runs."""
+    x = torch.empty(shape, dtype=BF16, device="meta")
+    with pytest.raises(ValueError, match=r"^cake_causal_conv1d: x\b.*backward"):
+        cake_causal_conv1d(x, torch.randn(shape[-1], 4), torch.tensor([0], dtype=I32))
 
 
 @pytest.mark.parametrize("value", ["BF16", "fp16", "", None, 1, b"fp32", ["bf16"], {"bf16": 1}], ids=repr)

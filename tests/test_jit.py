@@ -36,6 +36,7 @@ ALL = jit.all_variants(["sm_90a"])
 CXX = {"fp32": "float", "bf16": "__nv_bfloat16", "none": "flashinfer_cake::NoBias"}
 ENTRY_POINTS = ("cake_abi_version", "cake_variant", "cake_last_error_message", "cake_causal_conv1d_fwd", "cake_causal_conv1d_bwd")
 CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_INVALID_DEVICE = 101
 # Variables a test sets itself; FLASHINFER_CAKE_NVCC / CUDA_HOME (which compiler CI uses) are kept.
 ISOLATED_VARS = ("FLASHINFER_CAKE_CACHE_DIR", "FLASHINFER_CAKE_AOT_DIR", "FLASHINFER_CAKE_DISABLE_JIT",
                  "FLASHINFER_CAKE_CUDA_ARCH_LIST")
@@ -355,9 +356,35 @@ def test_built_module_abi(built_cache, name, monkeypatch):
     assert fwd(0, *args[1:], 64, 8, 1, 0, 0) == CUDA_ERROR_INVALID_VALUE
     assert "x: expected a non-null 16-byte aligned pointer" in m.last_error_message()
     assert fwd(*args, 0, 8, 0, 0, 0) == 0 and m.last_error_message() == ""  # S == 0: nothing to do
+    assert fwd(*args, 64, 8, 1, 2**32, 0) == CUDA_ERROR_INVALID_DEVICE  # no truncation to device 0
     if not torch.cuda.is_available():  # valid-looking args, no GPU: a CUDA error code, no crash
         code = fwd(*args, 64, 8, 1, 0, 0)
         assert code != 0 and m.last_error_message()
+
+    # The backward's entry: x, dy, dx, weight, bias, cu_seqlens, workspace, workspace_bytes,
+    # dweight, dbias, S, C, num_docs, item_tokens, round_preact, device, stream.
+    bwd = m.causal_conv1d_bwd
+    ptrs = [aligned] * 7
+
+    def bwd_call(S=64, C=8, item_tokens=32, round_preact=1, device=0, workspace_bytes=1 << 20, **at):
+        p = list(ptrs)
+        for i, v in at.items():
+            p[int(i[1:])] = v
+        return bwd(*p, workspace_bytes, aligned, aligned, S, C, 1, item_tokens, round_preact, device, 0)
+
+    for kwargs, message in [
+        ({"S": 2**30}, "S must be in [0, 2^30) for the backward"),
+        ({"C": 12}, "C must be a positive multiple of 8"),
+        ({"item_tokens": 48}, "item_tokens must be a positive multiple of 32"),
+        ({"item_tokens": 2**21}, "item_tokens must be a positive multiple of 32 up to 2^20"),
+        ({"round_preact": 2**32 + 1}, "round_preact must be 0 or 1"),
+        ({"workspace_bytes": 5 * 8 * 4 * 2 - 4}, "workspace: expected at least 320 bytes"),
+        ({"p1": aligned + 8}, "dy: expected a non-null 16-byte aligned pointer"),
+        ({"p5": aligned + 2}, "cu_seqlens: expected a non-null 4-byte aligned pointer"),
+    ]:
+        assert bwd_call(**kwargs) == CUDA_ERROR_INVALID_VALUE, kwargs
+        assert message in m.last_error_message(), (kwargs, m.last_error_message())
+    assert bwd_call(device=2**32) == CUDA_ERROR_INVALID_DEVICE
 
 
 def test_warm_load_starts_no_process(built_cache, name, monkeypatch):

@@ -236,7 +236,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         slot = slot + 1 == R ? 0 : slot + 1;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          // The pre-activation in the forward's FP32 order: bias, then the taps current-first.
+          // The FP32 pre-activation, bias first, then the taps current-first (the forward's order;
+          // the forward sums taps pre-scaled by -log2 e, so the two may differ by an ulp).
           float a = fmaf(w[3][j], xt[j], b[j]);
           if (pos >= 1) a = fmaf(w[2][j], xm[q2][j], a);
           if (pos >= 2) a = fmaf(w[1][j], xm[q1][j], a);

@@ -13,8 +13,8 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
   const int64_t vecs_per_row = p.C / kBwdVec;
   const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
   const int64_t blocks = int64_t(p.groups) * tiles_c;
-  if (blocks > INT32_MAX || int64_t(p.S) * vecs_per_row >= (int64_t(1) << 32)) {
-    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for one launch (max 2^35 - 1)",
+  if (blocks > INT32_MAX || int64_t(p.S) * vecs_per_row >= (int64_t(1) << 32)) {  // 32-bit offsets
+    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for the backward (max 2^34 - 1)",
                 (long long)p.S * p.C);
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
@@ -72,30 +72,33 @@ cudaError_t causal_conv1d_bwd_entry(const void* x, const void* dy, void* dx, con
                                     const void* bias, const int32_t* cu_seqlens, void* workspace,
                                     int64_t workspace_bytes, void* dweight, void* dbias, int64_t S,
                                     int64_t C, int64_t num_docs, int64_t item_tokens,
-                                    int round_preact, int device, cudaStream_t stream) {
+                                    int64_t round_preact, int64_t device, cudaStream_t stream) {
   last_error_buffer()[0] = '\0';
-  if (S < 0 || S > INT32_MAX) return fail(cudaErrorInvalidValue, "x: S must be in [0, 2^31), got %lld", (long long)S);
+  // Token indices of a group, its sub-tiles and their 3-token lookahead stay below 2^31.
+  if (S < 0 || S >= (int64_t(1) << 30)) return fail(cudaErrorInvalidValue, "x: S must be in [0, 2^30) for the backward, got %lld", (long long)S);
   if (C <= 0 || C % 8 != 0 || C > INT32_MAX / 8) return fail(cudaErrorInvalidValue, "x: C must be a positive multiple of 8, got %lld", (long long)C);
   if (num_docs < 0 || num_docs >= INT32_MAX) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 1), got %lld", (long long)num_docs);
-  if (item_tokens <= 0 || item_tokens % kBwdStripLen != 0 || item_tokens > (int64_t(1) << 30)) {
-    return fail(cudaErrorInvalidValue, "item_tokens must be a positive multiple of %d up to 2^30, got %lld", kBwdStripLen, (long long)item_tokens);
+  if (item_tokens <= 0 || item_tokens % kBwdStripLen != 0 || item_tokens > (int64_t(1) << 20)) {
+    return fail(cudaErrorInvalidValue, "item_tokens must be a positive multiple of %d up to 2^20, got %lld", kBwdStripLen, (long long)item_tokens);
   }
-  if (round_preact != 0 && round_preact != 1) return fail(cudaErrorInvalidValue, "round_preact must be 0 or 1, got %d", round_preact);
-  if (device < 0 || device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %d out of range", device);
+  if (round_preact != 0 && round_preact != 1) return fail(cudaErrorInvalidValue, "round_preact must be 0 or 1, got %lld", (long long)round_preact);
+  if (device < 0 || device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)device);
   const int64_t need = causal_conv1d_bwd_workspace_bytes(S, C, item_tokens);
   if (workspace_bytes < need) {
     return fail(cudaErrorInvalidValue, "workspace: expected at least %lld bytes, got %lld", (long long)need, (long long)workspace_bytes);
   }
-  if (!dweight) return fail(cudaErrorInvalidValue, "dweight: expected a non-null pointer");
-  if (detail::kHasBias<BiasT> && !dbias) return fail(cudaErrorInvalidValue, "dbias: expected a non-null pointer");
+  if (!dweight || !aligned_to(dweight, sizeof(WeightT))) return fail(cudaErrorInvalidValue, "dweight: expected a non-null pointer aligned to its dtype");
+  if constexpr (detail::kHasBias<BiasT>) {
+    if (!dbias || !aligned_to(dbias, sizeof(BiasT))) return fail(cudaErrorInvalidValue, "dbias: expected a non-null pointer aligned to its dtype");
+  }
   if (S > 0) {
     if (!x || !aligned16(x)) return fail(cudaErrorInvalidValue, "x: expected a non-null 16-byte aligned pointer");
     if (!dy || !aligned16(dy)) return fail(cudaErrorInvalidValue, "dy: expected a non-null 16-byte aligned pointer");
     if (!dx || !aligned16(dx)) return fail(cudaErrorInvalidValue, "dx: expected a non-null 16-byte aligned pointer");
     if (!weight || !aligned16(weight)) return fail(cudaErrorInvalidValue, "weight: expected a non-null 16-byte aligned pointer");
     if (detail::kHasBias<BiasT> && (!bias || !aligned16(bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
-    if (!cu_seqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null pointer");
-    if (!workspace) return fail(cudaErrorInvalidValue, "workspace: expected a non-null pointer");
+    if (!cu_seqlens || !aligned_to(cu_seqlens, 4)) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null 4-byte aligned pointer");
+    if (!workspace || !aligned_to(workspace, 4)) return fail(cudaErrorInvalidValue, "workspace: expected a non-null 4-byte aligned pointer");
   }
   CausalConv1dBwdParams p{};
   p.x = static_cast<const __nv_bfloat16*>(x);
@@ -112,8 +115,8 @@ cudaError_t causal_conv1d_bwd_entry(const void* x, const void* dy, void* dx, con
   p.num_docs = static_cast<int32_t>(num_docs);
   p.item_tokens = static_cast<int32_t>(item_tokens);
   p.groups = static_cast<int32_t>((S + item_tokens - 1) / item_tokens);
-  p.round_preact = round_preact;
-  return on_device(device, [&] { return launch_causal_conv1d_bwd<WeightT, BiasT>(p, stream); });
+  p.round_preact = static_cast<int32_t>(round_preact);
+  return on_device(static_cast<int>(device), [&] { return launch_causal_conv1d_bwd<WeightT, BiasT>(p, stream); });
 }
 
 }  // namespace flashinfer_cake

@@ -16,7 +16,7 @@ cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, int device,
   const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
   const int64_t chunks = tiles_t * tiles_c;
   if (chunks > INT32_MAX / 2 || int64_t(p.S) * vecs_per_row >= (int64_t(1) << 32)) {
-    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for one launch (max 2^35 - 1)",
+    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for the forward (max 2^35 - 1)",
                 (long long)p.S * p.C);
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
@@ -86,19 +86,19 @@ cudaError_t launch_causal_conv1d_fwd(CausalConv1dFwdParams p, int device, cudaSt
 template <class WeightT, class BiasT>
 cudaError_t causal_conv1d_fwd_entry(const void* x, void* y, const void* weight, const void* bias,
                                     const int32_t* cu_seqlens, int32_t* workspace, int64_t S,
-                                    int64_t C, int64_t num_docs, int device, cudaStream_t stream) {
+                                    int64_t C, int64_t num_docs, int64_t device, cudaStream_t stream) {
   last_error_buffer()[0] = '\0';
   if (S < 0 || S > INT32_MAX) return fail(cudaErrorInvalidValue, "x: S must be in [0, 2^31), got %lld", (long long)S);
   if (C <= 0 || C % 8 != 0 || C > INT32_MAX / 8) return fail(cudaErrorInvalidValue, "x: C must be a positive multiple of 8, got %lld", (long long)C);
   if (num_docs < 0 || num_docs >= INT32_MAX) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 1), got %lld", (long long)num_docs);
-  if (device < 0 || device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %d out of range", device);
+  if (device < 0 || device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)device);
   if (S == 0) return cudaSuccess;
   if (!x || !aligned16(x)) return fail(cudaErrorInvalidValue, "x: expected a non-null 16-byte aligned pointer");
   if (!y || !aligned16(y)) return fail(cudaErrorInvalidValue, "out: expected a non-null 16-byte aligned pointer");
   if (!weight || !aligned16(weight)) return fail(cudaErrorInvalidValue, "weight: expected a non-null 16-byte aligned pointer");
   if (detail::kHasBias<BiasT> && (!bias || !aligned16(bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
-  if (!cu_seqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null pointer");
-  if (!workspace) return fail(cudaErrorInvalidValue, "workspace: expected a non-null pointer");
+  if (!cu_seqlens || !aligned_to(cu_seqlens, 4)) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null 4-byte aligned pointer");
+  if (!workspace || !aligned_to(workspace, 4)) return fail(cudaErrorInvalidValue, "workspace: expected a non-null 4-byte aligned pointer");
   CausalConv1dFwdParams p{};
   p.x = static_cast<const __nv_bfloat16*>(x);
   p.y = static_cast<__nv_bfloat16*>(y);
@@ -109,7 +109,8 @@ cudaError_t causal_conv1d_fwd_entry(const void* x, void* y, const void* weight, 
   p.S = static_cast<int32_t>(S);
   p.C = static_cast<int32_t>(C);
   p.num_docs = static_cast<int32_t>(num_docs);
-  return on_device(device, [&] { return launch_causal_conv1d_fwd<WeightT, BiasT>(p, device, stream); });
+  const int dev = static_cast<int>(device);
+  return on_device(dev, [&] { return launch_causal_conv1d_fwd<WeightT, BiasT>(p, dev, stream); });
 }
 
 }  // namespace flashinfer_cake

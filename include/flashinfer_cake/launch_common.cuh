@@ -47,7 +47,8 @@ inline cudaError_t resident_ctas(Kernel kernel, int threads, int device, int* ou
   return cudaSuccess;
 }
 
-inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+inline bool aligned_to(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+inline bool aligned16(const void* ptr) { return aligned_to(ptr, 16); }
 
 // Runs launch() with `device` current, then gives the thread back its current device (the driver
 // context is shared with the caller's runtime, torch's included).
