@@ -6,6 +6,8 @@ tensor property is read once."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .jit.env import ARCH_OF_CAPABILITY
@@ -123,16 +125,10 @@ def check_devices(fn: str, x: torch.Tensor, others) -> int:
     return device
 
 
-_arch_cache: dict[int, str | None] = {}
-
-
+@functools.cache
 def arch_of(device_index: int) -> str | None:
     """The module arch of a CUDA device (e.g. "sm_90a"), None when unsupported; queried once."""
-    try:
-        return _arch_cache[device_index]
-    except KeyError:
-        arch = _arch_cache[device_index] = ARCH_OF_CAPABILITY.get(torch.cuda.get_device_capability(device_index))
-        return arch
+    return ARCH_OF_CAPABILITY.get(torch.cuda.get_device_capability(device_index))
 
 
 def overlaps(a_ptr: int, a_bytes: int, b_ptr: int, b_bytes: int) -> bool:

@@ -58,9 +58,9 @@ def cake_causal_conv1d_train_forward_workspace(S: int, C: int, device) -> torch.
 def _bwd_groups(S: int, C: int) -> int:
     """Token groups of the backward (one partial row of dweight/dbias each): about 1024 work
     items (groups x 128-channel tiles, a few waves of an H200's resident CTAs), with groups of
-    128 to 1024 tokens (fewer when S itself is shorter). Non-decreasing in S, so a workspace sized for the largest S serves every
-    smaller one; a function of (S, C) only, so the summation order, and with it every bit of
-    dweight/dbias, is the same on every GPU."""
+    128 to 1024 tokens (fewer when S itself is shorter). Non-decreasing in S, so a workspace
+    sized for the largest S serves every smaller one; a function of (S, C) only, so the
+    summation order, and with it every bit of dweight/dbias, is the same on every GPU."""
     return min(-(-S // 128), max(-(-S // 1024), -(-1024 // -(-C // 128))))
 
 
@@ -71,6 +71,20 @@ def _bwd_item_tokens(S: int, C: int) -> int:
     return -(-S // (32 * groups)) * 32 or 32
 
 
+def _bwd_workspace_bytes(S: int, C: int) -> int:
+    return _bwd_groups(S, C) * _BWD_PARTIAL_ROWS * C * 4
+
+
+def _round_preact_flag(fn: str, silu_grad_preactivation) -> int:
+    """The kernel's round_preact flag of a silu_grad_preactivation policy; ValueError otherwise."""
+    flag = _SILU_GRAD_POLICIES.get(silu_grad_preactivation) if isinstance(silu_grad_preactivation, str) else None
+    if flag is None:
+        raise ValueError(
+            f"{fn}: silu_grad_preactivation must be one of {sorted(_SILU_GRAD_POLICIES)}, got {silu_grad_preactivation!r}"
+        )
+    return flag
+
+
 def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device) -> int:
     """Bytes of FP32 workspace a backward of ``[S, C]`` on ``device`` needs: one partial row of
     the four taps' and the bias's gradient sums per token group (5 x C x 4 bytes per group of
@@ -78,7 +92,7 @@ def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device) ->
     backward moves; a single group below that); 0 when ``S == 0``. Never
     decreases with S: a workspace for the largest S serves every smaller one."""
     _checks.check_sizes(S, C, device)
-    return _bwd_groups(S, C) * _BWD_PARTIAL_ROWS * C * 4
+    return _bwd_workspace_bytes(S, C)
 
 
 def cake_causal_conv1d_train_backward_workspace(S: int, C: int, device) -> torch.Tensor:
@@ -308,11 +322,7 @@ def cake_causal_conv1d_train_backward(
     _checks.check_types(_BWD, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy)),
                         (("bias", bias), ("workspace", workspace), ("dx", dx), ("dweight", dweight),
                          ("dbias", dbias)))
-    round_preact = _SILU_GRAD_POLICIES.get(silu_grad_preactivation) if isinstance(silu_grad_preactivation, str) else None
-    if round_preact is None:
-        raise ValueError(
-            f"{_BWD}: silu_grad_preactivation must be one of {sorted(_SILU_GRAD_POLICIES)}, got {silu_grad_preactivation!r}"
-        )
+    round_preact = _round_preact_flag(_BWD, silu_grad_preactivation)
     S, C = _checks.check_x(_BWD, x, "backward")
     _checks.check_params(_BWD, weight, cu_seqlens, bias, C)
     _checks.check_like(_BWD, "dy", dy, torch.bfloat16, x.shape, "x's shape")
@@ -325,7 +335,7 @@ def cake_causal_conv1d_train_backward(
             raise ValueError(f"{_BWD}: dbias must be None when bias is None, got a tensor of shape {tuple(dbias.shape)}")
         _checks.check_like(_BWD, "dbias", dbias, bias.dtype, bias.shape, "bias's dtype and shape")
     item_tokens = _bwd_item_tokens(S, C)
-    need = _bwd_groups(S, C) * _BWD_PARTIAL_ROWS * C * 4
+    need = _bwd_workspace_bytes(S, C)
     if workspace is not None:
         _checks.check_workspace(_BWD, workspace, torch.float32, need,
                                 "cake_causal_conv1d_train_backward_workspace_bytes")
@@ -468,11 +478,7 @@ def cake_causal_conv1d(
         As the forward; and a ValueError up front when x is outside the backward's range
         (S < 2^30, S * C < 2^34).
     """
-    if not isinstance(silu_grad_preactivation, str) or silu_grad_preactivation not in _SILU_GRAD_POLICIES:
-        raise ValueError(
-            f"cake_causal_conv1d: silu_grad_preactivation must be one of {sorted(_SILU_GRAD_POLICIES)}, "
-            f"got {silu_grad_preactivation!r}"
-        )
+    _round_preact_flag("cake_causal_conv1d", silu_grad_preactivation)
     if isinstance(x, torch.Tensor) and x.dim() in (2, 3):  # fail before the forward, not in the backward
         S, C = x.shape[-2], x.shape[-1]
         if S >= _checks.MAX_S["backward"] or S * C >= _checks.MAX_ELEMENTS["backward"]:
