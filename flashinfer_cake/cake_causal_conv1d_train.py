@@ -66,9 +66,9 @@ def _bwd_groups(S: int, C: int) -> int:
 
 def _bwd_item_tokens(S: int, C: int) -> int:
     """Tokens per group: S split over _bwd_groups(S, C) groups, rounded up to the kernel's
-    32-token strips (kBwdStripLen); at most that many groups then cover S."""
+    64-token strips (kBwdStripLen); at most that many groups then cover S."""
     groups = max(_bwd_groups(S, C), 1)
-    return -(-S // (32 * groups)) * 32 or 32
+    return -(-S // (64 * groups)) * 64 or 64
 
 
 def _bwd_workspace_bytes(S: int, C: int) -> int:

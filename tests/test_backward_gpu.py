@@ -298,6 +298,9 @@ DOC_CASES = [
     pytest.param(70000, 8, tiny_docs, BF16, F32, "bf16", id="S70000-C8-tiny"),
     pytest.param(69999, 40, boundary_mix, F32, None, "fp32", id="S69999-C40-boundary-mix"),
     pytest.param(65600, 2048, docs_16_to_64, BF16, BF16, "bf16", id="S65600-C2048-docs16-64"),
+    # Token groups of >= 256 tokens (the 4-strip route), the last sub-tile of a group part-filled.
+    pytest.param(9000, 4096, short_docs, F32, F32, "bf16", id="S9000-C4096-short"),
+    pytest.param(4100, 8192, boundary_mix, BF16, None, "fp32", id="S4100-C8192-boundary-mix"),
 ]
 
 
@@ -893,7 +896,7 @@ _MEMCHECK_SCRIPT = """
 import torch
 from flashinfer_cake import cake_causal_conv1d_train_backward as bwd
 PATTERNS = {patterns}
-for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096)]:
+for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (4100, 8192)]:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")

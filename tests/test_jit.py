@@ -366,7 +366,7 @@ def test_built_module_abi(built_cache, name, monkeypatch):
     bwd = m.causal_conv1d_bwd
     ptrs = [aligned] * 7
 
-    def bwd_call(S=64, C=8, item_tokens=32, round_preact=1, device=0, workspace_bytes=1 << 20, **at):
+    def bwd_call(S=128, C=8, item_tokens=64, round_preact=1, device=0, workspace_bytes=1 << 20, **at):
         p = list(ptrs)
         for i, v in at.items():
             p[int(i[1:])] = v
@@ -375,8 +375,8 @@ def test_built_module_abi(built_cache, name, monkeypatch):
     for kwargs, message in [
         ({"S": 2**30}, "S must be in [0, 2^30) for the backward"),
         ({"C": 12}, "C must be a positive multiple of 8"),
-        ({"item_tokens": 48}, "item_tokens must be a positive multiple of 32"),
-        ({"item_tokens": 2**21}, "item_tokens must be a positive multiple of 32 up to 2^20"),
+        ({"item_tokens": 96}, "item_tokens must be a positive multiple of 64"),
+        ({"item_tokens": 1088}, "item_tokens must be a positive multiple of 64 up to 1024"),
         ({"round_preact": 2**32 + 1}, "round_preact must be 0 or 1"),
         ({"workspace_bytes": 5 * 8 * 4 * 2 - 4}, "workspace: expected at least 320 bytes"),
         ({"p1": aligned + 8}, "dy: expected a non-null 16-byte aligned pointer"),

@@ -8,22 +8,21 @@
 // Framework-free: raw device pointers, sizes and a cudaStream_t.
 //
 // Two kernels. The first streams x and dy once: a CTA owns an item of item_tokens tokens x
-// kTileChannels channels; a thread owns 4 channels (8 bytes: half the forward's vector, so the
-// windows, taps and sums of the backward fit in ~120 registers, 4 CTAs per SM) of one
-// kStripLen-token strip at a time and walks x[t0 - 3, t0 + L + 3) and dy[t0, t0 + L + 3)
-// through a per-thread cp.async ring: it
-// recomputes a and g for tokens t0 .. t0 + L + 2 and emits dx for t0 .. t0 + L - 1 (dx[s] needs g
-// up to s + 3, the 3-token lookahead, recomputed by the next strip too). Each thread sums g*x and
-// g over its strips' own tokens in registers; at the end of the item the CTA adds its strips in
-// strip order and writes one partial row per channel to the workspace: partials[item's token
-// group][5][C]. The second kernel adds the partial rows of every token group in a fixed order (a
-// fixed tree over the groups), so dweight and dbias are bitwise identical run to run, whatever
-// the scheduling: no float atomics anywhere.
+// kTileChannels channels; a thread owns kVec channels (4: an 8-byte row vector, so the windows,
+// taps and sums of the backward fit in ~110 registers, 4 CTAs of 128 threads per SM) of one
+// kStripLen-token strip at a time and walks x[t0 - 3, t0 + L + 3) and dy[t0, t0 + L + 3) through
+// a per-thread cp.async ring: it recomputes a and g for tokens t0 .. t0 + L + 2 and emits dx for
+// t0 .. t0 + L - 1 (dx[s] needs g up to s + 3, the 3-token lookahead, recomputed by the next
+// strip too). Each thread sums g*x and g over its strips' own tokens in registers; at the end of
+// the item the CTA adds its strips in strip order and writes one partial row per channel to the
+// workspace: partials[item's token group][5][C]. The second kernel adds the partial rows of every
+// token group in a fixed order (a fixed tree over the groups), so dweight and dbias are bitwise
+// identical run to run, whatever the scheduling: no float atomics anywhere.
 //
-// Document positions: per item sub-tile, min(position in document, 3) of its kTileTokens + 3
-// tokens in shared memory (double-buffered), searched for the next sub-tile while this one streams
-// (see DocSearch). Only x, dy, dx[0, S) and cu_seqlens[0, num_docs] are addressed, whatever
-// cu_seqlens holds.
+// Document positions: min(position in document, 3) of the item's tokens and the 3 after it, one
+// byte each in shared memory, found once per item by a batched binary search (DocSearch) while
+// the first rows stream in; then the strips run without barriers. Only x, dy, dx[0, S) and
+// cu_seqlens[0, num_docs] are addressed, whatever cu_seqlens holds.
 #pragma once
 
 #include "causal_conv1d_common.cuh"
@@ -51,11 +50,14 @@ struct CausalConv1dBwdParams {
 
 // Partial rows per token group: the four taps' g*x sums, then the sum of g.
 constexpr int kBwdPartialRows = 5;
-// Channels per thread: one 8-byte vector of BF16.
-constexpr int kBwdVec = 4;
 
-template <int kLanesC_, int kThreads_, int kStripLen_, int kRing_, int kMinCtasPerSm_>
+// Most tokens of one token group (the item_tokens argument): the positions of a group's tokens
+// and their 3-token lookahead sit in shared memory for the whole group.
+constexpr int kBwdMaxItemTokens = 1024;
+
+template <int kVec_, int kLanesC_, int kThreads_, int kStripLen_, int kRing_, int kMinCtasPerSm_>
 struct BwdTraits {
+  static constexpr int kVec = kVec_;          // channels per thread: 4 (8-byte rows) or 8 (16-byte)
   static constexpr int kLanesC = kLanesC_;    // threads side by side along channels
   static constexpr int kThreads = kThreads_;  // threads per CTA
   static constexpr int kStrips = kThreads / kLanesC;
@@ -63,13 +65,20 @@ struct BwdTraits {
   static constexpr int kRing = kRing_;          // shared-memory rows of x and of dy per thread
   static constexpr int kMinCtasPerSm = kMinCtasPerSm_;
   static constexpr int kTileTokens = kStrips * kStripLen;  // one sub-tile: every strip once
-  static constexpr int kTileChannels = kLanesC * kBwdVec;
-  static constexpr int kPosTokens = kTileTokens + 3;  // a sub-tile's tokens and their lookahead
+  static constexpr int kTileChannels = kLanesC * kVec;
+  static constexpr int kPosTokens = kBwdMaxItemTokens + 3;  // a group's tokens and their lookahead
+  static constexpr int kSearchBatch = 9;  // searches in flight per thread: 1027 tokens in one batch of 128 threads
+  static_assert(kVec == 4 || kVec == 8, "rows of 8 or 16 bytes");
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
-  static_assert(kRing >= 2, "the ring needs two rows");
+  static_assert(kRing >= 4 && kRing % 4 == 0, "the loop steps 4 rows, so 4 ring slots, at a time");
+  static_assert(kBwdMaxItemTokens % kStripLen == 0, "groups are whole strips");
 };
 
 namespace detail {
+
+// A row vector of V BF16 channels: 8 or 16 bytes.
+template <int V>
+using BwdRow = std::conditional_t<V == 8, uint4, uint2>;
 
 // 8-byte global -> shared copy (through L1: .cg takes 16 bytes only); valid == false writes
 // zeros and reads nothing.
@@ -77,6 +86,21 @@ __device__ __forceinline__ void cp_async_8(void* smem, const void* gmem, bool va
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 8 : 0)
                : "memory");
+}
+
+__device__ __forceinline__ void cp_async_row(uint2* smem, const uint2* gmem, bool valid) { cp_async_8(smem, gmem, valid); }
+__device__ __forceinline__ void cp_async_row(uint4* smem, const uint4* gmem, bool valid) { cp_async_16(smem, gmem, valid); }
+__device__ __forceinline__ void row_to_float(const uint2& v, float (&f)[4]) { bf16x4_to_float(v, f); }
+__device__ __forceinline__ void row_to_float(const uint4& v, float (&f)[8]) { bf16x8_to_float(v, f); }
+
+template <int V>
+__device__ __forceinline__ BwdRow<V> pack_row(const float (&d)[V]) {
+  if constexpr (V == 8) {
+    return make_uint4(pack_bf16x2_rn(d[0], d[1]), pack_bf16x2_rn(d[2], d[3]), pack_bf16x2_rn(d[4], d[5]),
+                      pack_bf16x2_rn(d[6], d[7]));
+  } else {
+    return make_uint2(pack_bf16x2_rn(d[0], d[1]), pack_bf16x2_rn(d[2], d[3]));
+  }
 }
 
 // silu'(a) = r (1 + a (1 - r)) with r = sigmoid(a) = 1 / (1 + 2^(-a log2 e)): ex2 and rcp are
@@ -89,8 +113,34 @@ __device__ __forceinline__ float silu_grad(float a) {
   return r * fmaf(a, 1.0f - r, 1.0f);
 }
 
-__device__ __forceinline__ float round_to_bf16(float v) {
-  return __bfloat162float(__float2bfloat16_rn(v));
+// Both values rounded to BF16 (to nearest even) and back: one packing conversion for two.
+__device__ __forceinline__ void round_to_bf16(float& lo, float& hi) {
+  const uint32_t h = pack_bf16x2_rn(lo, hi);
+  lo = __uint_as_float(h << 16);
+  hi = __uint_as_float(h & 0xffff0000u);
+}
+
+// Positions (DocSearch) of tokens first_token + j, j = 0 .. count - 1, into out[j]: thread i
+// searches j = i, i + kThreads, ... in batches of kBatch searches at once (their loads in flight
+// together), so a batch costs the K + 2 dependent loads of one search.
+template <int kThreads, int kBatch>
+__device__ __forceinline__ void search_positions(const int32_t* __restrict__ cu, int num_docs,
+                                                 int first_token, int count, uint8_t* out) {
+  const int steps = DocSearch::halvings(num_docs);
+  for (int j0 = 0; j0 < count; j0 += kBatch * kThreads) {
+    DocSearch ds[kBatch];
+#pragma unroll
+    for (int m = 0; m < kBatch; ++m) ds[m].start(num_docs, first_token + j0 + threadIdx.x + m * kThreads);
+    for (int k = 0; k <= steps + 1; ++k) {
+#pragma unroll
+      for (int m = 0; m < kBatch; ++m) ds[m].step(cu, steps, k);
+    }
+#pragma unroll
+    for (int m = 0; m < kBatch; ++m) {
+      const int j = j0 + threadIdx.x + m * kThreads;
+      if (j < count) out[j] = static_cast<uint8_t>(ds[m].pos);
+    }
+  }
 }
 
 template <class T>
@@ -108,202 +158,191 @@ __device__ __forceinline__ void store_param<__nv_bfloat16>(void* base, int i, fl
 
 }  // namespace detail
 
-template <class Traits, class WeightT, class BiasT>
+// kRoundPreact: p.round_preact as a template argument (a branch per row otherwise).
+template <class Traits, class WeightT, class BiasT, bool kRoundPreact>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   constexpr int L = Traits::kStripLen;
   constexpr int R = Traits::kRing;
   constexpr int N = L + 6;  // x rows a strip reads: 3 before t0, its L tokens, 3 of lookahead
   constexpr int TT = Traits::kTileTokens;
-  constexpr int V = kBwdVec;
+  constexpr int T = Traits::kThreads;
+  constexpr int V = Traits::kVec;
+  using Row = detail::BwdRow<V>;
   constexpr int kSums = 5 * V;  // a thread's partial sums: 4 taps and g, V channels each
-  // Per-thread rings of x and dy rows (8 bytes each), R - 1 rows ahead of the computed one. At
-  // the end of an item the same bytes hold the strips' partial sums.
-  constexpr int kRingBytes = 2 * R * Traits::kThreads * 8;
-  constexpr int kSumBytes = kSums * Traits::kThreads * 4;
+  // Per-thread rings of x and dy rows, R - 1 rows ahead of the computed one. At the end of an
+  // item the same bytes hold the strips' partial sums.
+  constexpr int kRingBytes = 2 * R * T * sizeof(Row);
+  constexpr int kSumBytes = kSums * T * 4;
   __shared__ __align__(16) unsigned char s_raw[kRingBytes > kSumBytes ? kRingBytes : kSumBytes];
-  uint2* const s_xring = reinterpret_cast<uint2*>(s_raw);
-  uint2* const s_dyring = s_xring + R * Traits::kThreads;
-  float* const s_sums = reinterpret_cast<float*>(s_raw);  // [kSums][kThreads]
-  __shared__ __align__(16) uint8_t s_pos[2][Traits::kPosTokens];
+  Row* const s_xring = reinterpret_cast<Row*>(s_raw);
+  Row* const s_dyring = s_xring + R * T;
+  float* const s_sums = reinterpret_cast<float*>(s_raw);  // [kSums][T]
+  __shared__ uint8_t s_pos[Traits::kPosTokens];  // min(position in document, 3) per item token
 
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;
   const int group = blockIdx.x / p.tiles_c;
   const int tile_c = blockIdx.x - group * p.tiles_c;
-  const int vec = tile_c * Traits::kLanesC + lane_c;  // my 8-byte column
+  const int vec = tile_c * Traits::kLanesC + lane_c;  // my row-vector column
   const uint32_t vecs_per_row = p.C / V;
   const bool active = static_cast<uint32_t>(vec) < vecs_per_row;
+  const int t_lim = active ? p.S : INT32_MIN;  // tokens < t_lim are read and written
   const int item_t0 = group * p.item_tokens;
   const int item_end = min(item_t0 + p.item_tokens, p.S);
-  const uint2* __restrict__ xv = reinterpret_cast<const uint2*>(p.x);
-  const uint2* __restrict__ dyv = reinterpret_cast<const uint2*>(p.dy);
-  uint2* __restrict__ dxv = reinterpret_cast<uint2*>(p.dx);
-  uint2* const my_xring = s_xring + threadIdx.x;
-  uint2* const my_dyring = s_dyring + threadIdx.x;
-  const int search_steps = detail::DocSearch::halvings(p.num_docs);
-  const auto search_all = [&](int first_token, uint8_t* out) {
-    for (int j = threadIdx.x; j < Traits::kPosTokens; j += Traits::kThreads) {
-      detail::DocSearch ds;
-      ds.start(p.num_docs, first_token + j);
-      for (int k = 0; k <= search_steps + 1; ++k) ds.step(p.cu_seqlens, search_steps, k);
-      out[j] = static_cast<uint8_t>(ds.pos);
+  const Row* __restrict__ xv = reinterpret_cast<const Row*>(p.x);
+  const Row* __restrict__ dyv = reinterpret_cast<const Row*>(p.dy);
+  Row* __restrict__ dxv = reinterpret_cast<Row*>(p.dx);
+  Row* const my_xring = s_xring + threadIdx.x;
+  Row* const my_dyring = s_dyring + threadIdx.x;
+
+  // The first R - 1 rows of the strip at t0 into ring slots 1 .. R - 1, one cp.async group each.
+  // x row i is token t0 - 3 + i; dy row i is the same token, read from i = 3 on. Rows outside
+  // [0, S) and lanes past C read zeros (so g is 0 past S). Offsets are 32-bit: the launcher
+  // caps S * C / V < 2^32.
+  const auto prefetch = [&](int t0) {
+    const uint32_t base = static_cast<uint32_t>(t0) * vecs_per_row + vec;
+#pragma unroll
+    for (int i = 0; i < R - 1; ++i) {
+      const int t = t0 - 3 + i;
+      const bool valid = t >= 0 && t < t_lim;
+      const uint32_t off = valid ? base + (i - 3) * vecs_per_row : 0u;
+      detail::cp_async_row(my_xring + (i + 1) * T, xv + off, valid);
+      if (i >= 3) detail::cp_async_row(my_dyring + (i + 1) * T, dyv + off, valid);
+      detail::cp_async_commit();
     }
   };
 
+  const int first_t0 = item_t0 + strip * L;
+  if (first_t0 < item_end) prefetch(first_t0);  // streams while the positions are searched
   float w[4][V] = {}, b[V] = {};
   if (active) {
     detail::load_weights<WeightT>(p.weight, vec * V, w);
     detail::load_bias<BiasT>(p.bias, vec * V, b);
   }
+  // Positions of the item's tokens and of the 3 tokens after it (the last strip's lookahead).
+  detail::search_positions<T, Traits::kSearchBatch>(p.cu_seqlens, p.num_docs, item_t0, p.item_tokens + 3, s_pos);
+  __syncthreads();
+
   float dw[4][V] = {}, db[V] = {};
-
-  int buf = 0;
-  for (int sub_t0 = item_t0; sub_t0 < item_end; sub_t0 += TT) {
-    const int t0 = sub_t0 + strip * L;
-    const bool strip_on = t0 < item_end;
-    // 8-byte offset of token t0 in my channels (32 bits: the launcher caps S * C / 4 < 2^32).
+  for (int t0 = first_t0; t0 < item_end; t0 += TT) {
     const uint32_t base = static_cast<uint32_t>(t0) * vecs_per_row + vec;
-    // x row i is token t0 - 3 + i; dy row i is the same token, read from i = 3 on. Rows outside
-    // [0, S) and lanes past C read zeros (so g is 0 past S).
-    auto issue_row = [&](int i, int slot) {  // slot == i % R
-      const int t = t0 - 3 + i;
-      const bool valid = active && t >= 0 && t < p.S;
-      const uint32_t off = base + (i - 3) * vecs_per_row;
-      detail::cp_async_8(my_xring + slot * Traits::kThreads, valid ? xv + off : xv, valid);
-      if (i >= 3) detail::cp_async_8(my_dyring + slot * Traits::kThreads, valid ? dyv + off : dyv, valid);
+    const uint8_t* pos_row = s_pos + (t0 - item_t0);  // pos_row[r]: token t0 + r
+    // Windows as 4-slot circular buffers and a loop stepping 4 rows, so no register moves: at
+    // row r (token u = t0 + r, phase q = r % 4) slot (q+1) % 4 holds x[u-3] and g[u-3], slot
+    // (q+2) % 4 x[u-2], g[u-2] and pos[u-2], slot (q+3) % 4 x[u-1], g[u-1] and pos[u-1], and
+    // row r writes its own into slot q (whose x[u-4] and g[u-4] are no longer needed). The loop
+    // is not unrolled further: the body stays small in the instruction cache.
+    float xm[4][V], gm[4][V] = {};
+    int pm[4] = {0, 0, 0, 0};
+    // Rows 0..2 (x before t0), each refilling the ring with row i + R - 1 (a token >= t0 - 1).
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      if (i + R - 1 < N) {
+        const int t = t0 + R - 4 + i;
+        const bool valid = t >= 0 && t < t_lim;
+        const uint32_t off = valid ? base + (R - 4 + i) * vecs_per_row : 0u;
+        detail::cp_async_row(my_xring + i * T, xv + off, valid);  // slot (i + R) % R
+        if (i + R - 1 >= 3) detail::cp_async_row(my_dyring + i * T, dyv + off, valid);
+      }
+      detail::cp_async_commit();
+      detail::cp_async_wait<R - 1>();
+      detail::row_to_float(my_xring[(i + 1) * T], xm[i + 1]);
+    }
+    // Loop state, stepped once per row or per step (no per-row multiplies): the ring slots of the
+    // step's 4 rows (cur) and of the 4 rows before them (prev), the token and offset of the next
+    // row to refill, and of the next dx row. Ring row j (token t0 - 3 + j) is in slot (j + 1) % R,
+    // so a step's rows r + 3 .. r + 6 take slots cur .. cur + 3 without wrapping.
+    int cur = 4 % R, prev = 0;
+    int refill_t = t0 + R - 1;
+    uint32_t refill_off = base + (R - 1) * vecs_per_row;
+    int dx_t = t0 - 3;
+    uint32_t dx_off = base - 3 * vecs_per_row;
+    const auto row = [&](int r, auto phase) {
+      constexpr int q = decltype(phase)::value, s3 = (q + 1) % 4, s2 = (q + 2) % 4, s1 = (q + 3) % 4;
+      if (r + R + 2 < N) {  // refill the slot ring row r + 2 has just left with row r + R + 2
+        const bool valid = refill_t < t_lim;
+        const uint32_t off = valid ? refill_off : 0u;
+        const int slot = q == 0 ? prev + 3 : cur + q - 1;
+        detail::cp_async_row(my_xring + slot * T, xv + off, valid);
+        detail::cp_async_row(my_dyring + slot * T, dyv + off, valid);
+      }
+      ++refill_t;
+      refill_off += vecs_per_row;
+      detail::cp_async_commit();  // possibly empty: keeps "ring row j is group j"
+      detail::cp_async_wait<R - 1>();
+      const int pos = pos_row[r];
+      float xt[V], dyt[V], g[V];
+      detail::row_to_float(my_xring[(cur + q) * T], xt);
+      detail::row_to_float(my_dyring[(cur + q) * T], dyt);
+      float a[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        // The FP32 pre-activation, bias first, then the taps current-first (the forward's order;
+        // the forward sums taps pre-scaled by -log2 e, so the two may differ by an ulp).
+        a[j] = fmaf(w[3][j], xt[j], b[j]);
+        if (pos >= 1) a[j] = fmaf(w[2][j], xm[s1][j], a[j]);
+        if (pos >= 2) a[j] = fmaf(w[1][j], xm[s2][j], a[j]);
+        if (pos >= 3) a[j] = fmaf(w[0][j], xm[s3][j], a[j]);
+      }
+      if constexpr (kRoundPreact) {
+#pragma unroll
+        for (int j = 0; j < V; j += 2) detail::round_to_bf16(a[j], a[j + 1]);
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) g[j] = dyt[j] * detail::silu_grad(a[j]);
+      if (r < L) {  // the strip's own tokens: each token's g is summed by exactly one strip
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          db[j] += g[j];
+          dw[3][j] = fmaf(g[j], xt[j], dw[3][j]);
+          if (pos >= 1) dw[2][j] = fmaf(g[j], xm[s1][j], dw[2][j]);
+          if (pos >= 2) dw[1][j] = fmaf(g[j], xm[s2][j], dw[1][j]);
+          if (pos >= 3) dw[0][j] = fmaf(g[j], xm[s3][j], dw[0][j]);
+        }
+      }
+      if (r >= 3) {  // dx of token s = u - 3 = t0 + r - 3, whose last consumer is u
+        float d[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          // Token s + m read x[s] through tap 3 - m iff its position is >= m. FP32 order: tap 3
+          // (token s itself) first.
+          float v = w[3][j] * gm[s3][j];
+          if (pm[s2] >= 1) v = fmaf(w[2][j], gm[s2][j], v);
+          if (pm[s1] >= 2) v = fmaf(w[1][j], gm[s1][j], v);
+          if (pos >= 3) v = fmaf(w[0][j], g[j], v);
+          d[j] = v;
+        }
+        if (dx_t < t_lim) dxv[dx_off] = detail::pack_row<V>(d);
+      }
+      ++dx_t;
+      dx_off += vecs_per_row;
+      pm[q] = pos;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        xm[q][j] = xt[j];
+        gm[q][j] = g[j];
+      }
     };
-    if (strip_on) {
-#pragma unroll
-      for (int i = 0; i < R - 1; ++i) {
-        issue_row(i, i);
-        detail::cp_async_commit();
-      }
-    }
-    if (sub_t0 == item_t0) {  // the item's first positions; the later ones are pipelined
-      search_all(sub_t0, s_pos[0]);
-      __syncthreads();
-    }
-    // The next sub-tile's positions: thread j searches its token j while the rows stream.
-    const bool has_next = sub_t0 + TT < item_end;
-    const bool searcher = has_next && threadIdx.x < Traits::kPosTokens;
-    detail::DocSearch ds;
-    if (searcher) ds.start(p.num_docs, sub_t0 + TT + threadIdx.x);
-    int steps_done = 0;
-
-    if (strip_on) {
-      const uint8_t* my_pos = s_pos[buf] + strip * L;
-      // Windows as 3-slot circular buffers, so a loop unrolled by 3 moves no registers: at row
-      // r (token u = t0 + r) slot r % 3 holds x[u-3] and g[u-3], slot (r+1) % 3 x[u-2], g[u-2]
-      // and pos[u-2], slot (r+2) % 3 x[u-1], g[u-1] and pos[u-1]; row r then overwrites slot
-      // r % 3 with its own. The loop is not unrolled further: the body stays small in the
-      // instruction cache, whatever the strip length.
-      float xm[3][V], gm[3][V] = {};
-      int pm[3] = {0, 0, 0};
-#pragma unroll
-      for (int i = 0; i < 3; ++i) {
-        if (i + R - 1 < N) issue_row(i + R - 1, (i + R - 1) % R);
-        detail::cp_async_commit();
-        if (searcher) ds.step(p.cu_seqlens, search_steps, i);
-        detail::cp_async_wait<R - 1>();
-        detail::bf16x4_to_float(my_xring[(i % R) * Traits::kThreads], xm[i]);
-      }
-      // Loop state, stepped once per row (no per-row multiplies): the ring slot of row r + 3,
-      // the token and offset of the row to refill (r + R + 2, token >= 0) and of dx[t0 + r - 3].
-      int slot = 3 % R;
-      int refill_t = t0 + R - 1;
-      uint32_t refill_off = base + (R - 1) * vecs_per_row;
-      uint32_t dx_off = base - 3 * vecs_per_row;
-      const int t_lim = active ? p.S : INT32_MIN;  // tokens < t_lim are read and written
-      const auto row = [&](int r, auto phase) {
-        constexpr int q = decltype(phase)::value, q1 = (q + 1) % 3, q2 = (q + 2) % 3;
-        const int i = r + 3;
-        if (i + R - 1 < N) {  // refill the slot row i - 1 has just left
-          const bool valid = refill_t < t_lim;
-          const int refill_slot = slot == 0 ? R - 1 : slot - 1;
-          detail::cp_async_8(my_xring + refill_slot * Traits::kThreads, valid ? xv + refill_off : xv, valid);
-          detail::cp_async_8(my_dyring + refill_slot * Traits::kThreads, valid ? dyv + refill_off : dyv, valid);
-        }
-        ++refill_t;
-        refill_off += vecs_per_row;
-        detail::cp_async_commit();  // possibly empty: keeps "row i is group i"
-        if (searcher) ds.step(p.cu_seqlens, search_steps, i);
-        detail::cp_async_wait<R - 1>();
-        const int pos = my_pos[r];
-        float xt[V], dyt[V], g[V];
-        detail::bf16x4_to_float(my_xring[slot * Traits::kThreads], xt);
-        detail::bf16x4_to_float(my_dyring[slot * Traits::kThreads], dyt);
-        slot = slot + 1 == R ? 0 : slot + 1;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          // The FP32 pre-activation, bias first, then the taps current-first (the forward's order;
-          // the forward sums taps pre-scaled by -log2 e, so the two may differ by an ulp).
-          float a = fmaf(w[3][j], xt[j], b[j]);
-          if (pos >= 1) a = fmaf(w[2][j], xm[q2][j], a);
-          if (pos >= 2) a = fmaf(w[1][j], xm[q1][j], a);
-          if (pos >= 3) a = fmaf(w[0][j], xm[q][j], a);
-          if (p.round_preact) a = detail::round_to_bf16(a);
-          g[j] = dyt[j] * detail::silu_grad(a);
-        }
-        if (r < L) {  // the strip's own tokens: each token's g is summed by exactly one strip
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            db[j] += g[j];
-            dw[3][j] = fmaf(g[j], xt[j], dw[3][j]);
-            if (pos >= 1) dw[2][j] = fmaf(g[j], xm[q2][j], dw[2][j]);
-            if (pos >= 2) dw[1][j] = fmaf(g[j], xm[q1][j], dw[1][j]);
-            if (pos >= 3) dw[0][j] = fmaf(g[j], xm[q][j], dw[0][j]);
-          }
-        }
-        if (r >= 3) {  // dx of token s = u - 3 = t0 + r - 3, whose last consumer is u
-          float d[V];
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            // Token s + m read x[s] through tap 3 - m iff its position is >= m. FP32 order: tap 3
-            // (token s itself) first.
-            float v = w[3][j] * gm[q][j];
-            if (pm[q1] >= 1) v = fmaf(w[2][j], gm[q1][j], v);
-            if (pm[q2] >= 2) v = fmaf(w[1][j], gm[q2][j], v);
-            if (pos >= 3) v = fmaf(w[0][j], g[j], v);
-            d[j] = v;
-          }
-          if (t0 + r - 3 < t_lim) {
-            dxv[dx_off] = make_uint2(detail::pack_bf16x2_rn(d[0], d[1]), detail::pack_bf16x2_rn(d[2], d[3]));
-          }
-        }
-        dx_off += vecs_per_row;
-        pm[q] = pos;
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          xm[q][j] = xt[j];
-          gm[q][j] = g[j];
-        }
-      };
-      using P0 = std::integral_constant<int, 0>;
-      using P1 = std::integral_constant<int, 1>;
-      using P2 = std::integral_constant<int, 2>;
+    using P0 = std::integral_constant<int, 0>;
+    using P1 = std::integral_constant<int, 1>;
+    using P2 = std::integral_constant<int, 2>;
+    using P3 = std::integral_constant<int, 3>;
+    // Whole steps of 4 rows, then the rows left (peeled: no conditional rows in the loop).
+    constexpr int kFullRows = (L + 3) / 4 * 4;
 #pragma unroll 1
-      for (int r = 0; r < L + 3; r += 3) {
-        row(r, P0{});
-        if (r + 1 < L + 3) row(r + 1, P1{});
-        if (r + 2 < L + 3) row(r + 2, P2{});
-      }
-      steps_done = N;
+    for (int r = 0; r < kFullRows; r += 4) {
+      row(r, P0{});
+      row(r + 1, P1{});
+      row(r + 2, P2{});
+      row(r + 3, P3{});
+      prev = cur;
+      cur = cur + 4 == R ? 0 : cur + 4;
     }
-    if (searcher) {
-      for (int k = steps_done; k <= search_steps + 1; ++k) ds.step(p.cu_seqlens, search_steps, k);
-      s_pos[buf ^ 1][threadIdx.x] = static_cast<uint8_t>(ds.pos);
-    }
-    if (has_next && Traits::kPosTokens > Traits::kThreads) {  // more tokens than threads: a loop
-      for (int j = threadIdx.x + Traits::kThreads; j < Traits::kPosTokens; j += Traits::kThreads) {
-        detail::DocSearch rest;
-        rest.start(p.num_docs, sub_t0 + TT + j);
-        for (int k = 0; k <= search_steps + 1; ++k) rest.step(p.cu_seqlens, search_steps, k);
-        s_pos[buf ^ 1][j] = static_cast<uint8_t>(rest.pos);
-      }
-    }
-    __syncthreads();  // next positions visible; this sub-tile's ring and positions free
-    buf ^= 1;
+    if constexpr (kFullRows < L + 3) row(kFullRows, P0{});
+    if constexpr (kFullRows + 1 < L + 3) row(kFullRows + 1, P1{});
+    if constexpr (kFullRows + 2 < L + 3) row(kFullRows + 2, P2{});
+    if (t0 + TT < item_end) prefetch(t0 + TT);  // the ring is free: every row was consumed
   }
 
   // The item's partial rows: strips added in strip order, one row per (tap or g, channel).

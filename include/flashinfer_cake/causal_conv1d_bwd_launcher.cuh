@@ -10,7 +10,7 @@ namespace flashinfer_cake {
 
 template <class Traits, class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t stream) {
-  const int64_t vecs_per_row = p.C / kBwdVec;
+  const int64_t vecs_per_row = p.C / Traits::kVec;
   const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
   const int64_t blocks = int64_t(p.groups) * tiles_c;
   if (blocks > INT32_MAX || int64_t(p.S) * vecs_per_row >= (int64_t(1) << 32)) {  // 32-bit offsets
@@ -20,7 +20,9 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
   p.tiles_c = static_cast<int32_t>(tiles_c);
   (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
   if (blocks > 0) {
-    causal_conv1d_bwd_kernel<Traits, WeightT, BiasT><<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
+    const auto kernel = p.round_preact ? causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, true>
+                                       : causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, false>;
+    kernel<<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return fail(e, "backward kernel launch failed: %s", cudaGetErrorString(e));
   }
@@ -36,26 +38,35 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
 #define CAKE_BWD_THREADS 128
 #endif
 #ifndef CAKE_BWD_STRIP_LEN
-#define CAKE_BWD_STRIP_LEN 32  // flashinfer_cake._bwd_item_tokens rounds groups to it
+#define CAKE_BWD_STRIP_LEN 64  // flashinfer_cake._bwd_item_tokens rounds groups to it
 #endif
 #ifndef CAKE_BWD_RING
-#define CAKE_BWD_RING 6
+#define CAKE_BWD_RING 8
 #endif
 #ifndef CAKE_BWD_MIN_CTAS
 #define CAKE_BWD_MIN_CTAS 4
+#endif
+#ifndef CAKE_BWD_VEC
+#define CAKE_BWD_VEC 4  // channels per thread
 #endif
 
 // Token groups (the item_tokens argument) must be a multiple of this.
 constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
 
-// Channel lanes per CTA: 32 (128 channels), or 8 when C <= 32 (a few idle lanes at tiny C; two
-// routes keep the module's compile time down).
+// Routes, from shapes only: channel lanes per CTA 32, or 8 when C <= 8 * kVec (a few idle lanes
+// at tiny C); with 32 lanes, half the threads (2 strips) when a token group is shorter than one
+// sub-tile of the full CTA (small S: the group would leave strips idle).
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_t stream) {
-  constexpr int kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BWD_STRIP_LEN, kRing = CAKE_BWD_RING,
-                kMinCtas = CAKE_BWD_MIN_CTAS;
-  if (p.C > 32) return launch_causal_conv1d_bwd_route<BwdTraits<32, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, stream);
-  return launch_causal_conv1d_bwd_route<BwdTraits<8, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, stream);
+  constexpr int kVec = CAKE_BWD_VEC, kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BWD_STRIP_LEN,
+                kRing = CAKE_BWD_RING, kMinCtas = CAKE_BWD_MIN_CTAS;
+  using Wide = BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
+  using WideShort = BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
+  if (p.C > 8 * kVec) {
+    if (p.item_tokens >= Wide::kTileTokens) return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT>(p, stream);
+    return launch_causal_conv1d_bwd_route<WideShort, WeightT, BiasT>(p, stream);
+  }
+  return launch_causal_conv1d_bwd_route<BwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, stream);
 }
 
 // Bytes of workspace a backward of S tokens x C channels in token groups of item_tokens needs.
@@ -78,8 +89,8 @@ cudaError_t causal_conv1d_bwd_entry(const void* x, const void* dy, void* dx, con
   if (S < 0 || S >= (int64_t(1) << 30)) return fail(cudaErrorInvalidValue, "x: S must be in [0, 2^30) for the backward, got %lld", (long long)S);
   if (C <= 0 || C % 8 != 0 || C > INT32_MAX / 8) return fail(cudaErrorInvalidValue, "x: C must be a positive multiple of 8, got %lld", (long long)C);
   if (num_docs < 0 || num_docs >= INT32_MAX) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 1), got %lld", (long long)num_docs);
-  if (item_tokens <= 0 || item_tokens % kBwdStripLen != 0 || item_tokens > (int64_t(1) << 20)) {
-    return fail(cudaErrorInvalidValue, "item_tokens must be a positive multiple of %d up to 2^20, got %lld", kBwdStripLen, (long long)item_tokens);
+  if (item_tokens <= 0 || item_tokens % kBwdStripLen != 0 || item_tokens > kBwdMaxItemTokens) {
+    return fail(cudaErrorInvalidValue, "item_tokens must be a positive multiple of %d up to %d, got %lld", kBwdStripLen, kBwdMaxItemTokens, (long long)item_tokens);
   }
   if (round_preact != 0 && round_preact != 1) return fail(cudaErrorInvalidValue, "round_preact must be 0 or 1, got %lld", (long long)round_preact);
   if (device < 0 || device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)device);
