@@ -20,8 +20,8 @@
 // identical run to run, whatever the scheduling: no float atomics anywhere.
 //
 // Document positions: min(position in document, 3) of the item's tokens and the 3 after it, one
-// byte each in shared memory, found once per item by a batched binary search (DocSearch) while
-// the first rows stream in; then the strips run without barriers. Only x, dy, dx[0, S) and
+// byte each in shared memory, found once per item by a batched binary search (DocSearch's
+// result, two halvings per dependent load) while the first rows stream in; then the strips run without barriers. Only x, dy, dx[0, S) and
 // cu_seqlens[0, num_docs] are addressed, whatever cu_seqlens holds.
 #pragma once
 
@@ -120,25 +120,52 @@ __device__ __forceinline__ void round_to_bf16(float& lo, float& hi) {
   hi = __uint_as_float(h & 0xffff0000u);
 }
 
-// Positions (DocSearch) of tokens first_token + j, j = 0 .. count - 1, into out[j]: thread i
-// searches j = i, i + kThreads, ... in batches of kBatch searches at once (their loads in flight
-// together), so a batch costs the K + 2 dependent loads of one search.
+// Positions of tokens first_token + j, j = 0 .. count - 1, into out[j]: the result of
+// DocSearch (the same comparisons at the same cu_seqlens entries, so the same value for any
+// content), with two halvings per round: a round loads the midpoint and both midpoints the next
+// halving may pick, then picks. Thread i searches j = i, i + kThreads, ... in batches of kBatch
+// searches at once (their loads in flight together), so a batch costs ceil(K / 2) + 1 dependent
+// loads instead of K + 1.
 template <int kThreads, int kBatch>
 __device__ __forceinline__ void search_positions(const int32_t* __restrict__ cu, int num_docs,
                                                  int first_token, int count, uint8_t* out) {
-  const int steps = DocSearch::halvings(num_docs);
+  const int halvings = DocSearch::halvings(num_docs);
   for (int j0 = 0; j0 < count; j0 += kBatch * kThreads) {
-    DocSearch ds[kBatch];
+    int t[kBatch], base[kBatch];
 #pragma unroll
-    for (int m = 0; m < kBatch; ++m) ds[m].start(num_docs, first_token + j0 + threadIdx.x + m * kThreads);
-    for (int k = 0; k <= steps + 1; ++k) {
+    for (int m = 0; m < kBatch; ++m) {
+      t[m] = first_token + j0 + threadIdx.x + m * kThreads;
+      base[m] = 0;
+    }
+    int n = num_docs + 1;  // candidates cu[base .. base + n - 1], the same n for every token
+    int k = 0;
+    for (; k + 2 <= halvings; k += 2) {
+      const int h0 = n >> 1;
+      n -= h0;
+      const int h1 = n >> 1;  // <= h0, and base + h0 + h1 <= base + n - 1 <= num_docs
+      n -= h1;
 #pragma unroll
-      for (int m = 0; m < kBatch; ++m) ds[m].step(cu, steps, k);
+      for (int m = 0; m < kBatch; ++m) {
+        const int mid = __ldg(cu + base[m] + h0);
+        const int right = __ldg(cu + base[m] + h0 + h1);
+        const int left = __ldg(cu + base[m] + h1);
+        if (mid <= t[m]) base[m] += h0;
+        if ((mid <= t[m] ? right : left) <= t[m]) base[m] += h1;
+      }
+    }
+    if (k < halvings) {
+      const int h = n >> 1;
+#pragma unroll
+      for (int m = 0; m < kBatch; ++m) {
+        if (__ldg(cu + base[m] + h) <= t[m]) base[m] += h;
+      }
     }
 #pragma unroll
     for (int m = 0; m < kBatch; ++m) {
       const int j = j0 + threadIdx.x + m * kThreads;
-      if (j < count) out[j] = static_cast<uint8_t>(ds[m].pos);
+      const int val = __ldg(cu + base[m]);
+      const int64_t d = static_cast<int64_t>(t[m]) - val;
+      if (j < count) out[j] = static_cast<uint8_t>(val > t[m] ? 0 : (d < 3 ? d : 3));
     }
   }
 }
