@@ -30,8 +30,6 @@ _SOURCE = """\
 #include <flashinfer_cake/causal_conv1d_bwd_launcher.cuh>
 #include <flashinfer_cake/causal_conv1d_fwd_launcher.cuh>
 
-#include <cstring>
-
 #define CAKE_EXPORT extern "C" __attribute__((visibility("default")))
 
 using WeightT = {weight_t};
@@ -45,20 +43,9 @@ CAKE_EXPORT const char* cake_last_error_message() {{
   return flashinfer_cake::last_error_buffer();
 }}
 
-// The launches take their arguments as one packed array of int64 (one ctypes argument instead
-// of 11 or 17: the eager host budget), read with memcpy (no alignment assumed). Pointers and the
-// stream are addresses; the order is the entry's parameter order.
-template <int N>
-struct PackedArgs {{
-  int64_t v[N];
-  explicit PackedArgs(const void* raw) {{ std::memcpy(v, raw, sizeof v); }}
-  template <class T>
-  T* ptr(int i) const {{ return reinterpret_cast<T*>(static_cast<intptr_t>(v[i])); }}
-}};
-
-// x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream
+// x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream (packed int64)
 CAKE_EXPORT int cake_causal_conv1d_fwd(const void* packed) {{
-  const PackedArgs<11> a(packed);
+  const flashinfer_cake::PackedArgs<11> a(packed);
   return static_cast<int>(flashinfer_cake::causal_conv1d_fwd_entry<WeightT, BiasT>(
       a.ptr<const void>(0), a.ptr<void>(1), a.ptr<const void>(2), a.ptr<const void>(3),
       a.ptr<const int32_t>(4), a.ptr<int32_t>(5), a.v[6], a.v[7], a.v[8], a.v[9],
@@ -66,9 +53,9 @@ CAKE_EXPORT int cake_causal_conv1d_fwd(const void* packed) {{
 }}
 
 // x, dy, dx, weight, bias, cu_seqlens, workspace, workspace_bytes, dweight, dbias, S, C,
-// num_docs, item_tokens, round_preact, device, stream
+// num_docs, item_tokens, round_preact, device, stream (packed int64)
 CAKE_EXPORT int cake_causal_conv1d_bwd(const void* packed) {{
-  const PackedArgs<17> a(packed);
+  const flashinfer_cake::PackedArgs<17> a(packed);
   return static_cast<int>(flashinfer_cake::causal_conv1d_bwd_entry<WeightT, BiasT>(
       a.ptr<const void>(0), a.ptr<const void>(1), a.ptr<void>(2), a.ptr<const void>(3),
       a.ptr<const void>(4), a.ptr<const int32_t>(5), a.ptr<void>(6), a.v[7], a.ptr<void>(8),

@@ -1,5 +1,6 @@
 // Host helpers shared by the launchers: the error message of the last failed call, the resident
-// CTA count of a kernel, pointer alignment, and launching on a given device.
+// CTA count of a kernel, the packed launch arguments, pointer alignment, and launching on a given
+// device.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,6 +8,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 
 namespace flashinfer_cake {
 
@@ -46,6 +48,17 @@ inline cudaError_t resident_ctas(Kernel kernel, int threads, int device, int* ou
   *out = n;
   return cudaSuccess;
 }
+
+// The C entries take their arguments as one packed array of int64 (one ctypes argument instead
+// of 11 or 17: the eager host budget), read with memcpy (no alignment assumed). Pointers and the
+// stream are addresses; the order is the entry's parameter order.
+template <int N>
+struct PackedArgs {
+  int64_t v[N];
+  explicit PackedArgs(const void* raw) { std::memcpy(v, raw, sizeof v); }
+  template <class T>
+  T* ptr(int i) const { return reinterpret_cast<T*>(static_cast<intptr_t>(v[i])); }
+};
 
 inline bool aligned_to(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 inline bool aligned16(const void* ptr) { return aligned_to(ptr, 16); }
