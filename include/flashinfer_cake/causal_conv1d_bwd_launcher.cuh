@@ -14,8 +14,8 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
   const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
   const int64_t blocks = int64_t(p.groups) * tiles_c;
   if (blocks > INT32_MAX || int64_t(p.S) * vecs_per_row >= (int64_t(1) << 32)) {  // 32-bit offsets
-    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for the backward (max 2^34 - 1)",
-                (long long)p.S * p.C);
+    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for the backward (S * C / %d must be below 2^32)",
+                (long long)p.S * p.C, Traits::kVec);
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
   (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
