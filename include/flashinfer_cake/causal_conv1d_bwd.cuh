@@ -71,6 +71,7 @@ struct BwdTraits {
   static_assert(kVec == 4 || kVec == 8, "rows of 8 or 16 bytes");
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
   static_assert(kRing >= 4 && kRing % 4 == 0, "the loop steps 4 rows, so 4 ring slots, at a time");
+  static_assert(kRing <= kStripLen + 7, "the first R - 1 rows are rows of the strip");
   static_assert(kBwdMaxItemTokens % kStripLen == 0, "groups are whole strips");
 };
 
