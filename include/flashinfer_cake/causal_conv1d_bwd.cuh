@@ -67,7 +67,7 @@ struct BwdTraits {
   static constexpr int kTileTokens = kStrips * kStripLen;  // one sub-tile: every strip once
   static constexpr int kTileChannels = kLanesC * kVec;
   static constexpr int kPosTokens = kBwdMaxItemTokens + 3;  // a group's tokens and their lookahead
-  static constexpr int kSearchBatch = 9;  // searches in flight per thread: 1027 tokens in one batch of 128 threads
+  static constexpr int kSearchBatch = 9;  // searches in flight per thread: a whole group in one batch at 128 threads, two at 64
   static_assert(kVec == 4 || kVec == 8, "rows of 8 or 16 bytes");
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
   static_assert(kRing >= 4 && kRing % 4 == 0, "the loop steps 4 rows, so 4 ring slots, at a time");

@@ -134,9 +134,10 @@ __device__ __forceinline__ void load_bias(const void* bias, int c0, float (&b)[V
 //
 // The search runs as steps k = 0 .. K + 1, K = ceil(log2(num_docs + 1)) halvings, the same
 // schedule for every thread: step k takes the answer of halving k - 1, then issues the load of
-// halving k, or the final load, or turns the final value into the position. A step issues at most one load and
-// uses the previous step's, so the kernel runs one step per streamed row and the search's
-// latency hides behind the rows; every branch is uniform across threads.
+// halving k, or the final load, or turns the final value into the position. A step issues at most
+// one load and uses the previous step's, so the forward runs one step per streamed row and the
+// search's latency hides behind the rows; every branch is uniform across threads. The backward
+// gets the same results from search_positions (two halvings per load, all of a group at once).
 struct DocSearch {
   int t, base, n, half, val, pos;
 
