@@ -24,8 +24,8 @@ __all__ = [
 
 _FWD = "cake_causal_conv1d_train_forward"
 _BWD = "cake_causal_conv1d_train_backward"
-# Token-chunk counters of the forward's persistent grid (kFwdWorkspaceCounters in the template):
-# every route uses the same two int32.
+# Token-chunk counters for forward routes with a persistent grid (kFwdWorkspaceCounters in the
+# template): two int32, zero before and after every launch (no route of today writes them).
 _FWD_WORKSPACE_COUNTERS = 2
 # The backward's partial sums: kBwdPartialRows FP32 rows of C per token group.
 _BWD_PARTIAL_ROWS = 5
@@ -40,7 +40,7 @@ _modules: dict[tuple[int, torch.dtype, torch.dtype | None], jit.core.CompiledMod
 
 def cake_causal_conv1d_train_forward_workspace_bytes(S: int, C: int, device) -> int:
     """Bytes of int32 workspace a forward of ``[S, C]`` on ``device`` needs: the most over every
-    route (today every route uses the same two token-chunk counters)."""
+    route (two token-chunk counters; no route of today writes them)."""
     _checks.check_sizes(S, C, device)
     return 4 * _FWD_WORKSPACE_COUNTERS
 

@@ -2,13 +2,12 @@
 """Measure tile geometries of the forward or the backward side by side (one GPU run, many builds).
 
 Each config overrides the launcher's CAKE_FWD_* / CAKE_BWD_* defaults (threads, strip length,
-ring rows, min CTAs per SM, and optionally the forward's max channel lanes or the backward's
-channels per thread) for the fp32-taps + fp32-bias variant; all are built in parallel,
+ring rows, min CTAs per SM, and optionally the channels per thread) for the fp32-taps + fp32-bias variant; all are built in parallel,
 then timed against a device copy of the same DRAM bytes on each shape (forward: read x, write y;
 backward: read x and dy, write dx): eager CUDA-event medians over rotated inputs, and for small
 shapes the kernel time from a replayed CUDA graph. Every config must give bitwise the same result.
 
-    python scripts/tune.py --op fwd --configs 128/32/8/4,128/16/8/4 [--json out.json]
+    python scripts/tune.py --op fwd --configs 128/64/8/4,128/64/8/5 [--json out.json]
     python scripts/tune.py --op bwd --configs 128/32/6/4/4,128/32/6/2/8
 """
 
@@ -44,7 +43,7 @@ def build(op: str, cfg: str, out: Path) -> Path:
     so = src.with_suffix(".so")
     cmd = [str(env.require_nvcc()), *spec.nvcc_flags(), f"-I{env.include_dir()}", "-shared", str(src), "-o", str(so),
            f"{m}THREADS={threads}", f"{m}STRIP_LEN={strip}", f"{m}RING={ring}", f"{m}MIN_CTAS={min_ctas}",
-           *([f"{m}{'MAX_LANES' if op == 'fwd' else 'VEC'}={last[0]}"] if last else [])]
+           *([f"{m}VEC={last[0]}"] if last else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{cfg}: {proc.stderr}")
@@ -83,7 +82,7 @@ def graph_ms(fn, calls: int = 20, reps: int = 20) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--op", choices=("fwd", "bwd"), default="fwd")
-    parser.add_argument("--configs", required=True, help="threads/strip/ring/min_ctas[/max_lanes (fwd) or vec (bwd)],...")
+    parser.add_argument("--configs", required=True, help="threads/strip/ring/min_ctas[/vec],...")
     parser.add_argument("--json")
     args = parser.parse_args()
     configs = args.configs.split(",")

@@ -77,33 +77,6 @@ struct BwdTraits {
 
 namespace detail {
 
-// A row vector of V BF16 channels: 8 or 16 bytes.
-template <int V>
-using BwdRow = std::conditional_t<V == 8, uint4, uint2>;
-
-// 8-byte global -> shared copy (through L1: .cg takes 16 bytes only); valid == false writes
-// zeros and reads nothing.
-__device__ __forceinline__ void cp_async_8(void* smem, const void* gmem, bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 8 : 0)
-               : "memory");
-}
-
-__device__ __forceinline__ void cp_async_row(uint2* smem, const uint2* gmem, bool valid) { cp_async_8(smem, gmem, valid); }
-__device__ __forceinline__ void cp_async_row(uint4* smem, const uint4* gmem, bool valid) { cp_async_16(smem, gmem, valid); }
-__device__ __forceinline__ void row_to_float(const uint2& v, float (&f)[4]) { bf16x4_to_float(v, f); }
-__device__ __forceinline__ void row_to_float(const uint4& v, float (&f)[8]) { bf16x8_to_float(v, f); }
-
-template <int V>
-__device__ __forceinline__ BwdRow<V> pack_row(const float (&d)[V]) {
-  if constexpr (V == 8) {
-    return make_uint4(pack_bf16x2_rn(d[0], d[1]), pack_bf16x2_rn(d[2], d[3]), pack_bf16x2_rn(d[4], d[5]),
-                      pack_bf16x2_rn(d[6], d[7]));
-  } else {
-    return make_uint2(pack_bf16x2_rn(d[0], d[1]), pack_bf16x2_rn(d[2], d[3]));
-  }
-}
-
 // silu'(a) = r (1 + a (1 - r)) with r = sigmoid(a) = 1 / (1 + 2^(-a log2 e)): ex2 and rcp are
 // the hardware approximations (relative error about 2^-22). Written with 1 - r rather than
 // 2^(-a log2 e) r so that a -> -inf gives r = 0 and silu' = 0 (no inf * 0).
@@ -119,56 +92,6 @@ __device__ __forceinline__ void round_to_bf16(float& lo, float& hi) {
   const uint32_t h = pack_bf16x2_rn(lo, hi);
   lo = __uint_as_float(h << 16);
   hi = __uint_as_float(h & 0xffff0000u);
-}
-
-// Positions of tokens first_token + j, j = 0 .. count - 1, into out[j]: the result of
-// DocSearch (the same comparisons at the same cu_seqlens entries, so the same value for any
-// content), with two halvings per round: a round loads the midpoint and both midpoints the next
-// halving may pick, then picks. Thread i searches j = i, i + kThreads, ... in batches of kBatch
-// searches at once (their loads in flight together), so a batch costs ceil(K / 2) + 1 dependent
-// loads instead of K + 1.
-template <int kThreads, int kBatch>
-__device__ __forceinline__ void search_positions(const int32_t* __restrict__ cu, int num_docs,
-                                                 int first_token, int count, uint8_t* out) {
-  const int halvings = DocSearch::halvings(num_docs);
-  for (int j0 = 0; j0 < count; j0 += kBatch * kThreads) {
-    int t[kBatch], base[kBatch];
-#pragma unroll
-    for (int m = 0; m < kBatch; ++m) {
-      t[m] = first_token + j0 + threadIdx.x + m * kThreads;
-      base[m] = 0;
-    }
-    int n = num_docs + 1;  // candidates cu[base .. base + n - 1], the same n for every token
-    int k = 0;
-    for (; k + 2 <= halvings; k += 2) {
-      const int h0 = n >> 1;
-      n -= h0;
-      const int h1 = n >> 1;  // <= h0, and base + h0 + h1 <= base + n - 1 <= num_docs
-      n -= h1;
-#pragma unroll
-      for (int m = 0; m < kBatch; ++m) {
-        const int mid = __ldg(cu + base[m] + h0);
-        const int right = __ldg(cu + base[m] + h0 + h1);
-        const int left = __ldg(cu + base[m] + h1);
-        if (mid <= t[m]) base[m] += h0;
-        if ((mid <= t[m] ? right : left) <= t[m]) base[m] += h1;
-      }
-    }
-    if (k < halvings) {
-      const int h = n >> 1;
-#pragma unroll
-      for (int m = 0; m < kBatch; ++m) {
-        if (__ldg(cu + base[m] + h) <= t[m]) base[m] += h;
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < kBatch; ++m) {
-      const int j = j0 + threadIdx.x + m * kThreads;
-      const int val = __ldg(cu + base[m]);
-      const int64_t d = static_cast<int64_t>(t[m]) - val;
-      if (j < count) out[j] = static_cast<uint8_t>(val > t[m] ? 0 : (d < 3 ? d : 3));
-    }
-  }
 }
 
 template <class T>
@@ -196,7 +119,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   constexpr int TT = Traits::kTileTokens;
   constexpr int T = Traits::kThreads;
   constexpr int V = Traits::kVec;
-  using Row = detail::BwdRow<V>;
+  using Row = detail::Row<V>;
   constexpr int kSums = 5 * V;  // a thread's partial sums: 4 taps and g, V channels each
   // Per-thread rings of x and dy rows, R - 1 rows ahead of the computed one. At the end of an
   // item the same bytes hold the strips' partial sums.

@@ -1,5 +1,5 @@
-// Host side of the forward: the route rule (tile geometry from C), the persistent grid size and
-// the C entry point's argument checks. No torch, no Python.
+// Host side of the forward: the route rule (tile geometry and item length from S, C and the SM
+// count), the launch and the C entry point's argument checks. No torch, no Python.
 #pragma once
 
 #include "causal_conv1d_fwd.cuh"
@@ -7,77 +7,79 @@
 
 namespace flashinfer_cake {
 
+// Tokens per item of a route: as long as possible (up to kFwdMaxItemTokens, whole sub-tiles) while
+// the grid keeps about kFwdWaves waves of the device's resident CTAs.
+constexpr int kFwdWaves = 4;
+
+template <class Traits>
+int64_t fwd_item_tokens(int64_t S, int64_t tiles_c, int resident) {
+  const int64_t want_items = int64_t(kFwdWaves) * resident;
+  const int64_t tokens = (S * tiles_c + want_items - 1) / want_items;  // per item for want_items
+  const int64_t tiles = (tokens + Traits::kTileTokens - 1) / Traits::kTileTokens;
+  const int64_t most = kFwdMaxItemTokens / Traits::kTileTokens;
+  return (tiles < 1 ? 1 : tiles > most ? most : tiles) * Traits::kTileTokens;
+}
+
 template <class Traits, class WeightT, class BiasT>
-cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, int device,
-                                           cudaStream_t stream) {
-  const auto kernel = causal_conv1d_fwd_kernel<Traits, WeightT, BiasT>;
-  const int vecs_per_row = p.C / 8;
-  const int64_t tiles_t = (int64_t(p.S) + Traits::kTileTokens - 1) / Traits::kTileTokens;
+cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, int64_t item_tokens, cudaStream_t stream) {
+  const int64_t vecs_per_row = p.C / Traits::kVec;
   const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
-  const int64_t chunks = tiles_t * tiles_c;
-  if (chunks > INT32_MAX / 2 || int64_t(p.S) * vecs_per_row >= (int64_t(1) << 32)) {
-    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for the forward (max 2^35 - 1)",
-                (long long)p.S * p.C);
+  const int64_t groups = (int64_t(p.S) + item_tokens - 1) / item_tokens;
+  const int64_t blocks = groups * tiles_c;
+  if (blocks > INT32_MAX || int64_t(p.S) * vecs_per_row >= (int64_t(1) << 32)) {  // 32-bit offsets
+    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for the forward (S * C / %d must be below 2^32)",
+                (long long)p.S * p.C, Traits::kVec);
   }
+  p.item_tokens = static_cast<int32_t>(item_tokens);
   p.tiles_c = static_cast<int32_t>(tiles_c);
-  p.num_chunks = static_cast<int32_t>(chunks);
-  int resident = 0;
-  cudaError_t e = resident_ctas(kernel, Traits::kThreads, device, &resident);
-  if (e != cudaSuccess) {
-    return fail(e, "occupancy query failed on device %d: %s", device, cudaGetErrorString(e));
-  }
-  const int grid = static_cast<int>(chunks < resident ? chunks : resident);
   (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
-  kernel<<<grid, Traits::kThreads, 0, stream>>>(p);
-  e = cudaGetLastError();
+  causal_conv1d_fwd_kernel<Traits, WeightT, BiasT><<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
+  const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(e, "kernel launch failed: %s", cudaGetErrorString(e));
   return cudaSuccess;
 }
 
-// Tile geometry; scripts/tune_fwd.py overrides these with -D to measure alternatives.
+// Tile geometry; scripts/tune.py overrides these with -D to measure alternatives.
 #ifndef CAKE_FWD_THREADS
 #define CAKE_FWD_THREADS 128
 #endif
 #ifndef CAKE_FWD_STRIP_LEN
-#define CAKE_FWD_STRIP_LEN 16
+#define CAKE_FWD_STRIP_LEN 64  // the long-strip route's; the short-strip routes use 16
 #endif
 #ifndef CAKE_FWD_RING
-#define CAKE_FWD_RING 6
+#define CAKE_FWD_RING 8
 #endif
 #ifndef CAKE_FWD_MIN_CTAS
-#define CAKE_FWD_MIN_CTAS 5
+#define CAKE_FWD_MIN_CTAS 4
+#endif
+#ifndef CAKE_FWD_VEC
+#define CAKE_FWD_VEC 8  // channels per thread
 #endif
 
-
-#ifndef CAKE_FWD_MAX_LANES
-#define CAKE_FWD_MAX_LANES 32
-#endif
-
-// The route rule: channel lanes per CTA = the smallest power of two >= C / 8, capped at
-// CAKE_FWD_MAX_LANES; a function of C only, so a given (S, C, device) always runs the same program.
+// The route rule, from shapes and the SM count only (the output never depends on it): 32 channel
+// lanes, or 8 when C <= 8 * kVec (a few idle lanes at tiny C); with 32 lanes, long strips when
+// the items of their sub-tile still give the grid kFwdWaves waves, else 16-token strips.
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_fwd(CausalConv1dFwdParams p, int device, cudaStream_t stream) {
-  constexpr int kThreads = CAKE_FWD_THREADS, kStrip = CAKE_FWD_STRIP_LEN, kRing = CAKE_FWD_RING,
-                kMinCtas = CAKE_FWD_MIN_CTAS, kMaxLanes = CAKE_FWD_MAX_LANES;
-  // C < 256: more strips per CTA (and for C <= 64 several searched tokens per thread): these
-  // routes need more registers, so they run 4 CTAs per SM and do not spill.
-  constexpr int kNarrowMinCtas = kMinCtas > 4 ? 4 : kMinCtas;
-  const int vecs = p.C / 8;
-  if constexpr (kMaxLanes >= 256 && kThreads % 256 == 0) {
-    if (vecs > 128) return launch_causal_conv1d_fwd_route<FwdTraits<256, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, device, stream);
+  constexpr int kVec = CAKE_FWD_VEC, kThreads = CAKE_FWD_THREADS, kStrip = CAKE_FWD_STRIP_LEN,
+                kRing = CAKE_FWD_RING, kMinCtas = CAKE_FWD_MIN_CTAS;
+  using Long = FwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
+  using Short = FwdTraits<kVec, 32, kThreads, 16, kRing, kMinCtas>;
+  using Narrow = FwdTraits<kVec, 8, kThreads, 16, kRing, kMinCtas>;
+  int resident = 0;
+  const cudaError_t e = resident_ctas(causal_conv1d_fwd_kernel<Long, WeightT, BiasT>, kThreads, device, &resident);
+  if (e != cudaSuccess) return fail(e, "occupancy query failed on device %d: %s", device, cudaGetErrorString(e));
+  const int64_t vecs = p.C / kVec;
+  if (vecs > 8) {
+    const int64_t tiles_c = (vecs + 31) / 32;
+    const int64_t long_items = (int64_t(p.S) + Long::kTileTokens - 1) / Long::kTileTokens * tiles_c;
+    if (long_items >= int64_t(kFwdWaves) * resident) {
+      return launch_causal_conv1d_fwd_route<Long, WeightT, BiasT>(p, fwd_item_tokens<Long>(p.S, tiles_c, resident), stream);
+    }
+    return launch_causal_conv1d_fwd_route<Short, WeightT, BiasT>(p, fwd_item_tokens<Short>(p.S, tiles_c, resident), stream);
   }
-  if constexpr (kMaxLanes >= 128 && kThreads % 128 == 0) {
-    if (vecs > 64) return launch_causal_conv1d_fwd_route<FwdTraits<128, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, device, stream);
-  }
-  if constexpr (kMaxLanes >= 64 && kThreads % 64 == 0) {
-    if (vecs > 32) return launch_causal_conv1d_fwd_route<FwdTraits<64, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, device, stream);
-  }
-  if (vecs > 16) return launch_causal_conv1d_fwd_route<FwdTraits<32, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, device, stream);
-  if (vecs > 8) return launch_causal_conv1d_fwd_route<FwdTraits<16, kThreads, kStrip, kRing, kNarrowMinCtas>, WeightT, BiasT>(p, device, stream);
-  if (vecs > 4) return launch_causal_conv1d_fwd_route<FwdTraits<8, kThreads, kStrip, kRing, kNarrowMinCtas>, WeightT, BiasT>(p, device, stream);
-  if (vecs > 2) return launch_causal_conv1d_fwd_route<FwdTraits<4, kThreads, kStrip, kRing, kNarrowMinCtas>, WeightT, BiasT>(p, device, stream);
-  if (vecs > 1) return launch_causal_conv1d_fwd_route<FwdTraits<2, kThreads, kStrip, kRing, kNarrowMinCtas>, WeightT, BiasT>(p, device, stream);
-  return launch_causal_conv1d_fwd_route<FwdTraits<1, kThreads, kStrip, kRing, kNarrowMinCtas>, WeightT, BiasT>(p, device, stream);
+  const int64_t tiles_c = (vecs + 7) / 8;
+  return launch_causal_conv1d_fwd_route<Narrow, WeightT, BiasT>(p, fwd_item_tokens<Narrow>(p.S, tiles_c, resident), stream);
 }
 
 // The C entry point's body: re-checks what the Python layer validated (the binary may be called
@@ -105,7 +107,6 @@ cudaError_t causal_conv1d_fwd_entry(const void* x, void* y, const void* weight, 
   p.weight = weight;
   p.bias = bias;
   p.cu_seqlens = cu_seqlens;
-  p.counters = reinterpret_cast<unsigned int*>(workspace);
   p.S = static_cast<int32_t>(S);
   p.C = static_cast<int32_t>(C);
   p.num_docs = static_cast<int32_t>(num_docs);
