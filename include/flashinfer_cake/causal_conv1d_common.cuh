@@ -41,7 +41,7 @@ __device__ __forceinline__ float silu_of_scaled(float u) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(u));
   // .ftz: for pre-activations in (-88.7, -87.3) the reciprocal is subnormal and flushes, giving
   // -0 where plain FP32 math gives about -1e-36 (absolute difference < 1e-35); the non-ftz
-  // variant costs the register that keeps the main route at 5 CTAs per SM without spills.
+  // variant costs a register.
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fmaf(e, -kLog2e, -kLog2e)));
   return u * r;
 }

@@ -57,6 +57,7 @@ struct FwdTraits {
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
   static_assert(kStripLen % 4 == 0, "the loop steps 4 rows");
   static_assert(kRing >= 4 && kRing % 4 == 0, "the loop steps 4 rows, so 4 ring slots, at a time");
+  static_assert(kRing <= kStripLen + 4, "the first R - 1 rows are rows of the strip");
   static_assert(kFwdMaxItemTokens % kTileTokens == 0, "items are whole sub-tiles");
 };
 
@@ -104,7 +105,8 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
     }
   };
 
-  // Token indices stay below S < 2^31: strips are walked by their offset in the item.
+  // Token indices stay in int32 (S < 2^31): strips are walked by their offset in the item, and
+  // a strip's tokens reach at most t0 + L - 1 < S + L with t0 a multiple of L below S.
   const int item_len = item_end - item_t0;
   if (strip * L < item_len) prefetch(item_t0 + strip * L);  // streams while the positions are searched
   // Taps and bias pre-scaled by -log2(e) (see silu_of_scaled); lanes past C use zeros.
@@ -125,7 +127,9 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   for (int rel = strip * L; rel < item_len; rel += TT) {
     const int t0 = item_t0 + rel;
     const uint32_t base = static_cast<uint32_t>(t0) * vecs_per_row + vec;
-    const uint8_t* pos_row = s_pos + rel;  // pos_row[r]: token t0 + r
+    // pos_row[r]: token t0 + r (past the item's last token, S, it was never written: those rows
+    // are not stored).
+    const uint8_t* pos_row = s_pos + rel;
     // Ring row j (token t0 - 3 + j, j >= 3 in the loop) is inside [0, S) iff j < lim.
     const uint32_t lim = active ? static_cast<uint32_t>(p.S - t0) + 3u : 0u;
     // Window as a 4-slot circular buffer and a loop stepping 4 rows, so no register moves: at
