@@ -2,12 +2,13 @@
 """Measure tile geometries of the forward or the backward side by side (one GPU run, many builds).
 
 Each config overrides the launcher's CAKE_FWD_* / CAKE_BWD_* defaults (threads, strip length,
-ring rows, min CTAs per SM, and optionally the channels per thread) for the fp32-taps + fp32-bias variant; all are built in parallel,
+ring rows, min CTAs per SM, optionally the channels per thread, then any NAME=VALUE for another
+CAKE_FWD_NAME / CAKE_BWD_NAME macro) for one variant (default fp32 taps + fp32 bias); all are built in parallel,
 then timed against a device copy of the same DRAM bytes on each shape (forward: read x, write y;
 backward: read x and dy, write dx): eager CUDA-event medians over rotated inputs, and for small
 shapes the kernel time from a replayed CUDA graph. Every config must give bitwise the same result.
 
-    python scripts/tune.py --op fwd --configs 128/64/8/4,128/64/8/5 [--json out.json]
+    python scripts/tune.py --op fwd --configs 128/64/8/4,128/64/8/5/8/WAVES=2 [--variant bf16/none] [--json out.json]
     python scripts/tune.py --op bwd --configs 128/32/6/4/4,128/32/6/2/8
 """
 
@@ -34,16 +35,18 @@ SHAPES = [(16384, 8192, 16), (65536, 2048, 32), (32768, 4096, 1024), (32768, 409
           (131072, 4096, 32), (1024, 8192, 4), (4096, 4096, 1), (8192, 2048, 512)]
 
 
-def build(op: str, cfg: str, out: Path) -> Path:
-    threads, strip, ring, min_ctas, *last = cfg.split("/")
+def build(op: str, cfg: str, variant: str, out: Path) -> Path:
+    threads, strip, ring, min_ctas, *rest = cfg.split("/")
     m = f"-DCAKE_{op.upper()}_"
-    spec = VariantSpec("fp32", "fp32", "sm_90a")
+    extra = [f"{m}{kv}" for kv in rest if "=" in kv]
+    last = [v for v in rest if "=" not in v]
+    spec = VariantSpec(*variant.split("/"), "sm_90a")
     src = out / f"tune_{op}_{cfg.replace('/', '_')}.cu"
     src.write_text(spec.source())
     so = src.with_suffix(".so")
     cmd = [str(env.require_nvcc()), *spec.nvcc_flags(), f"-I{env.include_dir()}", "-shared", str(src), "-o", str(so),
            f"{m}THREADS={threads}", f"{m}STRIP_LEN={strip}", f"{m}RING={ring}", f"{m}MIN_CTAS={min_ctas}",
-           *([f"{m}VEC={last[0]}"] if last else [])]
+           *([f"{m}VEC={last[0]}"] if last else []), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{cfg}: {proc.stderr}")
@@ -82,13 +85,14 @@ def graph_ms(fn, calls: int = 20, reps: int = 20) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--op", choices=("fwd", "bwd"), default="fwd")
-    parser.add_argument("--configs", required=True, help="threads/strip/ring/min_ctas[/vec],...")
+    parser.add_argument("--configs", required=True, help="threads/strip/ring/min_ctas[/vec][/NAME=VALUE...],...")
+    parser.add_argument("--variant", default="fp32/fp32", help="weight/bias dtypes, e.g. bf16/none")
     parser.add_argument("--json")
     args = parser.parse_args()
     configs = args.configs.split(",")
     out = Path(tempfile.mkdtemp())
     with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
-        builds = dict(zip(configs, pool.map(lambda c: build(args.op, c, out), configs)))
+        builds = dict(zip(configs, pool.map(lambda c: build(args.op, c, args.variant, out), configs)))
     mods = {c: CompiledModule(so) for c, (so, _) in builds.items()}
     for c, (_, regs) in builds.items():
         used = sorted({r.split("Used ")[1].split(",")[0] for r in regs if "Used" in r})
@@ -104,8 +108,9 @@ def main() -> None:
         dw, db = torch.empty(C, 4, device="cuda"), torch.empty(C, device="cuda")
         item_tokens = _bwd_item_tokens(S, C)
         pws = torch.empty(cake_causal_conv1d_train_backward_workspace_bytes(S, C, "cuda") // 4 + 1, device="cuda")
-        w = torch.randn(C, 4, device="cuda")
-        b = torch.randn(C, device="cuda")
+        wdt, bdt = (torch.bfloat16 if d == "bf16" else torch.float32 for d in args.variant.split("/"))
+        w = torch.randn(C, 4, device="cuda", dtype=wdt)
+        b = torch.randn(C, device="cuda", dtype=bdt)  # unused by a "none" variant
         cuts = torch.randperm(S - 1, device="cuda")[: docs - 1] + 1
         cu = torch.cat([torch.tensor([0, S], device="cuda"), cuts]).sort().values.int()
         ws = torch.zeros(2, dtype=torch.int32, device="cuda")

@@ -9,7 +9,10 @@ namespace flashinfer_cake {
 
 // Tokens per item of a route: as long as possible (up to kFwdMaxItemTokens, whole sub-tiles) while
 // the grid keeps about kFwdWaves waves of the device's resident CTAs.
-constexpr int kFwdWaves = 4;
+#ifndef CAKE_FWD_WAVES
+#define CAKE_FWD_WAVES 4
+#endif
+constexpr int kFwdWaves = CAKE_FWD_WAVES;
 
 template <class Traits>
 int64_t fwd_item_tokens(int64_t S, int64_t tiles_c, int resident) {
