@@ -70,14 +70,26 @@ __device__ __forceinline__ void bf16x4_to_float(const uint2& v, float (&f)[4]) {
 }
 
 // Taps of V channels c0 .. c0 + V - 1 (V = 4 or 8, c0 a multiple of V): w[k][j] multiplies
+// A read-only 16- or 8-byte vector: through the non-coherent cache from global memory, or a plain
+// load from shared memory.
+template <bool kShared, class U>
+__device__ __forceinline__ U ld_vec(const U* p) {
+  if constexpr (kShared) {
+    return *p;
+  } else {
+    return __ldg(p);
+  }
+}
+
 // x[t - 3 + k] of channel c0 + j. 16-byte loads: FP32 one channel each, BF16 two channels each.
-template <class WeightT, int V>
+// kShared: weight points to a shared-memory copy (see stage_params), else to global memory.
+template <class WeightT, int V, bool kShared = false>
 __device__ __forceinline__ void load_weights(const void* weight, int c0, float (&w)[4][V]) {
   if constexpr (std::is_same<WeightT, float>::value) {
     const float4* p = reinterpret_cast<const float4*>(weight) + c0;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const float4 v = __ldg(p + j);
+      const float4 v = ld_vec<kShared>(p + j);
       w[0][j] = v.x;
       w[1][j] = v.y;
       w[2][j] = v.z;
@@ -88,7 +100,7 @@ __device__ __forceinline__ void load_weights(const void* weight, int c0, float (
     const uint4* p = reinterpret_cast<const uint4*>(weight) + c0 / 2;
 #pragma unroll
     for (int j = 0; j < V / 2; ++j) {
-      const uint4 v = __ldg(p + j);
+      const uint4 v = ld_vec<kShared>(p + j);
       const uint32_t q[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -104,14 +116,14 @@ __device__ __forceinline__ void load_weights(const void* weight, int c0, float (
 template <class BiasT>
 constexpr bool kHasBias = !std::is_same<BiasT, NoBias>::value;
 
-// Bias of V channels c0 .. c0 + V - 1 (V = 4 or 8); nothing for NoBias.
-template <class BiasT, int V>
+// Bias of V channels c0 .. c0 + V - 1 (V = 4 or 8); nothing for NoBias. kShared as for the taps.
+template <class BiasT, int V, bool kShared = false>
 __device__ __forceinline__ void load_bias(const void* bias, int c0, float (&b)[V]) {
   if constexpr (std::is_same<BiasT, float>::value) {
     const float4* p = reinterpret_cast<const float4*>(bias) + c0 / 4;
 #pragma unroll
     for (int h = 0; h < V / 4; ++h) {
-      const float4 v = __ldg(p + h);
+      const float4 v = ld_vec<kShared>(p + h);
       b[4 * h] = v.x;
       b[4 * h + 1] = v.y;
       b[4 * h + 2] = v.z;
@@ -119,10 +131,32 @@ __device__ __forceinline__ void load_bias(const void* bias, int c0, float (&b)[V
     }
   } else if constexpr (std::is_same<BiasT, __nv_bfloat16>::value) {
     if constexpr (V == 8) {
-      bf16x8_to_float(__ldg(reinterpret_cast<const uint4*>(bias) + c0 / 8), b);
+      bf16x8_to_float(ld_vec<kShared>(reinterpret_cast<const uint4*>(bias) + c0 / 8), b);
     } else {
-      bf16x4_to_float(__ldg(reinterpret_cast<const uint2*>(bias) + c0 / 4), b);
+      bf16x4_to_float(ld_vec<kShared>(reinterpret_cast<const uint2*>(bias) + c0 / 4), b);
     }
+  }
+}
+
+// Bytes of one channel's taps and bias.
+template <class WeightT>
+constexpr int kTapBytes = 4 * static_cast<int>(sizeof(WeightT));
+template <class BiasT>
+constexpr int kBiasBytes = kHasBias<BiasT> ? static_cast<int>(sizeof(BiasT)) : 0;
+
+// Copies the taps, then the bias, of channels [c0, c0 + count) (count a multiple of 8) into
+// shared memory with 16-byte cp.async spread over the kThreads threads (not committed): one
+// coalesced read per CTA instead of one strided read per strip.
+template <class WeightT, class BiasT, int kThreads>
+__device__ __forceinline__ void stage_params(const void* weight, const void* bias, int64_t c0, int count,
+                                             uint8_t* s_w, uint8_t* s_b) {
+  const int w_chunks = count * kTapBytes<WeightT> / 16;
+  const auto* wg = static_cast<const uint8_t*>(weight) + c0 * kTapBytes<WeightT>;
+  for (int i = threadIdx.x; i < w_chunks; i += kThreads) cp_async_16(s_w + 16 * i, wg + 16 * i, true);
+  if constexpr (kHasBias<BiasT>) {
+    const int b_chunks = count * kBiasBytes<BiasT> / 16;
+    const auto* bg = static_cast<const uint8_t*>(bias) + c0 * kBiasBytes<BiasT>;
+    for (int i = threadIdx.x; i < b_chunks; i += kThreads) cp_async_16(s_b + 16 * i, bg + 16 * i, true);
   }
 }
 

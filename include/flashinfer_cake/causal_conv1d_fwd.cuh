@@ -75,6 +75,10 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   // ahead of the one it computes), so the bytes in flight cost no registers.
   __shared__ __align__(16) Row s_ring[R * T];
   __shared__ uint8_t s_pos[kFwdMaxItemTokens];  // min(position in document, 3) per item token
+  // The CTA's taps and bias, staged once (the strips would otherwise each read them).
+  constexpr int kTC = Traits::kTileChannels;
+  __shared__ __align__(16) uint8_t s_w[kTC * detail::kTapBytes<WeightT>];
+  __shared__ __align__(16) uint8_t s_b[detail::kHasBias<BiasT> ? kTC * detail::kBiasBytes<BiasT> : 16];
 
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;
@@ -108,12 +112,26 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   // Token indices stay in int32 (S < 2^31): strips are walked by their offset in the item, and
   // a strip's tokens reach at most t0 + L - 1 < S + L with t0 a multiple of L below S.
   const int item_len = item_end - item_t0;
-  if (strip * L < item_len) prefetch(item_t0 + strip * L);  // streams while the positions are searched
+  // Group order: the taps and bias (one group), then the first strip's R - 1 rows, all streaming
+  // while the positions are searched.
+  const int64_t c_tile0 = int64_t(tile_c) * kTC;
+  detail::stage_params<WeightT, BiasT, T>(p.weight, p.bias, c_tile0, static_cast<int>(min(int64_t(kTC), p.C - c_tile0)),
+                                          s_w, s_b);
+  detail::cp_async_commit();
+  const bool has_rows = strip * L < item_len;
+  if (has_rows) prefetch(item_t0 + strip * L);
+  detail::search_positions<T, Traits::kSearchBatch>(p.cu_seqlens, p.num_docs, item_t0, item_len, s_pos);
+  if (has_rows) {
+    detail::cp_async_wait<R - 1>();  // my part of the parameters has landed
+  } else {
+    detail::cp_async_wait<0>();
+  }
+  __syncthreads();
   // Taps and bias pre-scaled by -log2(e) (see silu_of_scaled); lanes past C use zeros.
   float w[4][V] = {}, b[V] = {};
   if (active) {
-    detail::load_weights<WeightT>(p.weight, vec * V, w);
-    detail::load_bias<BiasT>(p.bias, vec * V, b);
+    detail::load_weights<WeightT, V, true>(s_w, lane_c * V, w);
+    detail::load_bias<BiasT, V, true>(s_b, lane_c * V, b);
   }
 #pragma unroll
   for (int j = 0; j < V; ++j) {
@@ -121,8 +139,6 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
     for (int k = 0; k < 4; ++k) w[k][j] *= -detail::kLog2e;
     b[j] *= -detail::kLog2e;
   }
-  detail::search_positions<T, Traits::kSearchBatch>(p.cu_seqlens, p.num_docs, item_t0, item_len, s_pos);
-  __syncthreads();
 
   for (int rel = strip * L; rel < item_len; rel += TT) {
     const int t0 = item_t0 + rel;
