@@ -278,6 +278,49 @@ __device__ __forceinline__ void search_positions(const int32_t* __restrict__ cu,
   }
 }
 
+// Positions of tokens first_token + j, j = 0 .. count - 1, into out[j], by the whole CTA
+// (kThreads threads; every thread must call it, it contains barriers). Token t's position is
+// min(t - start, 3) for the nearest document start <= t, so only starts in [first_token - 2,
+// first_token + count) matter: a CTA-wide search finds the first cu_seqlens entry >= first_token
+// - 2 (kThreads pivots per round, so ceil(log_kThreads(num_docs + 1)) dependent loads: 2 up to
+// 16K documents at 128 threads), then the entries from there on mark the starts they hold in
+// flags[0 .. count + 2) (flags[i]: a start at first_token - 2 + i), kThreads entries per pass,
+// until an entry >= first_token + count. A token's position is then its distance to the
+// nearest flag at or before it, 3 when there is none within 2.
+//
+// For a valid cu_seqlens that is the position DocSearch finds. For any other content the rounds
+// still read only cu_seqlens[0 .. num_docs], write only flags[0 .. count + 2) and out[0 ..
+// count), end (a round shrinks the candidates, a pass moves forward), and the positions depend
+// on the content only (every write is the same 1), so a call is deterministic.
+template <int kThreads>
+__device__ __forceinline__ void scan_positions(const int32_t* __restrict__ cu, int num_docs, int first_token,
+                                               int count, uint8_t* flags, uint8_t* out) {
+  const int first = first_token - 2;  // >= -2
+  const int end = first_token + count;
+  for (int i = threadIdx.x; i < count + 2; i += kThreads) flags[i] = 0;  // ordered by the first round's barrier
+  // The first entry >= first among cu[lo .. hi), hi itself when none (for sorted content).
+  int64_t lo = 0, hi = int64_t(num_docs) + 1;
+  while (hi > lo) {  // uniform: lo and hi come from barrier counts
+    const int64_t step = (hi - lo + kThreads - 1) / kThreads;
+    const int64_t pivot = lo + threadIdx.x * step;
+    const bool below = pivot < hi && __ldg(cu + pivot) < first;
+    const int c = __syncthreads_count(below);
+    if (c == 0) break;  // cu[lo] >= first
+    lo += (c - 1) * step + 1;
+    hi = min(hi, lo - 1 + step);  // the next pivot, >= first (or past the candidates)
+  }
+  for (int64_t d0 = lo;; d0 += kThreads) {  // passes over the entries from lo until one >= end
+    const int64_t d = d0 + threadIdx.x;
+    const bool in = d <= num_docs;
+    const int v = in ? __ldg(cu + d) : end;
+    if (v >= first && v < end) flags[v - first] = 1;
+    if (!__syncthreads_or(threadIdx.x == kThreads - 1 && v < end)) break;
+  }
+  for (int j = threadIdx.x; j < count; j += kThreads) {  // flags[j + 2] is token first_token + j
+    out[j] = flags[j + 2] ? 0 : flags[j + 1] ? 1 : flags[j] ? 2 : 3;
+  }
+}
+
 }  // namespace detail
 
 }  // namespace flashinfer_cake

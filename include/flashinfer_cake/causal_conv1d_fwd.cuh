@@ -52,7 +52,6 @@ struct FwdTraits {
   static constexpr int kMinCtasPerSm = kMinCtasPerSm_;  // register budget: 64K / (this * kThreads)
   static constexpr int kTileTokens = kStrips * kStripLen;  // one sub-tile: every strip once
   static constexpr int kTileChannels = kLanesC * kVec;
-  static constexpr int kSearchBatch = (kFwdMaxItemTokens + kThreads - 1) / kThreads;  // one batch
   static_assert(kVec == 4 || kVec == 8, "rows of 8 or 16 bytes");
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
   static_assert(kStripLen % 4 == 0, "the loop steps 4 rows");
@@ -75,6 +74,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   // ahead of the one it computes), so the bytes in flight cost no registers.
   __shared__ __align__(16) Row s_ring[R * T];
   __shared__ uint8_t s_pos[kFwdMaxItemTokens];  // min(position in document, 3) per item token
+  __shared__ uint8_t s_flags[kFwdMaxItemTokens + 2];  // document starts (scan_positions)
   // The CTA's taps and bias, staged once (the strips would otherwise each read them).
   constexpr int kTC = Traits::kTileChannels;
   __shared__ __align__(16) uint8_t s_w[kTC * detail::kTapBytes<WeightT>];
@@ -120,7 +120,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   detail::cp_async_commit();
   const bool has_rows = strip * L < item_len;
   if (has_rows) prefetch(item_t0 + strip * L);
-  detail::search_positions<T, Traits::kSearchBatch>(p.cu_seqlens, p.num_docs, item_t0, item_len, s_pos);
+  detail::scan_positions<T>(p.cu_seqlens, p.num_docs, item_t0, item_len, s_flags, s_pos);
   if (has_rows) {
     detail::cp_async_wait<R - 1>();  // my part of the parameters has landed
   } else {
