@@ -144,19 +144,32 @@ constexpr int kTapBytes = 4 * static_cast<int>(sizeof(WeightT));
 template <class BiasT>
 constexpr int kBiasBytes = kHasBias<BiasT> ? static_cast<int>(sizeof(BiasT)) : 0;
 
-// Copies the taps, then the bias, of channels [c0, c0 + count) (count a multiple of 8) into
-// shared memory with 16-byte cp.async spread over the kThreads threads (not committed): one
-// coalesced read per CTA instead of one strided read per strip.
-template <class WeightT, class BiasT, int kThreads>
+// Shared-memory copies of a CTA's taps and bias, one block of 16-byte chunks per thread (its V
+// channels), blocks padded by one chunk when they hold 2 or more: an odd block stride, so the
+// 16-byte reads of 8 neighbouring threads hit 8 different bank groups (no conflicts).
+template <int kBytesPerThread>
+struct ParamBlocks {
+  static_assert(kBytesPerThread % 16 == 0, "whole 16-byte chunks per thread");
+  static constexpr int kChunks = kBytesPerThread / 16;
+  static constexpr int kStride = kChunks >= 2 ? kChunks + 1 : kChunks;  // chunks
+  __device__ __forceinline__ static int dst(int chunk) { return chunk / kChunks * kStride + chunk % kChunks; }
+};
+
+// Copies the taps, then the bias, of channels [c0, c0 + count) (count a multiple of 8) into the
+// ParamBlocks layout (V channels per block) with 16-byte cp.async spread over the kThreads
+// threads (not committed): one coalesced read per CTA instead of one strided read per strip.
+template <class WeightT, class BiasT, int V, int kThreads>
 __device__ __forceinline__ void stage_params(const void* weight, const void* bias, int64_t c0, int count,
                                              uint8_t* s_w, uint8_t* s_b) {
+  using WB = ParamBlocks<V * kTapBytes<WeightT>>;
   const int w_chunks = count * kTapBytes<WeightT> / 16;
   const auto* wg = static_cast<const uint8_t*>(weight) + c0 * kTapBytes<WeightT>;
-  for (int i = threadIdx.x; i < w_chunks; i += kThreads) cp_async_16(s_w + 16 * i, wg + 16 * i, true);
+  for (int i = threadIdx.x; i < w_chunks; i += kThreads) cp_async_16(s_w + 16 * WB::dst(i), wg + 16 * i, true);
   if constexpr (kHasBias<BiasT>) {
+    using BB = ParamBlocks<V * kBiasBytes<BiasT>>;
     const int b_chunks = count * kBiasBytes<BiasT> / 16;
     const auto* bg = static_cast<const uint8_t*>(bias) + c0 * kBiasBytes<BiasT>;
-    for (int i = threadIdx.x; i < b_chunks; i += kThreads) cp_async_16(s_b + 16 * i, bg + 16 * i, true);
+    for (int i = threadIdx.x; i < b_chunks; i += kThreads) cp_async_16(s_b + 16 * BB::dst(i), bg + 16 * i, true);
   }
 }
 

@@ -77,8 +77,10 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   __shared__ uint8_t s_flags[kFwdMaxItemTokens + 2];  // document starts (scan_positions)
   // The CTA's taps and bias, staged once (the strips would otherwise each read them).
   constexpr int kTC = Traits::kTileChannels;
-  __shared__ __align__(16) uint8_t s_w[kTC * detail::kTapBytes<WeightT>];
-  __shared__ __align__(16) uint8_t s_b[detail::kHasBias<BiasT> ? kTC * detail::kBiasBytes<BiasT> : 16];
+  using WBlocks = detail::ParamBlocks<V * detail::kTapBytes<WeightT>>;
+  using BBlocks = detail::ParamBlocks<V * (detail::kHasBias<BiasT> ? detail::kBiasBytes<BiasT> : 2)>;
+  __shared__ __align__(16) uint8_t s_w[Traits::kLanesC * WBlocks::kStride * 16];
+  __shared__ __align__(16) uint8_t s_b[Traits::kLanesC * BBlocks::kStride * 16];
 
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;
@@ -115,7 +117,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   // Group order: the taps and bias (one group), then the first strip's R - 1 rows, all streaming
   // while the positions are searched.
   const int64_t c_tile0 = int64_t(tile_c) * kTC;
-  detail::stage_params<WeightT, BiasT, T>(p.weight, p.bias, c_tile0, static_cast<int>(min(int64_t(kTC), p.C - c_tile0)),
+  detail::stage_params<WeightT, BiasT, V, T>(p.weight, p.bias, c_tile0, static_cast<int>(min(int64_t(kTC), p.C - c_tile0)),
                                           s_w, s_b);
   detail::cp_async_commit();
   const bool has_rows = strip * L < item_len;
@@ -130,8 +132,8 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   // Taps and bias pre-scaled by -log2(e) (see silu_of_scaled); lanes past C use zeros.
   float w[4][V] = {}, b[V] = {};
   if (active) {
-    detail::load_weights<WeightT, V, true>(s_w, lane_c * V, w);
-    detail::load_bias<BiasT, V, true>(s_b, lane_c * V, b);
+    detail::load_weights<WeightT, V, true>(s_w + lane_c * WBlocks::kStride * 16, 0, w);
+    detail::load_bias<BiasT, V, true>(s_b + lane_c * BBlocks::kStride * 16, 0, b);
   }
 #pragma unroll
   for (int j = 0; j < V; ++j) {
