@@ -10,7 +10,7 @@ namespace flashinfer_cake {
 // Tokens per item of a route: as long as possible (up to kFwdMaxItemTokens, whole sub-tiles) while
 // the grid keeps about kFwdWaves waves of the device's resident CTAs.
 #ifndef CAKE_FWD_WAVES
-#define CAKE_FWD_WAVES 4
+#define CAKE_FWD_WAVES 16
 #endif
 constexpr int kFwdWaves = CAKE_FWD_WAVES;
 
@@ -47,7 +47,7 @@ cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, int64_t item
 #define CAKE_FWD_THREADS 128
 #endif
 #ifndef CAKE_FWD_STRIP_LEN
-#define CAKE_FWD_STRIP_LEN 64  // the long-strip route's; the short-strip routes use 16
+#define CAKE_FWD_STRIP_LEN 16
 #endif
 #ifndef CAKE_FWD_RING
 #define CAKE_FWD_RING 8
@@ -60,26 +60,20 @@ cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, int64_t item
 #endif
 
 // The route rule, from shapes and the SM count only (the output never depends on it): 32 channel
-// lanes, or 8 when C <= 8 * kVec (a few idle lanes at tiny C); with 32 lanes, long strips when
-// the items of their sub-tile still give the grid kFwdWaves waves, else 16-token strips.
+// lanes, or 8 when C <= 8 * kVec (a few idle lanes at tiny C).
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_fwd(CausalConv1dFwdParams p, int device, cudaStream_t stream) {
   constexpr int kVec = CAKE_FWD_VEC, kThreads = CAKE_FWD_THREADS, kStrip = CAKE_FWD_STRIP_LEN,
                 kRing = CAKE_FWD_RING, kMinCtas = CAKE_FWD_MIN_CTAS;
-  using Long = FwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
-  using Short = FwdTraits<kVec, 32, kThreads, 16, kRing, kMinCtas>;
-  using Narrow = FwdTraits<kVec, 8, kThreads, 16, kRing, kMinCtas>;
+  using Wide = FwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
+  using Narrow = FwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>;
   int resident = 0;
-  const cudaError_t e = resident_ctas(causal_conv1d_fwd_kernel<Long, WeightT, BiasT>, kThreads, device, &resident);
+  const cudaError_t e = resident_ctas(causal_conv1d_fwd_kernel<Wide, WeightT, BiasT>, kThreads, device, &resident);
   if (e != cudaSuccess) return fail(e, "occupancy query failed on device %d: %s", device, cudaGetErrorString(e));
   const int64_t vecs = p.C / kVec;
   if (vecs > 8) {
     const int64_t tiles_c = (vecs + 31) / 32;
-    const int64_t long_items = (int64_t(p.S) + Long::kTileTokens - 1) / Long::kTileTokens * tiles_c;
-    if (long_items >= int64_t(kFwdWaves) * resident) {
-      return launch_causal_conv1d_fwd_route<Long, WeightT, BiasT>(p, fwd_item_tokens<Long>(p.S, tiles_c, resident), stream);
-    }
-    return launch_causal_conv1d_fwd_route<Short, WeightT, BiasT>(p, fwd_item_tokens<Short>(p.S, tiles_c, resident), stream);
+    return launch_causal_conv1d_fwd_route<Wide, WeightT, BiasT>(p, fwd_item_tokens<Wide>(p.S, tiles_c, resident), stream);
   }
   const int64_t tiles_c = (vecs + 7) / 8;
   return launch_causal_conv1d_fwd_route<Narrow, WeightT, BiasT>(p, fwd_item_tokens<Narrow>(p.S, tiles_c, resident), stream);
