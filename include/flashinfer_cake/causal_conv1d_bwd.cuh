@@ -20,9 +20,10 @@
 // identical run to run, whatever the scheduling: no float atomics anywhere.
 //
 // Document positions: min(position in document, 3) of the item's tokens and the 3 after it, one
-// byte each in shared memory, found once per item by a batched binary search (DocSearch's
-// result, two halvings per dependent load) while the first rows stream in; then the strips run without barriers. Only x, dy, dx[0, S) and
-// cu_seqlens[0, num_docs] are addressed, whatever cu_seqlens holds.
+// byte each in shared memory, found once per item by scan_positions (a CTA-wide pivot search,
+// then a scan of the document starts) while the first rows stream in; then the strips run
+// without barriers. Only x, dy, dx[0, S) and cu_seqlens[0, num_docs] are addressed, whatever
+// cu_seqlens holds.
 #pragma once
 
 #include "causal_conv1d_common.cuh"
@@ -67,7 +68,6 @@ struct BwdTraits {
   static constexpr int kTileTokens = kStrips * kStripLen;  // one sub-tile: every strip once
   static constexpr int kTileChannels = kLanesC * kVec;
   static constexpr int kPosTokens = kBwdMaxItemTokens + 3;  // a group's tokens and their lookahead
-  static constexpr int kSearchBatch = 9;  // searches in flight per thread: a whole group in one batch at 128 threads, two at 64
   static_assert(kVec == 4 || kVec == 8, "rows of 8 or 16 bytes");
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
   static_assert(kRing >= 4 && kRing % 4 == 0, "the loop steps 4 rows, so 4 ring slots, at a time");
@@ -130,6 +130,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   Row* const s_dyring = s_xring + R * T;
   float* const s_sums = reinterpret_cast<float*>(s_raw);  // [kSums][T]
   __shared__ uint8_t s_pos[Traits::kPosTokens];  // min(position in document, 3) per item token
+  __shared__ uint8_t s_flags[Traits::kPosTokens + 2];  // document starts (scan_positions)
 
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;
@@ -172,7 +173,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     detail::load_bias<BiasT>(p.bias, vec * V, b);
   }
   // Positions of the item's tokens and of the 3 tokens after it (the last strip's lookahead).
-  detail::search_positions<T, Traits::kSearchBatch>(p.cu_seqlens, p.num_docs, item_t0, p.item_tokens + 3, s_pos);
+  detail::scan_positions<T>(p.cu_seqlens, p.num_docs, item_t0, p.item_tokens + 3, s_flags, s_pos);
   __syncthreads();
 
   float dw[4][V] = {}, db[V] = {};

@@ -173,43 +173,6 @@ __device__ __forceinline__ void stage_params(const void* weight, const void* bia
   }
 }
 
-// Position of token t in its document, capped at 3: min(t - start, 3) where start is the last
-// cu_seqlens entry <= t, found by a branchless binary search over cu_seqlens[0..num_docs] (0 when
-// there is none). For a valid cu_seqlens that is the token's position; for any other content the
-// search still reads only cu_seqlens[0..num_docs] and yields a value in [0, 3], the history that
-// token then keeps (never memory outside x).
-//
-// The search runs as steps k = 0 .. K + 1, K = ceil(log2(num_docs + 1)) halvings, the same
-// schedule for every thread: step k takes the answer of halving k - 1, then issues the load of
-// halving k, or the final load, or turns the final value into the position. A step issues at most
-// one load and uses the previous step's, so the forward runs one step per streamed row and the
-// search's latency hides behind the rows; every branch is uniform across threads. The backward
-// gets the same results from search_positions (two halvings per load, all of a group at once).
-struct DocSearch {
-  int t, base, n, half, val, pos;
-
-  __device__ __forceinline__ static int halvings(int num_docs) { return 32 - __clz(num_docs); }
-  __device__ __forceinline__ void start(int num_docs, int token) {
-    t = token;
-    base = 0;
-    n = num_docs + 1;  // candidates cu[base .. base + n - 1]
-    pos = 0;
-  }
-  __device__ __forceinline__ void step(const int32_t* __restrict__ cu, int K, int k) {
-    if (k >= 1 && k <= K && val <= t) base += half;
-    if (k < K) {
-      half = n >> 1;
-      n -= half;
-      val = __ldg(cu + base + half);  // base + n_k - 1 <= num_docs
-    } else if (k == K) {
-      val = __ldg(cu + base);
-    } else if (k == K + 1) {
-      const int64_t d = static_cast<int64_t>(t) - val;
-      pos = val > t ? 0 : (d < 3 ? static_cast<int>(d) : 3);
-    }
-  }
-};
-
 // A row vector of V BF16 channels: 8 or 16 bytes.
 template <int V>
 using Row = std::conditional_t<V == 8, uint4, uint2>;
@@ -237,60 +200,6 @@ __device__ __forceinline__ Row<V> pack_row(const float (&d)[V]) {
   }
 }
 
-// Positions of tokens first_token + j, j = 0 .. count - 1, into out[j]: the result of
-// DocSearch (the same comparisons at the same cu_seqlens entries, so the same value for any
-// content), with two halvings per round: a round loads the midpoint and both midpoints the next
-// halving may pick, then picks. Thread i searches j = i, i + kThreads, ... (up to kBatch of them
-// at once, their loads in flight together; j >= count loads nothing), so a batch costs
-// ceil(K / 2) + 1 dependent loads instead of K + 1.
-template <int kThreads, int kBatch>
-__device__ __forceinline__ void search_positions(const int32_t* __restrict__ cu, int num_docs,
-                                                 int first_token, int count, uint8_t* out) {
-  const int halvings = DocSearch::halvings(num_docs);
-  for (int j0 = 0; j0 < count; j0 += kBatch * kThreads) {
-    int t[kBatch], base[kBatch];
-    bool live[kBatch];
-#pragma unroll
-    for (int m = 0; m < kBatch; ++m) {
-      const int j = j0 + static_cast<int>(threadIdx.x) + m * kThreads;
-      live[m] = j < count;
-      t[m] = live[m] ? first_token + j : 0;  // first_token + count - 1 fits in int
-      base[m] = 0;
-    }
-    int n = num_docs + 1;  // candidates cu[base .. base + n - 1], the same n for every token
-    int k = 0;
-    for (; k + 2 <= halvings; k += 2) {
-      const int h0 = n >> 1;
-      n -= h0;
-      const int h1 = n >> 1;  // <= h0, and base + h0 + h1 <= base + n - 1 <= num_docs
-      n -= h1;
-#pragma unroll
-      for (int m = 0; m < kBatch; ++m) {
-        if (!live[m]) continue;
-        const int mid = __ldg(cu + base[m] + h0);
-        const int right = __ldg(cu + base[m] + h0 + h1);
-        const int left = __ldg(cu + base[m] + h1);
-        if (mid <= t[m]) base[m] += h0;
-        if ((mid <= t[m] ? right : left) <= t[m]) base[m] += h1;
-      }
-    }
-    if (k < halvings) {
-      const int h = n >> 1;
-#pragma unroll
-      for (int m = 0; m < kBatch; ++m) {
-        if (live[m] && __ldg(cu + base[m] + h) <= t[m]) base[m] += h;
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < kBatch; ++m) {
-      if (!live[m]) continue;
-      const int val = __ldg(cu + base[m]);
-      const int64_t d = static_cast<int64_t>(t[m]) - val;
-      out[j0 + threadIdx.x + m * kThreads] = static_cast<uint8_t>(val > t[m] ? 0 : (d < 3 ? d : 3));
-    }
-  }
-}
-
 // Positions of tokens first_token + j, j = 0 .. count - 1, into out[j], by the whole CTA
 // (kThreads threads; every thread must call it, it contains barriers). Token t's position is
 // min(t - start, 3) for the nearest document start <= t, so only starts in [first_token - 2,
@@ -301,7 +210,7 @@ __device__ __forceinline__ void search_positions(const int32_t* __restrict__ cu,
 // until an entry >= first_token + count. A token's position is then its distance to the
 // nearest flag at or before it, 3 when there is none within 2.
 //
-// For a valid cu_seqlens that is the position DocSearch finds. For any other content the rounds
+// For a valid cu_seqlens that is the token's position in its document. For any other content the rounds
 // still read only cu_seqlens[0 .. num_docs], write only flags[0 .. count + 2) and out[0 ..
 // count), end (a round shrinks the candidates, a pass moves forward), and the positions depend
 // on the content only (every write is the same 1), so a call is deterministic.

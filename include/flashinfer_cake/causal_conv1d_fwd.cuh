@@ -3,19 +3,19 @@
 // y[t, c] = bf16_rn(silu(sum_k w[c, k] * x[t - 3 + k, c] + b[c])), taps before the first token of
 // t's document are zero. Framework-free: raw device pointers, sizes and a cudaStream_t.
 //
-// Geometry (FwdTraits): a CTA owns an item of item_tokens tokens x kTileChannels channels. A
-// thread owns kVec channels (8: one 16-byte row vector) of one kStripLen-token strip at a time
-// and walks x[t0 - 3, t0 + L) through a per-thread cp.async ring in shared memory, with the last
-// three rows in registers, so x is read once from DRAM (plus a 3-row halo per strip, which the
-// strip before it also reads: mostly L2 hits). The strips of a CTA cover the item's tokens in
-// sub-tiles of kStrips * kStripLen; which CTA computes a token never changes its value: the
-// output is bitwise deterministic.
+// Geometry (FwdTraits): a CTA owns one tile of kTileTokens tokens x kTileChannels channels (64 x
+// 256 on the wide route): many small CTAs, so the hardware's block scheduler balances the grid
+// to its last few microseconds. A thread owns kVec channels (8: one 16-byte row vector) of one
+// kStripLen-token strip and walks x[t0 - 3, t0 + L) through a per-thread cp.async ring in
+// shared memory, with the last three rows in registers, so x is read once from DRAM (plus a
+// 3-row halo per strip, which the strip before it reads at about the same time: L2 hits). Which
+// CTA computes a token never changes its value: the output is bitwise deterministic.
 //
-// Document positions: min(position in document, 3) of the item's tokens, one byte each in shared
-// memory, found once per item by search_positions (DocSearch's result, two halvings per
-// dependent load) while the first rows stream in; then the strips run without barriers. Only
-// x[0, S), y[0, S) and cu_seqlens[0, num_docs] are ever addressed, whatever cu_seqlens holds;
-// see DocSearch for what garbage values produce.
+// Per CTA, while the first rows stream in: the taps and bias are staged once in shared memory
+// (one coalesced read instead of one strided read per strip), and scan_positions finds the
+// document positions of the tile's tokens (two dependent loads up to 16K documents); then the
+// strips run without barriers. Only x[0, S), y[0, S), weight and bias of [0, C) and
+// cu_seqlens[0, num_docs] are ever addressed, whatever cu_seqlens holds.
 #pragma once
 
 #include "causal_conv1d_common.cuh"
@@ -31,15 +31,12 @@ struct CausalConv1dFwdParams {
   int32_t S;
   int32_t C;
   int32_t num_docs;
-  int32_t item_tokens;  // tokens of one item, a multiple of the route's sub-tile
-  int32_t tiles_c;      // channel tiles per token group
+  int32_t tiles_c;  // channel tiles per token tile
 };
 
 // Number of int32 counters the workspace holds. No route uses them today: they are kept in the
 // API (zero on entry, left zero) for routes with a persistent grid.
 constexpr int kFwdWorkspaceCounters = 2;
-// Most tokens of one item: their positions sit in shared memory for the whole item.
-constexpr int kFwdMaxItemTokens = 1024;
 
 template <int kVec_, int kLanesC_, int kThreads_, int kStripLen_, int kRing_, int kMinCtasPerSm_>
 struct FwdTraits {
@@ -50,14 +47,13 @@ struct FwdTraits {
   static constexpr int kStripLen = kStripLen_;  // tokens one strip emits
   static constexpr int kRing = kRing_;          // shared-memory rows per thread (kRing - 1 in flight)
   static constexpr int kMinCtasPerSm = kMinCtasPerSm_;  // register budget: 64K / (this * kThreads)
-  static constexpr int kTileTokens = kStrips * kStripLen;  // one sub-tile: every strip once
+  static constexpr int kTileTokens = kStrips * kStripLen;  // a CTA's tokens: every strip once
   static constexpr int kTileChannels = kLanesC * kVec;
   static_assert(kVec == 4 || kVec == 8, "rows of 8 or 16 bytes");
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
   static_assert(kStripLen % 4 == 0, "the loop steps 4 rows");
   static_assert(kRing >= 4 && kRing % 4 == 0, "the loop steps 4 rows, so 4 ring slots, at a time");
   static_assert(kRing <= kStripLen + 4, "the first R - 1 rows are rows of the strip");
-  static_assert(kFwdMaxItemTokens % kTileTokens == 0, "items are whole sub-tiles");
 };
 
 template <class Traits, class WeightT, class BiasT>
@@ -69,38 +65,45 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   constexpr int TT = Traits::kTileTokens;
   constexpr int T = Traits::kThreads;
   constexpr int V = Traits::kVec;
+  constexpr int kTC = Traits::kTileChannels;
   using Row = detail::Row<V>;
+  using WBlocks = detail::ParamBlocks<V * detail::kTapBytes<WeightT>>;
+  using BBlocks = detail::ParamBlocks<V * (detail::kHasBias<BiasT> ? detail::kBiasBytes<BiasT> : 2)>;
   // Each thread streams its rows through its own column of this ring (cp.async, R - 1 rows
   // ahead of the one it computes), so the bytes in flight cost no registers.
   __shared__ __align__(16) Row s_ring[R * T];
-  __shared__ uint8_t s_pos[kFwdMaxItemTokens];  // min(position in document, 3) per item token
-  __shared__ uint8_t s_flags[kFwdMaxItemTokens + 2];  // document starts (scan_positions)
-  // The CTA's taps and bias, staged once (the strips would otherwise each read them).
-  constexpr int kTC = Traits::kTileChannels;
-  using WBlocks = detail::ParamBlocks<V * detail::kTapBytes<WeightT>>;
-  using BBlocks = detail::ParamBlocks<V * (detail::kHasBias<BiasT> ? detail::kBiasBytes<BiasT> : 2)>;
-  __shared__ __align__(16) uint8_t s_w[Traits::kLanesC * WBlocks::kStride * 16];
-  __shared__ __align__(16) uint8_t s_b[Traits::kLanesC * BBlocks::kStride * 16];
+  __shared__ uint8_t s_pos[TT];        // min(position in document, 3) per tile token
+  __shared__ uint8_t s_flags[TT + 2];  // document starts (scan_positions)
+  __shared__ __align__(16) uint8_t s_w[Traits::kLanesC * WBlocks::kStride * 16];  // the tile's taps
+  __shared__ __align__(16) uint8_t s_b[Traits::kLanesC * BBlocks::kStride * 16];  // and bias
 
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;
-  const int group = blockIdx.x / p.tiles_c;
+  const int group = blockIdx.x / p.tiles_c;  // token tile; neighbouring CTAs share it
   const int tile_c = blockIdx.x - group * p.tiles_c;
   const int vec = tile_c * Traits::kLanesC + lane_c;  // my row-vector column
   const uint32_t vecs_per_row = p.C / V;
   const bool active = static_cast<uint32_t>(vec) < vecs_per_row;
   const int t_lim = active ? p.S : INT32_MIN;  // tokens < t_lim are read and written
-  const int item_t0 = group * p.item_tokens;
-  const int item_end = item_t0 + min(p.item_tokens, p.S - item_t0);
+  // Token indices stay in int32 (S < 2^31): tile_t0 < S and t0 + L - 1 < S + TT.
+  const int tile_t0 = group * TT;
+  const int tile_len = min(TT, p.S - tile_t0);
+  const int t0 = tile_t0 + strip * L;  // my strip's first token
   const Row* __restrict__ xv = reinterpret_cast<const Row*>(p.x);
   Row* __restrict__ yv = reinterpret_cast<Row*>(p.y);
   Row* const my_ring = s_ring + threadIdx.x;
+  // One 32-bit offset for x and y (the launcher caps S * C / V < 2^32).
+  const uint32_t base = static_cast<uint32_t>(t0) * vecs_per_row + vec;
 
-  // The first R - 1 rows of the strip at t0 into ring slots 1 .. R - 1, one cp.async group each:
-  // row i is token t0 - 3 + i; rows outside [0, S) and lanes past C read zeros. Offsets are
-  // 32-bit (the launcher caps S * C / V < 2^32), one offset for x and y.
-  const auto prefetch = [&](int t0) {
-    const uint32_t base = static_cast<uint32_t>(t0) * vecs_per_row + vec;
+  // cp.async groups, in order: the taps and bias, then ring rows 0 .. R - 2 of the strip (row i
+  // is token t0 - 3 + i, in slot i + 1; rows outside [0, S) and lanes past C read zeros), all
+  // streaming while the positions are found.
+  const int64_t c_tile0 = int64_t(tile_c) * kTC;
+  detail::stage_params<WeightT, BiasT, V, T>(p.weight, p.bias, c_tile0,
+                                             static_cast<int>(min(int64_t(kTC), p.C - c_tile0)), s_w, s_b);
+  detail::cp_async_commit();
+  const bool has_rows = t0 < p.S;
+  if (has_rows) {
 #pragma unroll
     for (int i = 0; i < R - 1; ++i) {
       const int t = t0 - 3 + i;
@@ -109,26 +112,15 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
       detail::cp_async_row(my_ring + (i + 1) * T, xv + off, valid);
       detail::cp_async_commit();
     }
-  };
-
-  // Token indices stay in int32 (S < 2^31): strips are walked by their offset in the item, and
-  // a strip's tokens reach at most t0 + L - 1 < S + L with t0 a multiple of L below S.
-  const int item_len = item_end - item_t0;
-  // Group order: the taps and bias (one group), then the first strip's R - 1 rows, all streaming
-  // while the positions are searched.
-  const int64_t c_tile0 = int64_t(tile_c) * kTC;
-  detail::stage_params<WeightT, BiasT, V, T>(p.weight, p.bias, c_tile0, static_cast<int>(min(int64_t(kTC), p.C - c_tile0)),
-                                          s_w, s_b);
-  detail::cp_async_commit();
-  const bool has_rows = strip * L < item_len;
-  if (has_rows) prefetch(item_t0 + strip * L);
-  detail::scan_positions<T>(p.cu_seqlens, p.num_docs, item_t0, item_len, s_flags, s_pos);
+  }
+  detail::scan_positions<T>(p.cu_seqlens, p.num_docs, tile_t0, tile_len, s_flags, s_pos);
   if (has_rows) {
-    detail::cp_async_wait<R - 1>();  // my part of the parameters has landed
+    detail::cp_async_wait<R - 1>();  // my part of the taps and bias has landed
   } else {
     detail::cp_async_wait<0>();
   }
   __syncthreads();
+  if (!has_rows) return;
   // Taps and bias pre-scaled by -log2(e) (see silu_of_scaled); lanes past C use zeros.
   float w[4][V] = {}, b[V] = {};
   if (active) {
@@ -142,82 +134,76 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
     b[j] *= -detail::kLog2e;
   }
 
-  for (int rel = strip * L; rel < item_len; rel += TT) {
-    const int t0 = item_t0 + rel;
-    const uint32_t base = static_cast<uint32_t>(t0) * vecs_per_row + vec;
-    // pos_row[r]: token t0 + r (past the item's last token, S, it was never written: those rows
-    // are not stored).
-    const uint8_t* pos_row = s_pos + rel;
-    // Ring row j (token t0 - 3 + j, j >= 3 in the loop) is inside [0, S) iff j < lim.
-    const uint32_t lim = active ? static_cast<uint32_t>(p.S - t0) + 3u : 0u;
-    // Window as a 4-slot circular buffer and a loop stepping 4 rows, so no register moves: at
-    // row r (token u = t0 + r, phase q = r % 4) slot (q+1) % 4 holds x[u-3], (q+2) % 4 x[u-2],
-    // (q+3) % 4 x[u-1], and row r writes x[u] into slot q. Token u's position p (capped at 3)
-    // says which of them are in its document: x[u-k] counts iff k <= p. The taps outside are
-    // skipped (predicated FMAs), never multiplied by zero, so nothing leaks across documents.
-    float xm[4][V];
-    // Rows 0..2 (x before t0), each refilling the ring with row i + R - 1.
+  // pos_row[r]: token t0 + r (past S it was never written: those rows are not stored).
+  const uint8_t* pos_row = s_pos + strip * L;
+  // Ring row j (token t0 - 3 + j, j >= 3 in the loop) is inside [0, S) iff j < lim.
+  const uint32_t lim = active ? static_cast<uint32_t>(p.S - t0) + 3u : 0u;
+  // Window as a 4-slot circular buffer and a loop stepping 4 rows, so no register moves: at
+  // row r (token u = t0 + r, phase q = r % 4) slot (q+1) % 4 holds x[u-3], (q+2) % 4 x[u-2],
+  // (q+3) % 4 x[u-1], and row r writes x[u] into slot q. Token u's position p (capped at 3)
+  // says which of them are in its document: x[u-k] counts iff k <= p. The taps outside are
+  // skipped (predicated FMAs), never multiplied by zero, so nothing leaks across documents.
+  float xm[4][V];
+  // Rows 0..2 (x before t0), each refilling the ring with row i + R - 1.
 #pragma unroll
-    for (int i = 0; i < 3; ++i) {
-      if (i + R - 1 < N) {
-        const int t = t0 + R - 4 + i;
-        const bool valid = t >= 0 && t < t_lim;
-        const uint32_t off = valid ? base + (R - 4 + i) * vecs_per_row : 0u;
-        detail::cp_async_row(my_ring + i * T, xv + off, valid);  // slot (i + R) % R
-      }
-      detail::cp_async_commit();
-      detail::cp_async_wait<R - 1>();
-      detail::row_to_float(my_ring[(i + 1) * T], xm[i + 1]);
+  for (int i = 0; i < 3; ++i) {
+    if (i + R - 1 < N) {
+      const int t = t0 + R - 4 + i;
+      const bool valid = t >= 0 && t < t_lim;
+      const uint32_t off = valid ? base + (R - 4 + i) * vecs_per_row : 0u;
+      detail::cp_async_row(my_ring + i * T, xv + off, valid);  // slot (i + R) % R
     }
-    // Loop state, stepped once per row or per step (no per-row multiplies): the ring slots of the
-    // step's 4 rows (cur) and of the 4 rows before them (prev), the offset of the next row to
-    // refill and of the next y row. Ring row j (token t0 - 3 + j) is in slot (j + 1) % R, so a
-    // step's rows r + 3 .. r + 6 take slots cur .. cur + 3 without wrapping.
-    int cur = 4 % R, prev = 0;
-    uint32_t refill_off = base + (R - 1) * vecs_per_row;
-    uint32_t y_off = base;
-    const auto row = [&](int r, auto phase) {
-      constexpr int q = decltype(phase)::value, s3 = (q + 1) % 4, s2 = (q + 2) % 4, s1 = (q + 3) % 4;
-      if (r + R + 2 < N) {  // refill the slot ring row r + 2 has just left with row r + R + 2
-        const bool valid = static_cast<uint32_t>(r + R + 2) < lim;
-        const uint32_t off = valid ? refill_off : 0u;
-        const int slot = q == 0 ? prev + 3 : cur + q - 1;
-        detail::cp_async_row(my_ring + slot * T, xv + off, valid);
-      }
-      refill_off += vecs_per_row;
-      detail::cp_async_commit();  // possibly empty: keeps "ring row j is group j"
-      detail::cp_async_wait<R - 1>();
-      const int pos = pos_row[r];
-      float xt[V], ys[V];
-      detail::row_to_float(my_ring[(cur + q) * T], xt);
+    detail::cp_async_commit();
+    detail::cp_async_wait<R - 1>();
+    detail::row_to_float(my_ring[(i + 1) * T], xm[i + 1]);
+  }
+  // Loop state, stepped once per row or per step (no per-row multiplies): the ring slots of the
+  // step's 4 rows (cur) and of the 4 rows before them (prev), the offset of the next row to
+  // refill and of the next y row. Ring row j (token t0 - 3 + j) is in slot (j + 1) % R, so a
+  // step's rows r + 3 .. r + 6 take slots cur .. cur + 3 without wrapping.
+  int cur = 4 % R, prev = 0;
+  uint32_t refill_off = base + (R - 1) * vecs_per_row;
+  uint32_t y_off = base;
+  const auto row = [&](int r, auto phase) {
+    constexpr int q = decltype(phase)::value, s3 = (q + 1) % 4, s2 = (q + 2) % 4, s1 = (q + 3) % 4;
+    if (r + R + 2 < N) {  // refill the slot ring row r + 2 has just left with row r + R + 2
+      const bool valid = static_cast<uint32_t>(r + R + 2) < lim;
+      const uint32_t off = valid ? refill_off : 0u;
+      const int slot = q == 0 ? prev + 3 : cur + q - 1;
+      detail::cp_async_row(my_ring + slot * T, xv + off, valid);
+    }
+    refill_off += vecs_per_row;
+    detail::cp_async_commit();  // possibly empty: keeps "ring row j is group j"
+    detail::cp_async_wait<R - 1>();
+    const int pos = pos_row[r];
+    float xt[V], ys[V];
+    detail::row_to_float(my_ring[(cur + q) * T], xt);
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        // FP32 accumulation in a fixed order: the bias, then the taps, current token first.
-        float s = fmaf(w[3][j], xt[j], b[j]);
-        if (pos >= 1) s = fmaf(w[2][j], xm[s1][j], s);
-        if (pos >= 2) s = fmaf(w[1][j], xm[s2][j], s);
-        if (pos >= 3) s = fmaf(w[0][j], xm[s3][j], s);
-        ys[j] = detail::silu_of_scaled(s);
-      }
-      if (static_cast<uint32_t>(r + 3) < lim) yv[y_off] = detail::pack_row<V>(ys);
-      y_off += vecs_per_row;
+    for (int j = 0; j < V; ++j) {
+      // FP32 accumulation in a fixed order: the bias, then the taps, current token first.
+      float s = fmaf(w[3][j], xt[j], b[j]);
+      if (pos >= 1) s = fmaf(w[2][j], xm[s1][j], s);
+      if (pos >= 2) s = fmaf(w[1][j], xm[s2][j], s);
+      if (pos >= 3) s = fmaf(w[0][j], xm[s3][j], s);
+      ys[j] = detail::silu_of_scaled(s);
+    }
+    if (static_cast<uint32_t>(r + 3) < lim) yv[y_off] = detail::pack_row<V>(ys);
+    y_off += vecs_per_row;
 #pragma unroll
-      for (int j = 0; j < V; ++j) xm[q][j] = xt[j];
-    };
-    using P0 = std::integral_constant<int, 0>;
-    using P1 = std::integral_constant<int, 1>;
-    using P2 = std::integral_constant<int, 2>;
-    using P3 = std::integral_constant<int, 3>;
+    for (int j = 0; j < V; ++j) xm[q][j] = xt[j];
+  };
+  using P0 = std::integral_constant<int, 0>;
+  using P1 = std::integral_constant<int, 1>;
+  using P2 = std::integral_constant<int, 2>;
+  using P3 = std::integral_constant<int, 3>;
 #pragma unroll 1
-    for (int r = 0; r < L; r += 4) {
-      row(r, P0{});
-      row(r + 1, P1{});
-      row(r + 2, P2{});
-      row(r + 3, P3{});
-      prev = cur;
-      cur = cur + 4 == R ? 0 : cur + 4;
-    }
-    if (rel + TT < item_len) prefetch(t0 + TT);  // the ring is free: every row was consumed
+  for (int r = 0; r < L; r += 4) {
+    row(r, P0{});
+    row(r + 1, P1{});
+    row(r + 2, P2{});
+    row(r + 3, P3{});
+    prev = cur;
+    cur = cur + 4 == R ? 0 : cur + 4;
   }
   detail::cp_async_wait<0>();  // no copy outlives the CTA's shared memory
 }

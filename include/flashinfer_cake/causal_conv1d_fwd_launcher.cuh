@@ -1,5 +1,5 @@
-// Host side of the forward: the route rule (tile geometry and item length from S, C and the SM
-// count), the launch and the C entry point's argument checks. No torch, no Python.
+// Host side of the forward: the route rule (tile geometry from C), the launch and the C entry
+// point's argument checks. No torch, no Python.
 #pragma once
 
 #include "causal_conv1d_fwd.cuh"
@@ -7,33 +7,16 @@
 
 namespace flashinfer_cake {
 
-// Tokens per item of a route: as long as possible (up to kFwdMaxItemTokens, whole sub-tiles) while
-// the grid keeps about kFwdWaves waves of the device's resident CTAs.
-#ifndef CAKE_FWD_WAVES
-#define CAKE_FWD_WAVES 16
-#endif
-constexpr int kFwdWaves = CAKE_FWD_WAVES;
-
-template <class Traits>
-int64_t fwd_item_tokens(int64_t S, int64_t tiles_c, int resident) {
-  const int64_t want_items = int64_t(kFwdWaves) * resident;
-  const int64_t tokens = (S * tiles_c + want_items - 1) / want_items;  // per item for want_items
-  const int64_t tiles = (tokens + Traits::kTileTokens - 1) / Traits::kTileTokens;
-  const int64_t most = kFwdMaxItemTokens / Traits::kTileTokens;
-  return (tiles < 1 ? 1 : tiles > most ? most : tiles) * Traits::kTileTokens;
-}
-
 template <class Traits, class WeightT, class BiasT>
-cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, int64_t item_tokens, cudaStream_t stream) {
+cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, cudaStream_t stream) {
   const int64_t vecs_per_row = p.C / Traits::kVec;
   const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
-  const int64_t groups = (int64_t(p.S) + item_tokens - 1) / item_tokens;
+  const int64_t groups = (int64_t(p.S) + Traits::kTileTokens - 1) / Traits::kTileTokens;
   const int64_t blocks = groups * tiles_c;
   if (blocks > INT32_MAX || int64_t(p.S) * vecs_per_row >= (int64_t(1) << 32)) {  // 32-bit offsets
     return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for the forward (S * C / %d must be below 2^32)",
                 (long long)p.S * p.C, Traits::kVec);
   }
-  p.item_tokens = static_cast<int32_t>(item_tokens);
   p.tiles_c = static_cast<int32_t>(tiles_c);
   (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
   causal_conv1d_fwd_kernel<Traits, WeightT, BiasT><<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
@@ -59,24 +42,16 @@ cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, int64_t item
 #define CAKE_FWD_VEC 8  // channels per thread
 #endif
 
-// The route rule, from shapes and the SM count only (the output never depends on it): 32 channel
-// lanes, or 8 when C <= 8 * kVec (a few idle lanes at tiny C).
+// The route rule, from C only (the output never depends on it): 32 channel lanes, or 8 when
+// C <= 8 * kVec (a few idle lanes at tiny C).
 template <class WeightT, class BiasT>
-cudaError_t launch_causal_conv1d_fwd(CausalConv1dFwdParams p, int device, cudaStream_t stream) {
+cudaError_t launch_causal_conv1d_fwd(CausalConv1dFwdParams p, cudaStream_t stream) {
   constexpr int kVec = CAKE_FWD_VEC, kThreads = CAKE_FWD_THREADS, kStrip = CAKE_FWD_STRIP_LEN,
                 kRing = CAKE_FWD_RING, kMinCtas = CAKE_FWD_MIN_CTAS;
   using Wide = FwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
   using Narrow = FwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>;
-  int resident = 0;
-  const cudaError_t e = resident_ctas(causal_conv1d_fwd_kernel<Wide, WeightT, BiasT>, kThreads, device, &resident);
-  if (e != cudaSuccess) return fail(e, "occupancy query failed on device %d: %s", device, cudaGetErrorString(e));
-  const int64_t vecs = p.C / kVec;
-  if (vecs > 8) {
-    const int64_t tiles_c = (vecs + 31) / 32;
-    return launch_causal_conv1d_fwd_route<Wide, WeightT, BiasT>(p, fwd_item_tokens<Wide>(p.S, tiles_c, resident), stream);
-  }
-  const int64_t tiles_c = (vecs + 7) / 8;
-  return launch_causal_conv1d_fwd_route<Narrow, WeightT, BiasT>(p, fwd_item_tokens<Narrow>(p.S, tiles_c, resident), stream);
+  if (p.C / kVec > 8) return launch_causal_conv1d_fwd_route<Wide, WeightT, BiasT>(p, stream);
+  return launch_causal_conv1d_fwd_route<Narrow, WeightT, BiasT>(p, stream);
 }
 
 // The C entry point's body: re-checks what the Python layer validated (the binary may be called
@@ -108,7 +83,7 @@ cudaError_t causal_conv1d_fwd_entry(const void* x, void* y, const void* weight, 
   p.C = static_cast<int32_t>(C);
   p.num_docs = static_cast<int32_t>(num_docs);
   const int dev = static_cast<int>(device);
-  return on_device(dev, [&] { return launch_causal_conv1d_fwd<WeightT, BiasT>(p, dev, stream); });
+  return on_device(dev, [&] { return launch_causal_conv1d_fwd<WeightT, BiasT>(p, stream); });
 }
 
 }  // namespace flashinfer_cake

@@ -1,12 +1,10 @@
-// Host helpers shared by the launchers: the error message of the last failed call, the resident
-// CTA count of a kernel, the packed launch arguments, pointer alignment, and launching on a given
-// device.
+// Host helpers shared by the launchers: the error message of the last failed call, the packed
+// launch arguments, pointer alignment, and launching on a given device.
 #pragma once
 
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <atomic>
 #include <cstdio>
 #include <cstring>
 
@@ -28,25 +26,6 @@ inline cudaError_t fail(cudaError_t code, const char* fmt, Args... args) {
     std::snprintf(last_error_buffer(), 512, fmt, args...);
   }
   return code;
-}
-
-// CTAs of this kernel that fit on one SM and the SM count, per device, queried once.
-template <class Kernel>
-inline cudaError_t resident_ctas(Kernel kernel, int threads, int device, int* out) {
-  static std::atomic<int> cache[kMaxDevices];
-  int n = cache[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    int per_sm = 0, sms = 0;
-    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
-    if (e != cudaSuccess) return e;
-    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (e != cudaSuccess) return e;
-    n = per_sm * sms;
-    if (n <= 0) return cudaErrorInvalidConfiguration;
-    cache[device].store(n, std::memory_order_relaxed);
-  }
-  *out = n;
-  return cudaSuccess;
 }
 
 // The C entries take their arguments as one packed array of int64 (one ctypes argument instead
