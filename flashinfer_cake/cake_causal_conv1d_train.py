@@ -193,11 +193,12 @@ def cake_causal_conv1d_train_forward(
         cu_seqlens: int32 ``[num_docs + 1]``, contiguous, on x's device: prefix sums of the
             document lengths (``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == S``; a repeated value
             is an empty document). The host reads its metadata only: no element is copied to
-            the host and no stream is synchronized. Any content is memory-safe: with values out
-            of order or out of [0, S] every row of ``y`` is still written, and token ``t`` keeps
-            the history back to the last entry ``<= t`` that a binary search over ``cu_seqlens``
-            finds (none when it finds none), so tokens past ``cu_seqlens[-1]`` continue one more
-            document from there; only x, y and cu_seqlens[0..num_docs] are read.
+            the host and no stream is synchronized. Any content is memory-safe: every row of ``y``
+            is written and only x, y, the parameters and cu_seqlens[0..num_docs] are read. With
+            non-decreasing values out of [0, S], token ``t`` keeps the history back to the last
+            entry ``<= t`` (none when there is none), so tokens past ``cu_seqlens[-1]`` continue
+            one more document; with values out of order each token keeps some 0 to 3 tokens of
+            history, the same on every run.
         bias: optional FP32 or BF16 ``[C]``, contiguous, added after the four taps, before SiLU;
             its dtype is independent of weight's.
         out: optional preallocated BF16 output of x's shape, contiguous, 16-byte aligned, on

@@ -872,8 +872,12 @@ CORRUPT_CU = {
     "beyond-S": lambda S: [0, S // 2, S + 100, 2 * S, S + 1],
     "first-nonzero": lambda S: [7, 100, S],
     "length-1-S": lambda S: [S],
-    "garbage": lambda S: [random.Random(S).randint(-(2**31), 2**31 - 1) for _ in range(64)],
+    "garbage": lambda S: [r.randint(-(2**31), 2**31 - 1) for r in [random.Random(S)] for _ in range(64)],
+    "sorted-out-of-range": lambda S: [-9, -1, 2, 2, 40, S - 200, S + 3, S + 3],
 }
+# Non-decreasing patterns have a defined result (the reference's); out-of-order ones only a
+# memory-safe, deterministic one.
+SORTED_CORRUPT = [name for name, make in CORRUPT_CU.items() if make(3000) == sorted(make(3000))]
 
 
 @pytest.mark.parametrize("pattern", list(CORRUPT_CU))
@@ -888,6 +892,8 @@ def test_corrupt_cu_seqlens_do_not_fault(pattern):
     for t in grads:
         assert torch.isfinite(t.float()).all()
     assert_same_grads(again, grads)
+    if pattern in SORTED_CORRUPT:
+        assert_grads_match_reference(grads, x, w, bad_cu, dy, b)
     cu = make_cu(S, split(S, 11, random.Random(S)))  # a valid call afterwards is still exact
     assert_grads_match_reference(backward_into(x, w, cu, dy, b), x, w, cu, dy, b)
 

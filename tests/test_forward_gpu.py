@@ -469,8 +469,12 @@ CORRUPT_CU = {
     "length-1-zero": lambda S: [0],
     "length-1-S": lambda S: [S],
     "all-equal-big": lambda S: [S + 1] * 5,
-    "garbage": lambda S: [random.Random(S).randint(-(2**31), 2**31 - 1) for _ in range(64)],
+    "garbage": lambda S: [r.randint(-(2**31), 2**31 - 1) for r in [random.Random(S)] for _ in range(64)],
+    "sorted-out-of-range": lambda S: [-9, -1, 2, 2, 40, S - 200, S + 3, S + 3],
 }
+# Non-decreasing patterns have a defined result (the reference's: the last entry <= t starts t's
+# document, none when there is none); out-of-order ones only a memory-safe, deterministic one.
+SORTED_CORRUPT = [name for name, make in CORRUPT_CU.items() if make(3000) == sorted(make(3000))]
 
 
 @pytest.mark.parametrize("S, C", [(3000, 264), (1000, 4096)])
@@ -487,6 +491,8 @@ def test_corrupt_cu_seqlens_do_not_fault(pattern, S, C):
     assert not out.isnan().any(), "documented: every row is written whatever cu_seqlens holds"
     assert torch.equal(out, y_default)
     assert ws.count_nonzero().item() == 0, "workspace not left zero after a corrupt cu_seqlens"
+    if pattern in SORTED_CORRUPT:
+        assert_matches_reference(out, x, w, bad_cu, b)
 
     # A valid call afterwards, with both workspaces, is still exact.
     cu = make_cu(S, split(S, 11, random.Random(S)))

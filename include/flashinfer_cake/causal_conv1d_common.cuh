@@ -210,10 +210,12 @@ __device__ __forceinline__ Row<V> pack_row(const float (&d)[V]) {
 // until an entry >= first_token + count. A token's position is then its distance to the
 // nearest flag at or before it, 3 when there is none within 2.
 //
-// For a valid cu_seqlens that is the token's position in its document. For any other content the rounds
-// still read only cu_seqlens[0 .. num_docs], write only flags[0 .. count + 2) and out[0 ..
-// count), end (a round shrinks the candidates, a pass moves forward), and the positions depend
-// on the content only (every write is the same 1), so a call is deterministic.
+// For non-decreasing content (values anywhere, even outside [0, S]) that is min(t - e, 3) for
+// the last entry e <= t, and 0 when no entry is <= t: a binary search's answer. For content out
+// of order the rounds still read only cu_seqlens[0 .. num_docs], write only flags[0 .. count +
+// 2) and out[0 .. count), end (a round shrinks the candidates, a pass moves forward), and the
+// positions (in [0, 3]) depend on the content only (every flag write is the same 1), so a call
+// is deterministic.
 template <int kThreads>
 __device__ __forceinline__ void scan_positions(const int32_t* __restrict__ cu, int num_docs, int first_token,
                                                int count, uint8_t* flags, uint8_t* out) {
@@ -238,8 +240,11 @@ __device__ __forceinline__ void scan_positions(const int32_t* __restrict__ cu, i
     if (v >= first && v < end) flags[v - first] = 1;
     if (!__syncthreads_or(threadIdx.x == kThreads - 1 && v < end)) break;
   }
+  // Tokens before every entry (lo == 0: cu[0] >= first; content with cu[0] > 0) have no start
+  // at or before them: no history, as a binary search that finds none gives.
+  const int64_t none_below = lo == 0 ? int64_t(__ldg(cu)) : int64_t(INT32_MIN);
   for (int j = threadIdx.x; j < count; j += kThreads) {  // flags[j + 2] is token first_token + j
-    out[j] = flags[j + 2] ? 0 : flags[j + 1] ? 1 : flags[j] ? 2 : 3;
+    out[j] = first_token + j < none_below ? 0 : flags[j + 2] ? 0 : flags[j + 1] ? 1 : flags[j] ? 2 : 3;
   }
 }
 
