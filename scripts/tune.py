@@ -8,8 +8,8 @@ then timed against a device copy of the same DRAM bytes on each shape (forward: 
 backward: read x and dy, write dx): eager CUDA-event medians over rotated inputs, and for small
 shapes the kernel time from a replayed CUDA graph. Every config must give bitwise the same result.
 
-    python scripts/tune.py --op fwd --configs 128/64/8/4,128/64/8/5/8/WAVES=2 [--variant bf16/none] [--json out.json]
-    python scripts/tune.py --op bwd --configs 128/32/6/4/4,128/32/6/2/8
+    python scripts/tune.py --op fwd --configs 128/16/8/4,128/16/12/4 [--variant bf16/none] [--json out.json]
+    python scripts/tune.py --op bwd --configs 128/64/8/4/4,128/64/8/4/8
 """
 
 from __future__ import annotations
