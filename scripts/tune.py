@@ -2,7 +2,7 @@
 """Measure tile geometries of the forward or the backward side by side (one GPU run, many builds).
 
 Each config overrides the launcher's CAKE_FWD_* / CAKE_BWD_* defaults (threads, strip length,
-ring rows, min CTAs per SM, optionally the channels per thread, then any NAME=VALUE for another
+ring rows, min CTAs per SM, optionally the channels per thread (backward: 4 or 8; the forward takes 8 only), then any NAME=VALUE for another
 CAKE_FWD_NAME / CAKE_BWD_NAME macro) for one variant (default fp32 taps + fp32 bias); all are built in parallel,
 then timed against a device copy of the same DRAM bytes on each shape (forward: read x, write y;
 backward: read x and dy, write dx): eager CUDA-event medians over rotated inputs, and for small

@@ -69,7 +69,6 @@ __device__ __forceinline__ void bf16x4_to_float(const uint2& v, float (&f)[4]) {
   f[3] = __uint_as_float(v.y & 0xffff0000u);
 }
 
-// Taps of V channels c0 .. c0 + V - 1 (V = 4 or 8, c0 a multiple of V): w[k][j] multiplies
 // A read-only 16- or 8-byte vector: through the non-coherent cache from global memory, or a plain
 // load from shared memory.
 template <bool kShared, class U>
@@ -81,6 +80,7 @@ __device__ __forceinline__ U ld_vec(const U* p) {
   }
 }
 
+// Taps of V channels c0 .. c0 + V - 1 (V = 4 or 8, c0 a multiple of V): w[k][j] multiplies
 // x[t - 3 + k] of channel c0 + j. 16-byte loads: FP32 one channel each, BF16 two channels each.
 // kShared: weight points to a shared-memory copy (see stage_params), else to global memory.
 template <class WeightT, int V, bool kShared = false>
@@ -207,8 +207,11 @@ __device__ __forceinline__ Row<V> pack_row(const float (&d)[V]) {
 // - 2 (kThreads pivots per round, so ceil(log_kThreads(num_docs + 1)) dependent loads: 2 up to
 // 16K documents at 128 threads), then the entries from there on mark the starts they hold in
 // flags[0 .. count + 2) (flags[i]: a start at first_token - 2 + i), kThreads entries per pass,
-// until an entry >= first_token + count. A token's position is then its distance to the
-// nearest flag at or before it, 3 when there is none within 2.
+// until an entry >= first_token + count (one more dependent load; more passes only when more
+// than kThreads entries fall in the range, e.g. runs of empty documents: the scan costs one
+// barrier round per kThreads entries, so out-of-order content can make a CTA walk all of
+// cu_seqlens). A token's position is then its distance to the nearest flag at or before it, 3
+// when there is none within 2.
 //
 // For non-decreasing content (values anywhere, even outside [0, S]) that is min(t - e, 3) for
 // the last entry e <= t, and 0 when no entry is <= t: a binary search's answer. For content out

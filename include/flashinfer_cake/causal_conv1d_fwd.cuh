@@ -40,7 +40,7 @@ constexpr int kFwdWorkspaceCounters = 2;
 
 template <int kVec_, int kLanesC_, int kThreads_, int kStripLen_, int kRing_, int kMinCtasPerSm_>
 struct FwdTraits {
-  static constexpr int kVec = kVec_;          // channels per thread: 8 (16-byte rows) or 4
+  static constexpr int kVec = kVec_;          // channels per thread: 8 (16-byte rows)
   static constexpr int kLanesC = kLanesC_;    // threads side by side along channels
   static constexpr int kThreads = kThreads_;  // threads per CTA
   static constexpr int kStrips = kThreads / kLanesC;
@@ -49,7 +49,7 @@ struct FwdTraits {
   static constexpr int kMinCtasPerSm = kMinCtasPerSm_;  // register budget: 64K / (this * kThreads)
   static constexpr int kTileTokens = kStrips * kStripLen;  // a CTA's tokens: every strip once
   static constexpr int kTileChannels = kLanesC * kVec;
-  static_assert(kVec == 4 || kVec == 8, "rows of 8 or 16 bytes");
+  static_assert(kVec == 8, "16-byte rows: the staged taps and bias are 16-byte chunks per thread");
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
   static_assert(kStripLen % 4 == 0, "the loop steps 4 rows");
   static_assert(kRing >= 4 && kRing % 4 == 0, "the loop steps 4 rows, so 4 ring slots, at a time");
@@ -85,7 +85,8 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   const uint32_t vecs_per_row = p.C / V;
   const bool active = static_cast<uint32_t>(vec) < vecs_per_row;
   const int t_lim = active ? p.S : INT32_MIN;  // tokens < t_lim are read and written
-  // Token indices stay in int32 (S < 2^31): tile_t0 < S and t0 + L - 1 < S + TT.
+  // Token indices stay in int32 (S < 2^31): tile_t0 < S is a multiple of TT, and with TT and L
+  // dividing 2^31 (powers of two, as every shipped geometry) t0 + L - 1 < 2^31.
   const int tile_t0 = group * TT;
   const int tile_len = min(TT, p.S - tile_t0);
   const int t0 = tile_t0 + strip * L;  // my strip's first token
@@ -173,7 +174,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
       detail::cp_async_row(my_ring + slot * T, xv + off, valid);
     }
     refill_off += vecs_per_row;
-    detail::cp_async_commit();  // possibly empty: keeps "ring row j is group j"
+    detail::cp_async_commit();  // possibly empty: keeps "ring row j is group j after the parameters'"
     detail::cp_async_wait<R - 1>();
     const int pos = pos_row[r];
     float xt[V], ys[V];
