@@ -2,11 +2,12 @@
 """Measure tile geometries of the forward or the backward side by side (one GPU run, many builds).
 
 Each config overrides the launcher's CAKE_FWD_* / CAKE_BWD_* defaults (threads, strip length,
-ring rows, min CTAs per SM, optionally the channels per thread (backward: 4 or 8; the forward takes 8 only), then any NAME=VALUE for another
-CAKE_FWD_NAME / CAKE_BWD_NAME macro) for one variant (default fp32 taps + fp32 bias); all are built in parallel,
-then timed against a device copy of the same DRAM bytes on each shape (forward: read x, write y;
-backward: read x and dy, write dx): eager CUDA-event medians over rotated inputs, and for small
-shapes the kernel time from a replayed CUDA graph. Every config must give bitwise the same result.
+ring rows, min CTAs per SM, optionally the channels per thread (backward: 4 or 8; the forward
+takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME macro) for one
+variant (default fp32 taps + fp32 bias); all are built in parallel, then timed against a device
+copy of the same DRAM bytes on each shape (forward: read x, write y; backward: read x and dy,
+write dx): eager CUDA-event medians over rotated inputs, and for small shapes the kernel time from
+a replayed CUDA graph. Every config must give bitwise the same result.
 
     python scripts/tune.py --op fwd --configs 128/16/8/4,128/16/12/4 [--variant bf16/none] [--json out.json]
     python scripts/tune.py --op bwd --configs 128/64/8/4/4,128/64/8/4/8
