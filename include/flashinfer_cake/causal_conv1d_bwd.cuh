@@ -276,24 +276,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         gm[q][j] = g[j];
       }
     };
-    using P0 = std::integral_constant<int, 0>;
-    using P1 = std::integral_constant<int, 1>;
-    using P2 = std::integral_constant<int, 2>;
-    using P3 = std::integral_constant<int, 3>;
-    // Whole steps of 4 rows, then the rows left (peeled: no conditional rows in the loop).
-    constexpr int kFullRows = (L + 3) / 4 * 4;
-#pragma unroll 1
-    for (int r = 0; r < kFullRows; r += 4) {
-      row(r, P0{});
-      row(r + 1, P1{});
-      row(r + 2, P2{});
-      row(r + 3, P3{});
-      prev = cur;
-      cur = cur + 4 == R ? 0 : cur + 4;
-    }
-    if constexpr (kFullRows < L + 3) row(kFullRows, P0{});
-    if constexpr (kFullRows + 1 < L + 3) row(kFullRows + 1, P1{});
-    if constexpr (kFullRows + 2 < L + 3) row(kFullRows + 2, P2{});
+    detail::walk_rows<L + 3, R>(row, cur, prev);  // whole steps of 4 rows, the rest peeled
     if (t0 + TT < item_end) prefetch(t0 + TT);  // the ring is free: every row was consumed
   }
 

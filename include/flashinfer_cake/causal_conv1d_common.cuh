@@ -200,6 +200,31 @@ __device__ __forceinline__ Row<V> pack_row(const float (&d)[V]) {
   }
 }
 
+// The strip loop of both kernels: row(r, phase) for r = 0 .. kRows - 1, phase = r % 4 as a
+// compile-time constant (std::integral_constant), rolled in steps of 4 rows; after each step the
+// ring slots of the 4-row windows advance (prev takes cur, cur moves 4 slots on, wrapping at
+// kRing). The last kRows % 4 rows are peeled, so no row in the loop is conditional.
+template <int kRows, int kRing, class RowFn>
+__device__ __forceinline__ void walk_rows(RowFn&& row, int& cur, int& prev) {
+  using P0 = std::integral_constant<int, 0>;
+  using P1 = std::integral_constant<int, 1>;
+  using P2 = std::integral_constant<int, 2>;
+  using P3 = std::integral_constant<int, 3>;
+  constexpr int kFull = kRows / 4 * 4;
+#pragma unroll 1
+  for (int r = 0; r < kFull; r += 4) {
+    row(r, P0{});
+    row(r + 1, P1{});
+    row(r + 2, P2{});
+    row(r + 3, P3{});
+    prev = cur;
+    cur = cur + 4 == kRing ? 0 : cur + 4;
+  }
+  if constexpr (kFull < kRows) row(kFull, P0{});
+  if constexpr (kFull + 1 < kRows) row(kFull + 1, P1{});
+  if constexpr (kFull + 2 < kRows) row(kFull + 2, P2{});
+}
+
 // Positions of tokens first_token + j, j = 0 .. count - 1, into out[j], by the whole CTA
 // (kThreads threads; every thread must call it, it contains barriers). Token t's position is
 // min(t - start, 3) for the nearest document start <= t, so only starts in [first_token - 2,

@@ -68,14 +68,15 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   constexpr int kTC = Traits::kTileChannels;
   using Row = detail::Row<V>;
   using WBlocks = detail::ParamBlocks<V * detail::kTapBytes<WeightT>>;
-  using BBlocks = detail::ParamBlocks<V * (detail::kHasBias<BiasT> ? detail::kBiasBytes<BiasT> : 2)>;
+  using BBlocks = detail::ParamBlocks<V * detail::kBiasBytes<BiasT>>;  // no chunks without a bias
   // Each thread streams its rows through its own column of this ring (cp.async, R - 1 rows
   // ahead of the one it computes), so the bytes in flight cost no registers.
   __shared__ __align__(16) Row s_ring[R * T];
   __shared__ uint8_t s_pos[TT];        // min(position in document, 3) per tile token
   __shared__ uint8_t s_flags[TT + 2];  // document starts (scan_positions)
   __shared__ __align__(16) uint8_t s_w[Traits::kLanesC * WBlocks::kStride * 16];  // the tile's taps
-  __shared__ __align__(16) uint8_t s_b[Traits::kLanesC * BBlocks::kStride * 16];  // and bias
+  constexpr int kBiasSmem = detail::kHasBias<BiasT> ? Traits::kLanesC * BBlocks::kStride * 16 : 16;
+  __shared__ __align__(16) uint8_t s_b[kBiasSmem];  // and bias
 
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;
@@ -193,19 +194,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
 #pragma unroll
     for (int j = 0; j < V; ++j) xm[q][j] = xt[j];
   };
-  using P0 = std::integral_constant<int, 0>;
-  using P1 = std::integral_constant<int, 1>;
-  using P2 = std::integral_constant<int, 2>;
-  using P3 = std::integral_constant<int, 3>;
-#pragma unroll 1
-  for (int r = 0; r < L; r += 4) {
-    row(r, P0{});
-    row(r + 1, P1{});
-    row(r + 2, P2{});
-    row(r + 3, P3{});
-    prev = cur;
-    cur = cur + 4 == R ? 0 : cur + 4;
-  }
+  detail::walk_rows<L, R>(row, cur, prev);
   detail::cp_async_wait<0>();  // no copy outlives the CTA's shared memory
 }
 
