@@ -85,17 +85,21 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   const int vec = tile_c * Traits::kLanesC + lane_c;  // my row-vector column
   const uint32_t vecs_per_row = p.C / V;
   const bool active = static_cast<uint32_t>(vec) < vecs_per_row;
-  const int t_lim = active ? p.S : INT32_MIN;  // tokens < t_lim are read and written
-  // Token indices stay in int32 (S < 2^31): tile_t0 < S is a multiple of TT, and with TT and L
-  // dividing 2^31 (powers of two, as every shipped geometry) t0 + L - 1 < 2^31.
+  // Token indices stay in int32 (S < 2^31) for any geometry, even a tuning tile that does not
+  // divide 2^31: tile_t0 < S; a strip with rows starts below S (strips past the tile's end are
+  // never formed: has_rows is decided on offsets); and a row's validity is tested on its offset
+  // in the strip against lim, never on a token index that could pass 2^31.
   const int tile_t0 = group * TT;
   const int tile_len = min(TT, p.S - tile_t0);
-  const int t0 = tile_t0 + strip * L;  // my strip's first token
+  const bool has_rows = strip * L < tile_len;
+  const int t0 = tile_t0 + (has_rows ? strip * L : 0);  // my strip's first token
   const Row* __restrict__ xv = reinterpret_cast<const Row*>(p.x);
   Row* __restrict__ yv = reinterpret_cast<Row*>(p.y);
   Row* const my_ring = s_ring + threadIdx.x;
   // One 32-bit offset for x and y (the launcher caps S * C / V < 2^32).
   const uint32_t base = static_cast<uint32_t>(t0) * vecs_per_row + vec;
+  // Ring row j (token t0 - 3 + j) is inside [0, S) iff t0 - 3 + j >= 0 and j < lim.
+  const uint32_t lim = active ? static_cast<uint32_t>(p.S - t0) + 3u : 0u;
 
   // cp.async groups, in order: the taps and bias, then ring rows 0 .. R - 2 of the strip (row i
   // is token t0 - 3 + i, in slot i + 1; rows outside [0, S) and lanes past C read zeros), all
@@ -104,12 +108,10 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   detail::stage_params<WeightT, BiasT, V, T>(p.weight, p.bias, c_tile0,
                                              static_cast<int>(min(int64_t(kTC), p.C - c_tile0)), s_w, s_b);
   detail::cp_async_commit();
-  const bool has_rows = t0 < p.S;
   if (has_rows) {
 #pragma unroll
     for (int i = 0; i < R - 1; ++i) {
-      const int t = t0 - 3 + i;
-      const bool valid = t >= 0 && t < t_lim;
+      const bool valid = (i >= 3 || t0 >= 3 - i) && static_cast<uint32_t>(i) < lim;
       const uint32_t off = valid ? base + (i - 3) * vecs_per_row : 0u;
       detail::cp_async_row(my_ring + (i + 1) * T, xv + off, valid);
       detail::cp_async_commit();
@@ -138,8 +140,6 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
 
   // pos_row[r]: token t0 + r (past S it was never written: those rows are not stored).
   const uint8_t* pos_row = s_pos + strip * L;
-  // Ring row j (token t0 - 3 + j, j >= 3 in the loop) is inside [0, S) iff j < lim.
-  const uint32_t lim = active ? static_cast<uint32_t>(p.S - t0) + 3u : 0u;
   // Window as a 4-slot circular buffer and a loop stepping 4 rows, so no register moves: at
   // row r (token u = t0 + r, phase q = r % 4) slot (q+1) % 4 holds x[u-3], (q+2) % 4 x[u-2],
   // (q+3) % 4 x[u-1], and row r writes x[u] into slot q. Token u's position p (capped at 3)
@@ -150,8 +150,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
 #pragma unroll
   for (int i = 0; i < 3; ++i) {
     if (i + R - 1 < N) {
-      const int t = t0 + R - 4 + i;
-      const bool valid = t >= 0 && t < t_lim;
+      const bool valid = static_cast<uint32_t>(R - 1 + i) < lim;  // ring row R - 1 + i, token >= t0
       const uint32_t off = valid ? base + (R - 4 + i) * vecs_per_row : 0u;
       detail::cp_async_row(my_ring + i * T, xv + off, valid);  // slot (i + R) % R
     }
