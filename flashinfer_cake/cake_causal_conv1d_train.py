@@ -27,15 +27,11 @@ _BWD = "cake_causal_conv1d_train_backward"
 # Token-chunk counters for forward routes with a persistent grid (kFwdWorkspaceCounters in the
 # template): two int32, zero before and after every launch (no route of today writes them).
 _FWD_WORKSPACE_COUNTERS = 2
-# The backward's partial sums: kBwdPartialRows FP32 rows of C per token group.
-_BWD_PARTIAL_ROWS = 5
 # silu_grad_preactivation -> the kernel's round_preact flag.
 _SILU_GRAD_POLICIES = {"bf16": 1, "fp32": 0}
-
-# ("fwd" | "bwd", device index, stream handle) -> workspace kept for calls without one.
-_default_workspaces: dict[tuple[str, int, int], torch.Tensor] = {}
-# (device index, weight dtype, bias dtype) -> loaded module.
-_modules: dict[tuple[int, torch.dtype, torch.dtype | None], jit.core.CompiledModule] = {}
+# The binding's dtype codes of the parameters (torch_binding.cpp).
+_WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_BIAS_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 
 
 def cake_causal_conv1d_train_forward_workspace_bytes(S: int, C: int, device) -> int:
@@ -55,26 +51,6 @@ def cake_causal_conv1d_train_forward_workspace(S: int, C: int, device) -> torch.
     return torch.zeros(math.ceil(nbytes / 4), dtype=torch.int32, device=device)
 
 
-def _bwd_groups(S: int, C: int) -> int:
-    """Token groups of the backward (one partial row of dweight/dbias each): about 1024 work
-    items (groups x 128-channel tiles, a few waves of an H200's resident CTAs), with groups of
-    128 to 1024 tokens (fewer when S itself is shorter). Non-decreasing in S, so a workspace
-    sized for the largest S serves every smaller one; a function of (S, C) only, so the
-    summation order, and with it every bit of dweight/dbias, is the same on every GPU."""
-    return min(-(-S // 128), max(-(-S // 1024), -(-1024 // -(-C // 128))))
-
-
-def _bwd_item_tokens(S: int, C: int) -> int:
-    """Tokens per group: S split over _bwd_groups(S, C) groups, rounded up to the kernel's
-    64-token strips (kBwdStripLen); at most that many groups then cover S."""
-    groups = max(_bwd_groups(S, C), 1)
-    return -(-S // (64 * groups)) * 64 or 64
-
-
-def _bwd_workspace_bytes(S: int, C: int) -> int:
-    return _bwd_groups(S, C) * _BWD_PARTIAL_ROWS * C * 4
-
-
 def _round_preact_flag(fn: str, silu_grad_preactivation) -> int:
     """The kernel's round_preact flag of a silu_grad_preactivation policy; ValueError otherwise."""
     flag = _SILU_GRAD_POLICIES.get(silu_grad_preactivation) if isinstance(silu_grad_preactivation, str) else None
@@ -90,9 +66,10 @@ def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device) ->
     the four taps' and the bias's gradient sums per token group (5 x C x 4 bytes per group of
     128 to 1024 tokens: 1 % to 8 % of x's bytes once S >= 128, 0.3 % to 2.6 % of the bytes the
     backward moves; a single group below that); 0 when ``S == 0``. Never
-    decreases with S: a workspace for the largest S serves every smaller one."""
+    decreases with S: a workspace for the largest S serves every smaller one. (The group rule
+    lives in the C++ the kernels are launched from: the first call builds the torch binding.)"""
     _checks.check_sizes(S, C, device)
-    return _bwd_workspace_bytes(S, C)
+    return jit.load_binding().backward_plan(S, C)[1]
 
 
 def cake_causal_conv1d_train_backward_workspace(S: int, C: int, device) -> torch.Tensor:
@@ -121,52 +98,21 @@ def is_cake_causal_conv1d_train_supported(device=None) -> bool:
     return arch_of(index) is not None
 
 
-def _module(device: int, weight_dtype: torch.dtype, bias_dtype: torch.dtype | None):
-    key = (device, weight_dtype, bias_dtype)
-    module = _modules.get(key)
-    if module is None:
-        spec = jit.VariantSpec(
-            PARAM_DTYPES[weight_dtype], "none" if bias_dtype is None else PARAM_DTYPES[bias_dtype], arch_of(device)
-        )
-        module = _modules[key] = jit.load(spec)
-    return module
+def _register(device: int, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Load (building if needed) the kernel module of weight's and bias's dtypes for ``device``
+    and give the binding its entries."""
+    bias_dtype = None if bias is None else bias.dtype
+    spec = jit.VariantSpec(
+        PARAM_DTYPES[weight.dtype], "none" if bias_dtype is None else PARAM_DTYPES[bias_dtype], arch_of(device)
+    )
+    module = jit.load(spec)
+    jit.load_binding().register_module(device, _WEIGHT_CODES[weight.dtype], _BIAS_CODES[bias_dtype],
+                                       *module.entry_addresses)
 
 
-def _capturing(device: int) -> bool:
-    """Whether device's current stream (the one the launch uses) is capturing a CUDA graph."""
-    if device == torch.cuda.current_device():
-        return torch._C._cuda_isCurrentStreamCapturing()
-    with torch.cuda.device(device):
-        return torch._C._cuda_isCurrentStreamCapturing()
-
-
-def _default_workspace(kind: str, device: int, stream: int, S: int, C: int, need: int) -> torch.Tensor:
-    """The workspace of a call without one (``need`` bytes): kept per (kind, device, stream) and
-    replaced by a larger one when a backward needs more; a buffer of the call's own while the
-    stream captures a CUDA graph (the graph replays with it: never shared with eager calls or
-    other graphs)."""
-    make = cake_causal_conv1d_train_forward_workspace if kind == "fwd" else cake_causal_conv1d_train_backward_workspace
-    if _capturing(device):
-        return make(S, C, torch.device("cuda", device))
-    key = (kind, device, stream)
-    ws = _default_workspaces.get(key)
-    if ws is None or ws.shape[0] * 4 < need:
-        # A replaced buffer may still be in use by this stream's queued work: the caching
-        # allocator hands its memory out again only in this stream's order.
-        ws = _default_workspaces[key] = make(S, C, torch.device("cuda", device))
-    return ws
-
-
-def _aligned_param(t: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
-    """The kernels read taps and bias 16 bytes at a time: a misaligned view (a slice of a larger
-    parameter) is copied, a few KB. Returns the tensor and its address (0 for None)."""
-    if t is None:
-        return None, 0
-    ptr = t.data_ptr()
-    if ptr & 15:
-        t = t.clone()
-        ptr = t.data_ptr()
-    return t, ptr
+def _declined(fn: str) -> RuntimeError:
+    return RuntimeError(f"{fn}: internal error: the torch binding declined arguments that pass every check "
+                        "(please report it, with the arguments' dtypes, shapes and devices)")
 
 
 def cake_causal_conv1d_train_forward(
@@ -222,6 +168,14 @@ def cake_causal_conv1d_train_forward(
         RuntimeError: x's device is not supported, the module cannot be built or loaded, or the
             launch fails (with the CUDA error string).
     """
+    y = jit.load_binding().forward(x, weight, cu_seqlens, bias, out, workspace)
+    return _forward_declined(x, weight, cu_seqlens, bias, out, workspace) if y is None else y
+
+
+def _forward_declined(x, weight, cu_seqlens, bias, out, workspace) -> torch.Tensor:
+    """The binding declined the call (it applies these rules without the messages): raise the
+    error these checks find, else register the variant's module (its first call on the device)
+    and call again."""
     _checks.check_types(_FWD, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens)),
                         (("bias", bias), ("out", out), ("workspace", workspace)))
     S, C = _checks.check_x(_FWD, x)
@@ -233,34 +187,18 @@ def cake_causal_conv1d_train_forward(
                                 "cake_causal_conv1d_train_forward_workspace_bytes")
     device = _checks.check_devices(_FWD, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
                                              ("out", out), ("workspace", workspace)))
-    if S == 0:
-        return torch.empty_like(x) if out is None else out
-    x_ptr = x.data_ptr()
-    weight, w_ptr = _aligned_param(weight)
-    bias, b_ptr = _aligned_param(bias)
-    if out is not None:
-        out_ptr = out.data_ptr()
-        if overlaps(out_ptr, 2 * S * C, x_ptr, 2 * S * C):
+    if S:
+        x_ptr, out_ptr = x.data_ptr(), 0 if out is None else out.data_ptr()
+        if out is not None and overlaps(out_ptr, 2 * S * C, x_ptr, 2 * S * C):
             raise ValueError(f"{_FWD}: out must not overlap x (the kernel reads x after writing out)")
-    else:
-        out_ptr = 0
-    if (x_ptr | out_ptr) & 15:  # 16-byte vector loads and stores
-        name, ptr = ("x", x_ptr) if x_ptr & 15 else ("out", out_ptr)
-        raise ValueError(f"{_FWD}: {name} must start at a 16-byte aligned address, got {ptr:#x}")
-    module = _module(device, weight.dtype, None if bias is None else bias.dtype)
-    if out is None:
-        out = torch.empty_like(x)  # the allocator hands out 512-byte aligned blocks
-        out_ptr = out.data_ptr()
-    stream = torch._C._cuda_getCurrentRawStream(device)
-    if workspace is None:
-        workspace = _default_workspace("fwd", device, stream, S, C, 4 * _FWD_WORKSPACE_COUNTERS)
-    rc = module.causal_conv1d_fwd(
-        x_ptr, out_ptr, w_ptr, b_ptr, cu_seqlens.data_ptr(), workspace.data_ptr(), S, C, cu_seqlens.shape[0] - 1,
-        device, stream,
-    )
-    if rc:
-        raise RuntimeError(f"{_FWD}: launch failed with CUDA error {rc}: {module.last_error_message()}")
-    return out
+        if (x_ptr | out_ptr) & 15:  # 16-byte vector loads and stores
+            name, ptr = ("x", x_ptr) if x_ptr & 15 else ("out", out_ptr)
+            raise ValueError(f"{_FWD}: {name} must start at a 16-byte aligned address, got {ptr:#x}")
+    _register(device, weight, bias)
+    y = jit.load_binding().forward(x, weight, cu_seqlens, bias, out, workspace)
+    if y is None:
+        raise _declined(_FWD)
+    return y
 
 
 def cake_causal_conv1d_train_backward(
@@ -320,10 +258,21 @@ def cake_causal_conv1d_train_backward(
         RuntimeError: x's device is not supported, the module cannot be built or loaded, or the
             launch fails (with the CUDA error string).
     """
+    grads = jit.load_binding().backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx,
+                                        dweight, dbias)
+    if grads is None:
+        grads = _backward_declined(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx,
+                                   dweight, dbias)
+    return grads
+
+
+def _backward_declined(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight,
+                       dbias) -> tuple[torch.Tensor, ...]:
+    """As _forward_declined, for the backward."""
     _checks.check_types(_BWD, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy)),
                         (("bias", bias), ("workspace", workspace), ("dx", dx), ("dweight", dweight),
                          ("dbias", dbias)))
-    round_preact = _round_preact_flag(_BWD, silu_grad_preactivation)
+    _round_preact_flag(_BWD, silu_grad_preactivation)
     S, C = _checks.check_x(_BWD, x, "backward")
     _checks.check_params(_BWD, weight, cu_seqlens, bias, C)
     _checks.check_like(_BWD, "dy", dy, torch.bfloat16, x.shape, "x's shape")
@@ -335,9 +284,8 @@ def cake_causal_conv1d_train_backward(
         if bias is None:
             raise ValueError(f"{_BWD}: dbias must be None when bias is None, got a tensor of shape {tuple(dbias.shape)}")
         _checks.check_like(_BWD, "dbias", dbias, bias.dtype, bias.shape, "bias's dtype and shape")
-    item_tokens = _bwd_item_tokens(S, C)
-    need = _bwd_workspace_bytes(S, C)
     if workspace is not None:
+        need = jit.load_binding().backward_plan(S, C)[1]
         _checks.check_workspace(_BWD, workspace, torch.float32, need,
                                 "cake_causal_conv1d_train_backward_workspace_bytes")
     device = _checks.check_devices(_BWD, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy),
@@ -345,7 +293,6 @@ def cake_causal_conv1d_train_backward(
                                              ("dweight", dweight), ("dbias", dbias)))
     x_ptr, dy_ptr = x.data_ptr(), dy.data_ptr()
     dx_ptr = 0 if dx is None else dx.data_ptr()
-    ws_ptr = 0 if workspace is None else workspace.data_ptr()
     if S and (x_ptr | dy_ptr | dx_ptr) & 15:  # 8-byte vectors; 16 keeps the forward's rule
         name, ptr = next((n, p) for n, p in (("x", x_ptr), ("dy", dy_ptr), ("dx", dx_ptr)) if p & 15)
         raise ValueError(f"{_BWD}: {name} must start at a 16-byte aligned address, got {ptr:#x}")
@@ -362,28 +309,12 @@ def cake_causal_conv1d_train_backward(
             for other, optr, osize in spans[:i]:
                 if osize and overlaps(ptr, size, optr, osize):
                     raise ValueError(f"{_BWD}: {name} must not overlap {other}")
-    weight, w_ptr = _aligned_param(weight)
-    bias, b_ptr = _aligned_param(bias)
-    module = _module(device, weight.dtype, None if bias is None else bias.dtype)
-    if dx is None:
-        dx = torch.empty_like(x)
-        dx_ptr = dx.data_ptr()
-    if dweight is None:
-        dweight = torch.empty_like(weight)
-    if dbias is None and bias is not None:
-        dbias = torch.empty_like(bias)
-    stream = torch._C._cuda_getCurrentRawStream(device)
-    if workspace is None:
-        workspace = _default_workspace("bwd", device, stream, S, C, need)
-        ws_ptr = workspace.data_ptr()
-    rc = module.causal_conv1d_bwd(
-        x_ptr, dy_ptr, dx_ptr, w_ptr, b_ptr, cu_seqlens.data_ptr(), ws_ptr, workspace.shape[0] * 4,
-        dweight.data_ptr(), 0 if dbias is None else dbias.data_ptr(), S, C, cu_seqlens.shape[0] - 1,
-        item_tokens, round_preact, device, stream,
-    )
-    if rc:
-        raise RuntimeError(f"{_BWD}: launch failed with CUDA error {rc}: {module.last_error_message()}")
-    return (dx, dweight) if bias is None else (dx, dweight, dbias)
+    _register(device, weight, bias)
+    grads = jit.load_binding().backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx,
+                                        dweight, dbias)
+    if grads is None:
+        raise _declined(_BWD)
+    return grads
 
 
 # torch.compile sees the kernels as two custom ops (opaque to the compiler, with fake

@@ -4,7 +4,7 @@
                                training shape, check it against the reference, print GB/s
                                (without a GPU: say so, build the variants, exit 0)
     flashinfer-cake env        versions, nvcc, arch list, directories, which variants are built
-    flashinfer-cake build      prebuild every variant (into the JIT cache, or --out DIR)
+    flashinfer-cake build      prebuild every variant and the torch binding (into the JIT cache, or --out DIR)
     flashinfer-cake clear-cache
 """
 
@@ -44,6 +44,8 @@ def cmd_env(args) -> int:
     print(f"cache dir        {env.cache_dir()}  (FLASHINFER_CAKE_CACHE_DIR)")
     print(f"aot dirs         {' '.join(map(str, env.aot_dirs())) or 'none'}  (FLASHINFER_CAKE_AOT_DIR)")
     print(f"jit              {'disabled' if env.jit_disabled() else 'enabled'}  (FLASHINFER_CAKE_DISABLE_JIT)")
+    binding = jit.published_binding()
+    print(f"torch binding    {binding or 'not built'}")
     print("variants:")
     for spec in _specs(None):
         where = jit.published_modules(spec)
@@ -54,8 +56,10 @@ def cmd_env(args) -> int:
 def cmd_build(args) -> int:
     specs = _specs(args.arch)
     built = jit.prebuild(specs, args.out, jobs=args.jobs, verbose=True)
+    binding = jit.build_binding(args.out, jobs=args.jobs, verbose=True)
     for spec in specs:
         print(f"{spec.uri:44s} {built[spec]}")
+    print(f"{'torch binding':44s} {binding}")
     return 0
 
 

@@ -15,10 +15,14 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import filelock
 
 from . import env
 from .variant import VariantSpec
@@ -68,7 +72,7 @@ def nvcc_version(nvcc: Path) -> str:
     return next((line for line in lines if "release" in line), lines[-1] if lines else f"error: {out.stderr.strip()}")
 
 
-def _publish(built: Path, out_dir: Path, name: str, record: dict) -> Path:
+def publish(built: Path, out_dir: Path, name: str, record: dict) -> Path:
     """Copy the module into ``out_dir`` under its final name, then write its record: each with a
     temporary name and ``os.replace``, so readers see the old state or the new, never a part."""
     data = built.read_bytes()
@@ -95,14 +99,27 @@ def build_variants(specs: list[VariantSpec], out_dir: Path, build_dir: Path, nvc
     toolchain = env.toolchain_digest(nvcc)
     names = {spec: spec.module_name(toolchain) for spec in specs}
     build_dir.mkdir(parents=True, exist_ok=True)
-    (build_dir / "build.log").unlink(missing_ok=True)  # present again only once ninja has ended
     for spec, name in names.items():
         write_if_different(build_dir / f"{name}.cu", spec.source())
     write_if_different(build_dir / "build.ninja", _ninja_file(nvcc, {n: s for s, n in names.items()}))
 
+    seconds = run_ninja(build_dir, ", ".join(s.uri for s in specs), jobs=jobs, verbose=verbose)
+    version = nvcc_version(nvcc)
+    published = {}
+    for spec, name in names.items():
+        record = {"variant": spec.uri, "arch": spec.arch, "nvcc": str(nvcc), "nvcc_version": version,
+                  "build_seconds": round(seconds, 2)}
+        published[spec] = publish(build_dir / f"{name}.so", out_dir, name, record)
+    return published
+
+
+def run_ninja(build_dir: Path, what: str, *, jobs: int | None = None, verbose: bool = False) -> float:
+    """Run ninja in ``build_dir`` (its build.ninja written); the seconds it took. Keeps the whole
+    log in build.log, streams ninja's "[i/n] ..." lines when ``verbose`` (AOT progress), and
+    raises RuntimeError with the compiler's output when the build fails."""
+    (build_dir / "build.log").unlink(missing_ok=True)  # present again only once ninja has ended
     start = time.perf_counter()
     cmd = [env.ninja_path(), "-C", str(build_dir), "-j", str(jobs or env.max_jobs())]
-    # Stream ninja's "[i/n] ..." lines when asked (AOT progress); always keep the whole log.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
@@ -114,17 +131,9 @@ def build_variants(specs: list[VariantSpec], out_dir: Path, build_dir: Path, nvc
     (build_dir / "build.log").write_text(log)
     if returncode != 0:
         raise RuntimeError(
-            f"flashinfer_cake: building {', '.join(s.uri for s in specs)} failed "
-            f"(ninja exit {returncode}, log {build_dir / 'build.log'}):\n{log}"
+            f"flashinfer_cake: building {what} failed (ninja exit {returncode}, log {build_dir / 'build.log'}):\n{log}"
         )
-    seconds = time.perf_counter() - start
-    version = nvcc_version(nvcc)
-    published = {}
-    for spec, name in names.items():
-        record = {"variant": spec.uri, "arch": spec.arch, "nvcc": str(nvcc), "nvcc_version": version,
-                  "build_seconds": round(seconds, 2)}
-        published[spec] = _publish(build_dir / f"{name}.so", out_dir, name, record)
-    return published
+    return time.perf_counter() - start
 
 
 def verified_module(path: Path) -> Path | None:
@@ -153,3 +162,37 @@ def find_published(directory: Path, prefix: str) -> Path | None:
         if verified_module(directory / n):
             return directory / n
     return None
+
+
+def set_aside(build_dir: Path) -> None:
+    """Move a build directory left by an interrupted build (no build.log: it is written when
+    ninja ends) out of the way before reusing its path: compilers orphaned by a killed process
+    keep writing into the moved directory (their working directory), never into the new build's.
+    A completed build's directory stays, so ninja rebuilds only what changed."""
+    if not build_dir.exists() or (build_dir / "build.log").exists():
+        return
+    stale = build_dir.with_name(f"{build_dir.name}.stale.{os.getpid()}.{time.monotonic_ns()}")
+    os.replace(build_dir, stale)
+    shutil.rmtree(stale, ignore_errors=True)
+
+
+def build_once(out_dir: Path, name: str, build: Callable[[Path], None]) -> Path:
+    """``out_dir/<name>.so``: a verified one if present, else built by ``build(build_dir)`` (which
+    publishes it) under the module's file lock, checked again under the lock, so concurrent first
+    calls from many processes compile once. A build directory an interrupted build left is set
+    aside first."""
+    target = out_dir / f"{name}.so"
+    if verified_module(target):
+        return target
+    with filelock.FileLock(str(out_dir / f"{name}.lock")):
+        if verified_module(target):  # another process built it while we waited
+            return target
+        logger.info("flashinfer_cake: building %s", name)
+        start = time.perf_counter()
+        build_dir = out_dir / "build" / name
+        set_aside(build_dir)
+        build(build_dir)
+        logger.info("flashinfer_cake: built %s in %.1f s", name, time.perf_counter() - start)
+    if not verified_module(target):
+        raise RuntimeError(f"flashinfer_cake: built {target} but cannot verify it")
+    return target

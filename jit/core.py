@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ from pathlib import Path
 import filelock
 
 from . import env
-from .build import build_variants, find_published, verified_module
+from .build import build_once, build_variants, find_published, set_aside, verified_module
 from .module import CompiledModule
 from .variant import VariantSpec
 
@@ -77,33 +75,7 @@ def _find_or_build_in_cache(spec: VariantSpec, prefix: str) -> Path:
             raise _disabled_error(spec, cache)
         env.require_nvcc()  # raises, naming FLASHINFER_CAKE_NVCC / CUDA_HOME
     name = spec.module_name(env.toolchain_digest(nvcc))
-    target = cache / f"{name}.so"
-    if verified_module(target):
-        return target
-    with filelock.FileLock(str(cache / f"{name}.lock")):
-        if verified_module(target):  # another process built it while we waited
-            return target
-        logger.info("flashinfer_cake: building %s", name)
-        start = time.perf_counter()
-        build_dir = cache / "build" / name
-        _set_aside(build_dir)
-        build_variants([spec], cache, build_dir, nvcc)
-        logger.info("flashinfer_cake: built %s in %.1f s", name, time.perf_counter() - start)
-    if not verified_module(target):
-        raise RuntimeError(f"flashinfer_cake: built {target} but cannot verify it")
-    return target
-
-
-def _set_aside(build_dir: Path) -> None:
-    """Move a build directory left by an interrupted build (no build.log: it is written when
-    ninja ends) out of the way before reusing its path: compilers orphaned by a killed process
-    keep writing into the moved directory (their working directory), never into the new build's.
-    A completed build's directory stays, so ninja rebuilds only what changed."""
-    if not build_dir.exists() or (build_dir / "build.log").exists():
-        return
-    stale = build_dir.with_name(f"{build_dir.name}.stale.{os.getpid()}.{time.monotonic_ns()}")
-    os.replace(build_dir, stale)
-    shutil.rmtree(stale, ignore_errors=True)
+    return build_once(cache, name, lambda build_dir: build_variants([spec], cache, build_dir, nvcc))
 
 
 def prebuild(specs: list[VariantSpec], out_dir: Path | None = None, *, jobs: int | None = None,
@@ -129,7 +101,7 @@ def prebuild(specs: list[VariantSpec], out_dir: Path | None = None, *, jobs: int
             logger.info("flashinfer_cake: building %d module(s) into %s", len(todo), out_dir)
             start = time.perf_counter()
             build_dir = out_dir / "build" / "prebuild"
-            _set_aside(build_dir)
+            set_aside(build_dir)
             done.update(build_variants(todo, out_dir, build_dir, nvcc, jobs=jobs, verbose=verbose))
             logger.info("flashinfer_cake: built %d module(s) in %.1f s", len(todo), time.perf_counter() - start)
     return done

@@ -9,6 +9,7 @@ Environment variables:
     FLASHINFER_CAKE_AOT_DIR        a directory of prebuilt modules searched before the shipped one.
     FLASHINFER_CAKE_CUDA_ARCH_LIST archs that ``build`` / ``aot_build.py`` prebuild (default ``9.0a``).
     FLASHINFER_CAKE_NVCC           the nvcc to build with (else $CUDA_HOME/bin/nvcc, PATH, /usr/local/cuda).
+    CXX                            the C++ compiler of the torch binding (else c++ / g++ on PATH).
     FLASHINFER_CAKE_DISABLE_JIT    ``1``: never compile; a module that is not prebuilt is an error.
     MAX_JOBS                       parallel compile jobs for ninja.
 """
@@ -160,6 +161,18 @@ def require_nvcc() -> Path:
             "or use prebuilt modules (scripts/aot_build.py, FLASHINFER_CAKE_AOT_DIR)."
         )
     return nvcc
+
+
+def cxx_path() -> Path:
+    """The C++ compiler of the torch binding: $CXX, else c++ / g++ on PATH."""
+    explicit = os.environ.get("CXX")
+    found = shutil.which(explicit) if explicit else (shutil.which("c++") or shutil.which("g++"))
+    if not found:
+        raise RuntimeError(
+            (f"CXX={explicit!r} is not an executable. " if explicit else "No C++ compiler found (c++ or g++ on PATH). ")
+            + "The torch binding needs one (nvcc needs it as its host compiler too): install g++ or set CXX."
+        )
+    return Path(found).absolute()
 
 
 def _fingerprint(path: Path) -> str:

@@ -15,13 +15,14 @@ _BWD_ARGS = struct.Struct("<17q")
 
 
 class CompiledModule:
-    """A loaded module. ``causal_conv1d_fwd`` and ``causal_conv1d_bwd`` are the raw ctypes
+    """A loaded module. ``entry_addresses`` are what the torch binding calls (the public path).
+    ``causal_conv1d_fwd`` and ``causal_conv1d_bwd`` are the raw ctypes
     functions (arguments packed into one int64 array on the way), with device pointers and the
     stream as ints, returning a cudaError_t code (0 on success; else the message is in
     :meth:`last_error_message`):
     ``causal_conv1d_fwd(x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream)``
     ``causal_conv1d_bwd(x, dy, dx, weight, bias, cu_seqlens, workspace, workspace_bytes, dweight,
-    dbias, S, C, num_docs, item_tokens, round_preact, device, stream)``."""
+    dbias, S, C, num_docs, item_tokens, round_preact, device, stream)``, for tools and tests."""
 
     def __init__(self, path: Path):
         try:
@@ -39,9 +40,14 @@ class CompiledModule:
         for fn in (fwd, bwd):
             fn.restype = _c_int
             fn.argtypes = [ctypes.c_char_p]
+        lib.cake_stream_is_capturing.restype = _c_int
+        lib.cake_stream_is_capturing.argtypes = [ctypes.c_void_p]
         pack_fwd, pack_bwd = _FWD_ARGS.pack, _BWD_ARGS.pack
         self.path = path
         self.variant = lib.cake_variant().decode()
+        # What the torch binding calls: fwd, bwd, stream_is_capturing, last_error_message.
+        self.entry_addresses = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (
+            fwd, bwd, lib.cake_stream_is_capturing, lib.cake_last_error_message))
         self.causal_conv1d_fwd = lambda *args: fwd(pack_fwd(*args))
         self.causal_conv1d_bwd = lambda *args: bwd(pack_bwd(*args))
         self._lib = lib

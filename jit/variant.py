@@ -14,7 +14,7 @@ BIAS_DTYPES = ("none", "fp32", "bf16")
 _CXX_TYPE = {"fp32": "float", "bf16": "__nv_bfloat16", "none": "flashinfer_cake::NoBias"}
 
 # Bumped when the exported C functions change; the loader refuses a module of another version.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _FLAGS = (
     "-O3",
@@ -41,6 +41,11 @@ CAKE_EXPORT const char* cake_variant() {{ return "{uri}"; }}
 
 CAKE_EXPORT const char* cake_last_error_message() {{
   return flashinfer_cake::last_error_buffer();
+}}
+
+// 1 while the stream captures a CUDA graph, 0 when not, -1 on error (see the last error message)
+CAKE_EXPORT int cake_stream_is_capturing(const void* stream) {{
+  return flashinfer_cake::stream_is_capturing(static_cast<cudaStream_t>(const_cast<void*>(stream)));
 }}
 
 // x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream (packed int64)
@@ -98,7 +103,7 @@ class VariantSpec:
     def source_digest(self) -> str:
         """Hash of every input of the binary but the compiler: templates, generated code, flags."""
         h = hashlib.sha256()
-        h.update(_templates_digest().encode())
+        h.update(templates_digest().encode())
         h.update(self.source().encode())
         h.update("\0".join(self.nvcc_flags()).encode())
         return h.hexdigest()
@@ -113,7 +118,7 @@ class VariantSpec:
 
 
 @functools.cache
-def _templates_digest() -> str:
+def templates_digest() -> str:
     """Digest of every file under include/ (path and bytes); read once per process."""
     root = env.include_dir()
     h = hashlib.sha256()

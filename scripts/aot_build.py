@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Prebuild every variant (weight dtype x bias dtype) for the listed archs in one parallel ninja
-run, into a directory the loader searches before the JIT cache.
+run, and the torch binding for the running torch, into a directory the loader searches before the
+JIT cache.
 
     python scripts/aot_build.py                      # into this checkout's flashinfer_cake/aot
     python scripts/aot_build.py --out DIR --arch 9.0a -j 8   # then FLASHINFER_CAKE_AOT_DIR=DIR
@@ -37,11 +38,13 @@ def main() -> int:
         print(f"aot_build: {len(specs)} variants for {' '.join(archs)} into {args.out}", flush=True)
         start = time.perf_counter()
         built = jit.prebuild(specs, args.out, jobs=args.jobs, verbose=True)
+        binding = jit.build_binding(args.out, jobs=args.jobs, verbose=True)
     except (RuntimeError, ValueError, OSError) as e:
         print(f"aot_build: error: {e}", file=sys.stderr)
         return 1
     for spec in specs:
         print(f"  {spec.uri:44s} {built[spec].name}")
+    print(f"  {'torch binding (this torch and Python)':44s} {binding.name}")
     print(f"aot_build: done in {time.perf_counter() - start:.1f} s", flush=True)
     return 0
 

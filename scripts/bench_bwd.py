@@ -1100,23 +1100,7 @@ class Bench:
         for name, fn, env_name in cands:
             try:
                 with fla_env(env_name):
-                    for _ in range(200):
-                        fn()
-                    dev.sync()
-                    per = []
-                    t0 = time.perf_counter()
-                    for _ in range(a.host_calls):
-                        t = time.perf_counter()
-                        fn()
-                        per.append(time.perf_counter() - t)
-                    total = time.perf_counter() - t0
-                    dev.sync()
-                    drain = time.perf_counter() - t0 - total
-                res["results"][name] = {
-                    "median_us": 1e6 * statistics.median(per),
-                    "mean_us": 1e6 * total / a.host_calls,
-                    "p10_us": 1e6 * sorted(per)[len(per) // 10],
-                    "gpu_drain_after_loop_us": 1e6 * drain}
+                    res["results"][name] = dev.host_us(fn, a.host_calls)
             except Exception as e:
                 res["results"][name] = {"error": fmt_err(e)}
                 with contextlib.suppress(Exception):
@@ -1144,9 +1128,7 @@ class Bench:
         res["derived_mean_us"] = derived
         for name, v in r.items():
             if "mean_us" in v:
-                log(f"host overhead {name}: mean {v['mean_us']:.1f} us/call, median "
-                    f"{v['median_us']:.1f} us/call (GPU drain after loop "
-                    f"{v['gpu_drain_after_loop_us']:.0f} us)")
+                log(f"host overhead {name}: median {v['median_us']:.1f} us/call, mean {v['mean_us']:.1f} us/call")
             else:
                 log(f"host overhead {name}: {v.get('error')}")
         for label, v in derived.items():

@@ -240,6 +240,29 @@ class Dev:
         if self.cuda:
             torch.cuda.synchronize()
 
+    def host_us(self, fn, calls: int, batches: int = 10) -> dict:
+        """Host time of one call of fn in µs (median, mean, p10 over every call), free of GPU
+        back-pressure: once the launch queue is full each launch waits for the GPU, and a plain
+        loop times the GPU instead (the backward's two small kernels outlast its host path). So
+        each batch of calls queues behind a spin kernel that outlasts it, in batches short enough
+        never to fill the queue (about a thousand pending launches)."""
+        for _ in range(50):
+            fn()
+        self.sync()
+        per = []
+        per_batch = max(1, calls // batches)
+        for _ in range(batches):
+            if self.cuda:
+                torch.cuda._sleep(int(per_batch * 40e-6 * 2e9))  # ~40 µs per call at ~2 GHz
+            for _ in range(per_batch):
+                t = time.perf_counter()
+                fn()
+                per.append(time.perf_counter() - t)
+            self.sync()
+        per.sort()
+        return {"median_us": 1e6 * statistics.median(per), "mean_us": 1e6 * sum(per) / len(per),
+                "p10_us": 1e6 * per[len(per) // 10], "calls": len(per), "batches": batches}
+
     def time_reps(self, fn, nrot: int, reps: int, start: int = 0) -> list[float]:
         """Per-call times in ms of fn(i), i cycling over the nrot input copies."""
         if not self.cuda:
@@ -968,30 +991,12 @@ class Bench:
         for name, fn, env_name in cands:
             try:
                 with fla_env(impls, env_name) if env_name else contextlib.nullcontext():
-                    for _ in range(200):
-                        fn()
-                    dev.sync()
-                    per = []
-                    t0 = time.perf_counter()
-                    for _ in range(a.host_calls):
-                        t = time.perf_counter()
-                        fn()
-                        per.append(time.perf_counter() - t)
-                    total = time.perf_counter() - t0
-                    dev.sync()
-                    drain = time.perf_counter() - t0 - total
-                res["results"][name] = {
-                    "median_us": 1e6 * statistics.median(per),
-                    "mean_us": 1e6 * total / a.host_calls,
-                    "p10_us": 1e6 * sorted(per)[len(per) // 10],
-                    "gpu_drain_after_loop_us": 1e6 * drain}
+                    res["results"][name] = dev.host_us(fn, a.host_calls)
             except Exception as e:
                 res["results"][name] = {"error": fmt_err(e)}
         for name, r in res["results"].items():
             if "median_us" in r:
-                log(f"host overhead {name}: median {r['median_us']:.1f} us/call, mean "
-                    f"{r['mean_us']:.1f} us/call (GPU drain after loop "
-                    f"{r['gpu_drain_after_loop_us']:.0f} us)")
+                log(f"host overhead {name}: median {r['median_us']:.1f} us/call, mean {r['mean_us']:.1f} us/call")
             else:
                 log(f"host overhead {name}: {r.get('error')}")
 

@@ -24,10 +24,7 @@ from pathlib import Path
 
 import torch
 
-from flashinfer_cake.cake_causal_conv1d_train import (
-    _bwd_item_tokens,
-    cake_causal_conv1d_train_backward_workspace_bytes,
-)
+from flashinfer_cake import jit
 from flashinfer_cake.jit import env
 from flashinfer_cake.jit.module import CompiledModule
 from flashinfer_cake.jit.variant import VariantSpec
@@ -107,8 +104,8 @@ def main() -> None:
         ys = [torch.empty_like(xs[0]) for _ in range(k)]
         dys = [torch.randn_like(xs[0]) for _ in range(k)] if args.op == "bwd" else None
         dw, db = torch.empty(C, 4, device="cuda"), torch.empty(C, device="cuda")
-        item_tokens = _bwd_item_tokens(S, C)
-        pws = torch.empty(cake_causal_conv1d_train_backward_workspace_bytes(S, C, "cuda") // 4 + 1, device="cuda")
+        item_tokens, ws_bytes = jit.load_binding().backward_plan(S, C)
+        pws = torch.empty(ws_bytes // 4 + 1, device="cuda")
         wdt, bdt = (torch.bfloat16 if d == "bf16" else torch.float32 for d in args.variant.split("/"))
         w = torch.randn(C, 4, device="cuda", dtype=wdt)
         b = torch.randn(C, device="cuda", dtype=bdt)  # unused by a "none" variant

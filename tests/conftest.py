@@ -37,3 +37,16 @@ def pytest_runtest_setup(item):
     if os.environ.get("FLASHINFER_CAKE_REQUIRE_GPU", "") == "1":
         pytest.fail(f"FLASHINFER_CAKE_REQUIRE_GPU=1 but {problem}", pytrace=False)
     pytest.skip(problem)
+
+
+@pytest.fixture
+def bad_cuda_args():
+    """``make(call, valid_args, override)``: a bad-input case's arguments built on the current
+    CUDA device, after one valid call (which registers the variant with the torch binding, so the
+    binding's own checks see the bad call)."""
+    def make(call, valid_args, override):
+        with torch.device("cuda"):
+            call(valid_args())
+            return valid_args(**{name: factory() for name, factory in override.items()})
+
+    return make

@@ -187,6 +187,16 @@ def test_bad_input_is_rejected_naming_the_argument(override, exc, argname):
         call(args)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("override, exc, argname", [c for c in BAD_INPUTS if not c.id.startswith("x-on-cpu")])
+def test_bad_cuda_input_is_rejected_naming_the_argument(override, exc, argname, bad_cuda_args):
+    """The same cases on the GPU: the torch binding applies these rules itself and declines, so
+    the checks raise; a rule it missed would launch instead of raising."""
+    args = bad_cuda_args(call, valid_args, override)
+    with pytest.raises(exc, match=rf"^{FN}: {argname}\b"):
+        call(args)
+
+
 def test_rejected_call_leaves_outputs_untouched():
     """A ValueError (here: x on the CPU) is raised before anything is written."""
     dx = torch.full((S, C), float("nan"), dtype=BF16)

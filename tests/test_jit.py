@@ -34,7 +34,8 @@ from flashinfer_cake.jit.variant import VariantSpec
 SPEC = VariantSpec("fp32", "none", "sm_90a")
 ALL = jit.all_variants(["sm_90a"])
 CXX = {"fp32": "float", "bf16": "__nv_bfloat16", "none": "flashinfer_cake::NoBias"}
-ENTRY_POINTS = ("cake_abi_version", "cake_variant", "cake_last_error_message", "cake_causal_conv1d_fwd", "cake_causal_conv1d_bwd")
+ENTRY_POINTS = ("cake_abi_version", "cake_variant", "cake_last_error_message", "cake_stream_is_capturing",
+                "cake_causal_conv1d_fwd", "cake_causal_conv1d_bwd")
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_INVALID_DEVICE = 101
 # Variables a test sets itself; FLASHINFER_CAKE_NVCC / CUDA_HOME (which compiler CI uses) are kept.
@@ -121,9 +122,9 @@ def isolated(monkeypatch, tmp_path):
 
 @pytest.fixture
 def fresh_templates_digest():
-    variant._templates_digest.cache_clear()
+    variant.templates_digest.cache_clear()
     yield
-    variant._templates_digest.cache_clear()
+    variant.templates_digest.cache_clear()
 
 
 @pytest.fixture(scope="session")
@@ -227,7 +228,7 @@ def test_digest_changes_when_a_template_byte_changes(tmp_path, monkeypatch, fres
     real, real_prefix = SPEC.source_digest(), SPEC.module_prefix()
     copy = shutil.copytree(env.include_dir(), tmp_path / "include")
     monkeypatch.setattr(env, "include_dir", lambda: copy)
-    variant._templates_digest.cache_clear()
+    variant.templates_digest.cache_clear()
     assert SPEC.source_digest() == real  # same bytes elsewhere: same digest
     templates = sorted(p for p in copy.rglob("*") if p.is_file())
     assert templates
@@ -236,14 +237,14 @@ def test_digest_changes_when_a_template_byte_changes(tmp_path, monkeypatch, fres
         changed = bytearray(data)
         changed[len(data) // 2] ^= 1  # one bit of one byte
         path.write_bytes(bytes(changed))
-        variant._templates_digest.cache_clear()
+        variant.templates_digest.cache_clear()
         assert SPEC.source_digest() != real, path
         assert SPEC.module_prefix() != real_prefix  # a new module name: the old build is not reused
         path.write_bytes(data)
-        variant._templates_digest.cache_clear()
+        variant.templates_digest.cache_clear()
         assert SPEC.source_digest() == real
     (copy / "flashinfer_cake" / "new.cuh").write_text("// new\n")
-    variant._templates_digest.cache_clear()
+    variant.templates_digest.cache_clear()
     assert SPEC.source_digest() != real
 
 

@@ -26,6 +26,7 @@
 // cu_seqlens holds.
 #pragma once
 
+#include "causal_conv1d_bwd_plan.h"
 #include "causal_conv1d_common.cuh"
 
 namespace flashinfer_cake {
@@ -48,13 +49,6 @@ struct CausalConv1dBwdParams {
   int32_t tiles_c;      // channel tiles per token group
   int32_t round_preact;  // 1: silu' at the pre-activation rounded to BF16; 0: at the FP32 value
 };
-
-// Partial rows per token group: the four taps' g*x sums, then the sum of g.
-constexpr int kBwdPartialRows = 5;
-
-// Most tokens of one token group (the item_tokens argument): the positions of a group's tokens
-// and their 3-token lookahead sit in shared memory for the whole group.
-constexpr int kBwdMaxItemTokens = 1024;
 
 template <int kVec_, int kLanesC_, int kThreads_, int kStripLen_, int kRing_, int kMinCtasPerSm_>
 struct BwdTraits {

@@ -38,7 +38,7 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
 #define CAKE_BWD_THREADS 128
 #endif
 #ifndef CAKE_BWD_STRIP_LEN
-#define CAKE_BWD_STRIP_LEN 64  // flashinfer_cake._bwd_item_tokens rounds groups to it
+#define CAKE_BWD_STRIP_LEN 64  // bwd_item_tokens (causal_conv1d_bwd_plan.h) rounds groups to it
 #endif
 #ifndef CAKE_BWD_RING
 #define CAKE_BWD_RING 8

@@ -42,6 +42,19 @@ struct PackedArgs {
 inline bool aligned_to(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 inline bool aligned16(const void* ptr) { return aligned_to(ptr, 16); }
 
+// 1 while `stream` captures a CUDA graph (the torch binding then gives the call a workspace of its
+// own), 0 when it does not, -1 when the query fails (message in last_error_buffer()).
+inline int stream_is_capturing(cudaStream_t stream) {
+  last_error_buffer()[0] = '\0';
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t e = cudaStreamIsCapturing(stream, &status);
+  if (e != cudaSuccess) {
+    fail(e, "%s", cudaGetErrorString(e));
+    return -1;
+  }
+  return status == cudaStreamCaptureStatusNone ? 0 : 1;
+}
+
 // Runs launch() with `device` current, then gives the thread back its current device (the driver
 // context is shared with the caller's runtime, torch's included).
 template <class Launch>
