@@ -62,10 +62,11 @@ def _round_preact_flag(fn: str, silu_grad_preactivation) -> int:
 
 
 def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device) -> int:
-    """Bytes of FP32 workspace a backward of ``[S, C]`` on ``device`` needs: one partial row of
-    the four taps' and the bias's gradient sums per token group (5 x C x 4 bytes per group of
-    128 to 1024 tokens: 1 % to 8 % of x's bytes once S >= 128, 0.3 % to 2.6 % of the bytes the
-    backward moves; a single group below that); 0 when ``S == 0``. Never
+    """Bytes of FP32 workspace a backward of ``[S, C]`` on ``device`` needs: one counter per
+    32 channels, then one partial row of the four taps' and the bias's gradient sums per token
+    group (5 x C x 4 bytes per group of 128 to 1024 tokens: 1 % to 8 % of x's bytes once
+    S >= 128, 0.3 % to 2.6 % of the bytes the backward moves; a single group below that); 0
+    when ``S == 0``. Never
     decreases with S: a workspace for the largest S serves every smaller one. (The group rule
     lives in the C++ the kernels are launched from: the first call builds the torch binding.)"""
     _checks.check_sizes(S, C, device)
@@ -73,13 +74,14 @@ def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device) ->
 
 
 def cake_causal_conv1d_train_backward_workspace(S: int, C: int, device) -> torch.Tensor:
-    """An FP32 workspace of at least
-    ``cake_causal_conv1d_train_backward_workspace_bytes(S, C, device)`` bytes on ``device``. Its
-    contents never matter (every launch writes what it reads); launches that may run at once
-    need one each."""
+    """A zeroed FP32 workspace of at least
+    ``cake_causal_conv1d_train_backward_workspace_bytes(S, C, device)`` bytes on ``device``.
+    Every launch leaves it zero (the counters and partial rows it used are reset by the CTA that
+    reduces them), so one serves every later call of one stream, of any shape it is large
+    enough for, CUDA Graph replays included; launches that may run at once need one each."""
     device = _checks.check_sizes(S, C, device)
     nbytes = cake_causal_conv1d_train_backward_workspace_bytes(S, C, device)
-    return torch.empty(math.ceil(nbytes / 4), dtype=torch.float32, device=device)
+    return torch.zeros(math.ceil(nbytes / 4), dtype=torch.float32, device=device)
 
 
 def is_cake_causal_conv1d_train_supported(device=None) -> bool:
@@ -226,7 +228,8 @@ def cake_causal_conv1d_train_backward(
 
     No gradient crosses a document boundary: a tap the forward skipped contributes nothing.
     dweight and dbias are summed in FP32 in a fixed order (per-token-group partial sums in the
-    workspace, then a second launch that adds them in group order; no atomics), so they are
+    workspace, added in group order by the last CTA of each channel tile to finish; no float
+    atomics), so they are
     bitwise identical run to run for a given (S, C, weight dtype, bias dtype, policy). No host
     synchronization; CUDA-graph capturable.
 
@@ -238,10 +241,12 @@ def cake_causal_conv1d_train_backward(
             rounded to BF16 (to nearest even), ``"fp32"`` at the unrounded FP32 value.
         workspace: optional caller-owned FP32 1-D buffer of at least
             :func:`cake_causal_conv1d_train_backward_workspace_bytes` bytes, e.g. from
-            :func:`cake_causal_conv1d_train_backward_workspace`; its contents do not matter.
-            Launches that may run at once need one each. When omitted, a buffer kept per
-            (device, current stream) is used (grown when too small), or a buffer of the call's
-            own while the current stream is capturing a CUDA graph.
+            :func:`cake_causal_conv1d_train_backward_workspace`: zero before its first launch
+            and left zero by every launch, so one buffer serves every later call of one
+            stream, CUDA Graph replays included; launches that may run at once need one each.
+            When omitted, a zeroed buffer kept per (device, current stream) is used (replaced
+            by a larger one when too small), or a zeroed buffer of the call's own while the
+            current stream is capturing a CUDA graph.
         dx: optional preallocated BF16 output of x's shape, contiguous, 16-byte aligned.
         dweight: optional preallocated output of weight's dtype and shape ``[C, 4]``, contiguous.
         dbias: optional preallocated output of bias's dtype and shape ``[C]``, contiguous; only

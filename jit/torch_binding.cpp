@@ -180,14 +180,12 @@ bool default_workspace(const Module& m, int kind, int device, intptr_t stream, i
                        const at::TensorOptions& options, const char* fn, at::Tensor* ws) {
   const int status = capturing(m, stream, fn);
   if (status < 0) return false;
-  // The forward's counters start at zero; the backward writes every partial row it reads.
-  const auto make = [&] { return kind == 0 ? at::zeros({elements}, options) : at::empty({elements}, options); };
-  if (status) {
-    *ws = make();
+  if (status) {  // zero, as every launch leaves a workspace
+    *ws = at::zeros({elements}, options);
     return true;
   }
   at::Tensor& kept = (*g_workspaces)[{kind, device, stream}];
-  if (!kept.defined() || kept.numel() < elements) kept = make();
+  if (!kept.defined() || kept.numel() < elements) kept = at::zeros({elements}, options);
   *ws = kept;
   return true;
 }

@@ -105,7 +105,7 @@ def main() -> None:
         dys = [torch.randn_like(xs[0]) for _ in range(k)] if args.op == "bwd" else None
         dw, db = torch.empty(C, 4, device="cuda"), torch.empty(C, device="cuda")
         item_tokens, ws_bytes = jit.load_binding().backward_plan(S, C)
-        pws = torch.empty(ws_bytes // 4 + 1, device="cuda")
+        pws = torch.zeros(ws_bytes // 4 + 1, device="cuda")  # zero between launches
         wdt, bdt = (torch.bfloat16 if d == "bf16" else torch.float32 for d in args.variant.split("/"))
         w = torch.randn(C, 4, device="cuda", dtype=wdt)
         b = torch.randn(C, device="cuda", dtype=bdt)  # unused by a "none" variant

@@ -7,7 +7,7 @@
 //   db     = sum_t g[t]
 // Framework-free: raw device pointers, sizes and a cudaStream_t.
 //
-// Two kernels. The first streams x and dy once: a CTA owns an item of item_tokens tokens x
+// One kernel. It streams x and dy once: a CTA owns an item of item_tokens tokens x
 // kTileChannels channels; a thread owns kVec channels (4: an 8-byte row vector, so the windows,
 // taps and sums of the backward fit in ~110 registers, 4 CTAs of 128 threads per SM) of one
 // kStripLen-token strip at a time and walks x[t0 - 3, t0 + L + 3) and dy[t0, t0 + L + 3) through
@@ -15,9 +15,12 @@
 // t0 .. t0 + L - 1 (dx[s] needs g up to s + 3, the 3-token lookahead, recomputed by the next
 // strip too). Each thread sums g*x and g over its strips' own tokens in registers; at the end of
 // the item the CTA adds its strips in strip order and writes one partial row per channel to the
-// workspace: partials[item's token group][5][C]. The second kernel adds the partial rows of every
-// token group in a fixed order (a fixed tree over the groups), so dweight and dbias are bitwise
-// identical run to run, whatever the scheduling: no float atomics anywhere.
+// workspace: partials[item's token group][5][C]. Integer counters then pick, per channel tile,
+// the last CTA of each chunk of 8 groups to add the chunk's rows in group order, and the last
+// chunk to add the chunk sums in chunk order: a fixed tree, so dweight and dbias are bitwise
+// identical run to run whatever the scheduling (no float atomics anywhere). Rows and counters
+// are left zero for the next launch. One launch, where a separate reduction kernel cost a
+// second one (~4 µs of host time).
 //
 // Document positions: min(position in document, 3) of the item's tokens and the 3 after it, one
 // byte each in shared memory, found once per item by scan_positions (a CTA-wide pivot search,
@@ -38,7 +41,8 @@ struct CausalConv1dBwdParams {
   const void* weight;       // [C, 4], WeightT
   const void* bias;         // [C], BiasT (unused for NoBias)
   const int32_t* cu_seqlens;  // [num_docs + 1]
-  float* partials;          // workspace: [groups][kBwdPartialRows][C]
+  float* partials;          // workspace: [groups][kBwdPartialRows][C], zero between launches
+  int32_t* counters;        // workspace: per channel tile, one per chunk + one, zero between launches
   void* dweight;            // [C, 4], WeightT
   void* dbias;              // [C], BiasT (unused for NoBias)
   int32_t S;
@@ -99,6 +103,77 @@ __device__ __forceinline__ void store_param<float>(void* base, int i, float v) {
 template <>
 __device__ __forceinline__ void store_param<__nv_bfloat16>(void* base, int i, float v) {
   static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(v);
+}
+
+// Sums, for each (row q, channel c) of channel tile tile_c, the partial rows of `count` groups
+// first, first + step, ... in that order, and zeroes every row it read; the sum goes back into
+// group `first`'s row (into_first) or to sink(q, c, sum). The rows were written by other SMs:
+// read through L2 (.cg), several in flight per thread.
+template <int kThreads, int kTileChannels, class Sink>
+__device__ __forceinline__ void sum_partial_rows(const CausalConv1dBwdParams& p, int tile_c, int first, int step,
+                                                 int count, bool into_first, Sink sink) {
+  constexpr int kElems = (kBwdPartialRows * kTileChannels + kThreads - 1) / kThreads;
+  // Rows per batch: ~16 loads in flight per thread (more spills registers in the 64-thread route).
+  constexpr int kRows = 16 / kElems > 8 ? 8 : (16 / kElems > 0 ? 16 / kElems : 1);
+  const size_t group_stride = static_cast<size_t>(kBwdPartialRows) * p.C;
+  const size_t row_step = group_stride * step;
+  float* base[kElems];
+  bool ok[kElems];
+  float sum[kElems];
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) {
+    const int idx = threadIdx.x + e * kThreads;
+    const int q = idx / kTileChannels;  // 0..3 tap, 4 the sum of g
+    const int c = tile_c * kTileChannels + (idx - q * kTileChannels);
+    ok[e] = idx < kBwdPartialRows * kTileChannels && c < p.C;
+    base[e] = p.partials + static_cast<size_t>(first) * group_stride + static_cast<size_t>(q) * p.C + c;
+    sum[e] = 0.0f;
+  }
+  for (int r0 = 0; r0 < count; r0 += kRows) {
+    float v[kRows][kElems];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) {
+        if (ok[e] && r0 + r < count) v[r][e] = __ldcg(base[e] + (r0 + r) * row_step);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) {
+        if (ok[e] && r0 + r < count) {
+          sum[e] += v[r][e];
+          if (!into_first || r0 + r > 0) __stcg(base[e] + (r0 + r) * row_step, 0.0f);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kElems; ++e) {
+    if (!ok[e]) continue;
+    if (into_first) {
+      __stcg(base[e], sum[e]);
+    } else {
+      const int idx = threadIdx.x + e * kThreads;
+      const int q = idx / kTileChannels;
+      sink(q, tile_c * kTileChannels + (idx - q * kTileChannels), sum[e]);
+    }
+  }
+}
+
+// Moves counter *c by one; true in the CTA whose move completed `target` moves (every thread
+// sees it). Every thread's earlier global writes are visible device-wide before the move, and
+// the CTA that completes it reads the others' writes after a fence of its own.
+__device__ __forceinline__ bool arrive_last(int32_t* c, int target) {
+  __shared__ bool s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(c, 1) == target - 1;
+  __syncthreads();
+  const bool last = s_last;
+  if (last) __threadfence();
+  return last;
 }
 
 }  // namespace detail
@@ -295,41 +370,29 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     for (int s = 0; s < Traits::kStrips; ++s) sum += src[s * Traits::kLanesC];
     rows[q * p.C + c] = sum;
   }
-}
 
-// dweight[c, k] = sum over groups of partials[group][k][c], dbias[c] likewise from row 4: each
-// CTA owns 32 channels; its 8 warps add the groups congruent to the warp index, in group order,
-// then warp 0's lanes add the 8 warp sums in warp order. Groups == 0 writes zeros.
-constexpr int kReduceChannels = 32;
-constexpr int kReduceWarps = 8;
-
-template <class WeightT, class BiasT>
-__global__ void __launch_bounds__(kReduceChannels * kReduceWarps)
-causal_conv1d_bwd_reduce_kernel(const CausalConv1dBwdParams p) {
-  __shared__ float s_sum[kBwdPartialRows][kReduceWarps][kReduceChannels];
-  const int lane = threadIdx.x % kReduceChannels;
-  const int warp = threadIdx.x / kReduceChannels;
-  const int c = blockIdx.x * kReduceChannels + lane;
-  float sum[kBwdPartialRows] = {};
-  if (c < p.C) {
-    for (int g = warp; g < p.groups; g += kReduceWarps) {
-      const float* row = p.partials + static_cast<size_t>(g) * kBwdPartialRows * p.C + c;
-#pragma unroll
-      for (int q = 0; q < kBwdPartialRows; ++q) sum[q] += row[q * p.C];
-    }
-  }
-#pragma unroll
-  for (int q = 0; q < kBwdPartialRows; ++q) s_sum[q][warp][lane] = sum[q];
-  __syncthreads();
-  if (warp != 0 || c >= p.C) return;
-  float total[kBwdPartialRows] = {};
-#pragma unroll
-  for (int q = 0; q < kBwdPartialRows; ++q) {
-    for (int v = 0; v < kReduceWarps; ++v) total[q] += s_sum[q][v][lane];
-  }
-#pragma unroll
-  for (int k = 0; k < 4; ++k) detail::store_param<WeightT>(p.dweight, c * 4 + k, total[k]);
-  if constexpr (detail::kHasBias<BiasT>) detail::store_param<BiasT>(p.dbias, c, total[4]);
+  // dweight / dbias: a fixed two-level tree over the token groups, summed by whichever CTAs
+  // finish last. The last CTA of each chunk of kBwdChunk groups (per channel tile) adds the
+  // chunk's rows in group order into its first group's row; the last chunk to finish adds those
+  // in chunk order into dweight / dbias. Every row read, and every counter, is left zero.
+  const int chunks = (p.groups + kBwdChunk - 1) / kBwdChunk;
+  const int chunk = group / kBwdChunk;
+  int32_t* const counters = p.counters + static_cast<size_t>(tile_c) * (chunks + 1);
+  const auto no_sink = [](int, int, float) {};
+  if (!detail::arrive_last(counters + chunk, min(kBwdChunk, p.groups - chunk * kBwdChunk))) return;
+  detail::sum_partial_rows<Traits::kThreads, Traits::kTileChannels>(
+      p, tile_c, chunk * kBwdChunk, 1, min(kBwdChunk, p.groups - chunk * kBwdChunk), true, no_sink);
+  if (threadIdx.x == 0) counters[chunk] = 0;
+  if (!detail::arrive_last(counters + chunks, chunks)) return;
+  detail::sum_partial_rows<Traits::kThreads, Traits::kTileChannels>(
+      p, tile_c, 0, kBwdChunk, chunks, false, [&](int q, int c, float sum) {
+        if (q < 4) {
+          detail::store_param<WeightT>(p.dweight, c * 4 + q, sum);
+        } else if constexpr (detail::kHasBias<BiasT>) {
+          detail::store_param<BiasT>(p.dbias, c, sum);
+        }
+      });
+  if (threadIdx.x == 0) counters[chunks] = 0;
 }
 
 }  // namespace flashinfer_cake

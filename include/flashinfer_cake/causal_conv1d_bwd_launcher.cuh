@@ -1,6 +1,5 @@
-// Host side of the backward: the route rule (tile geometry from C), the two
-// launches (streaming kernel, then the in-order reduction of dweight/dbias) and the C entry
-// point's argument checks. No torch, no Python.
+// Host side of the backward: the route rule (tile geometry from C), the launch (the kernel also
+// reduces dweight/dbias in order) and the C entry point's argument checks. No torch, no Python.
 #pragma once
 
 #include "causal_conv1d_bwd.cuh"
@@ -17,19 +16,23 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
     return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for the backward (S * C / %d must be below 2^32)",
                 (long long)p.S * p.C, Traits::kVec);
   }
+  static_assert(Traits::kTileChannels >= kBwdMinTileChannels, "the workspace has counters per kBwdMinTileChannels");
   p.tiles_c = static_cast<int32_t>(tiles_c);
   (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
-  if (blocks > 0) {
-    const auto kernel = p.round_preact ? causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, true>
-                                       : causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, false>;
-    kernel<<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
-    const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) return fail(e, "backward kernel launch failed: %s", cudaGetErrorString(e));
-  }
-  const int reduce_blocks = (p.C + kReduceChannels - 1) / kReduceChannels;
-  causal_conv1d_bwd_reduce_kernel<WeightT, BiasT><<<reduce_blocks, kReduceChannels * kReduceWarps, 0, stream>>>(p);
+  const auto kernel = p.round_preact ? causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, true>
+                                     : causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, false>;
+  kernel<<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return fail(e, "backward reduction launch failed: %s", cudaGetErrorString(e));
+  if (e != cudaSuccess) return fail(e, "backward kernel launch failed: %s", cudaGetErrorString(e));
+  return cudaSuccess;
+}
+
+// S == 0: no token group, so no CTA reduces; dweight and dbias are zero.
+template <class WeightT, class BiasT>
+cudaError_t zero_param_grads(const CausalConv1dBwdParams& p, cudaStream_t stream) {
+  cudaError_t e = cudaMemsetAsync(p.dweight, 0, size_t(p.C) * 4 * sizeof(WeightT), stream);
+  if (e == cudaSuccess && detail::kHasBias<BiasT>) e = cudaMemsetAsync(p.dbias, 0, size_t(p.C) * detail::kBiasBytes<BiasT>, stream);
+  if (e != cudaSuccess) return fail(e, "zeroing dweight/dbias failed: %s", cudaGetErrorString(e));
   return cudaSuccess;
 }
 
@@ -58,6 +61,7 @@ constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
 // sub-tile of the full CTA (small S: the group would leave strips idle).
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_t stream) {
+  if (p.groups == 0) return zero_param_grads<WeightT, BiasT>(p, stream);
   constexpr int kVec = CAKE_BWD_VEC, kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BWD_STRIP_LEN,
                 kRing = CAKE_BWD_RING, kMinCtas = CAKE_BWD_MIN_CTAS;
   using Wide = BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
@@ -69,14 +73,8 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
   return launch_causal_conv1d_bwd_route<BwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, stream);
 }
 
-// Bytes of workspace a backward of S tokens x C channels in token groups of item_tokens needs.
-inline int64_t causal_conv1d_bwd_workspace_bytes(int64_t S, int64_t C, int64_t item_tokens) {
-  const int64_t groups = (S + item_tokens - 1) / item_tokens;
-  return groups * kBwdPartialRows * C * int64_t(sizeof(float));
-}
-
 // The C entry point's body: re-checks what the Python layer validated (the binary may be called
-// directly), selects the device, launches both kernels. Returns a cudaError_t code; on failure the
+// directly), selects the device, launches the kernel. Returns a cudaError_t code; on failure the
 // message is in last_error_buffer().
 template <class WeightT, class BiasT>
 cudaError_t causal_conv1d_bwd_entry(const void* x, const void* dy, void* dx, const void* weight,
@@ -94,7 +92,7 @@ cudaError_t causal_conv1d_bwd_entry(const void* x, const void* dy, void* dx, con
   }
   if (round_preact != 0 && round_preact != 1) return fail(cudaErrorInvalidValue, "round_preact must be 0 or 1, got %lld", (long long)round_preact);
   if (device < 0 || device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)device);
-  const int64_t need = causal_conv1d_bwd_workspace_bytes(S, C, item_tokens);
+  const int64_t need = bwd_workspace_bytes(S, C, item_tokens);
   if (workspace_bytes < need) {
     return fail(cudaErrorInvalidValue, "workspace: expected at least %lld bytes, got %lld", (long long)need, (long long)workspace_bytes);
   }
@@ -118,7 +116,6 @@ cudaError_t causal_conv1d_bwd_entry(const void* x, const void* dy, void* dx, con
   p.weight = weight;
   p.bias = bias;
   p.cu_seqlens = cu_seqlens;
-  p.partials = static_cast<float*>(workspace);
   p.dweight = dweight;
   p.dbias = dbias;
   p.S = static_cast<int32_t>(S);
@@ -126,6 +123,10 @@ cudaError_t causal_conv1d_bwd_entry(const void* x, const void* dy, void* dx, con
   p.num_docs = static_cast<int32_t>(num_docs);
   p.item_tokens = static_cast<int32_t>(item_tokens);
   p.groups = static_cast<int32_t>((S + item_tokens - 1) / item_tokens);
+  if (S > 0) {  // the counters, then the partial rows (see bwd_counter_bytes)
+    p.counters = static_cast<int32_t*>(workspace);
+    p.partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + bwd_counter_bytes(C, p.groups));
+  }
   p.round_preact = static_cast<int32_t>(round_preact);
   return on_device(static_cast<int>(device), [&] { return launch_causal_conv1d_bwd<WeightT, BiasT>(p, stream); });
 }

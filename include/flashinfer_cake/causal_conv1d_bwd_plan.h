@@ -19,6 +19,14 @@ constexpr int kBwdMaxItemTokens = 1024;
 // Token groups are whole multiples of this many tokens (the shipped strip, CAKE_BWD_STRIP_LEN).
 constexpr int kBwdPlanStripLen = 64;
 
+// The narrowest channel tile of any route (8 lanes x 4 channels): the workspace holds counters
+// for tiles of at least this many channels.
+constexpr int kBwdMinTileChannels = 32;
+
+// Token groups per chunk of the reduction tree (the kernel adds a chunk's rows, then the chunk
+// sums).
+constexpr int kBwdChunk = 8;
+
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Token groups of a backward of S tokens x C channels (one partial row of dweight/dbias each):
@@ -38,9 +46,24 @@ inline int64_t bwd_item_tokens(int64_t S, int64_t C) {
   return std::max<int64_t>(ceil_div(S, kBwdPlanStripLen * groups) * kBwdPlanStripLen, kBwdPlanStripLen);
 }
 
-// Workspace bytes the caller provides: one FP32 partial row set per group of bwd_groups(S, C).
-inline int64_t bwd_workspace_bytes(int64_t S, int64_t C) {
-  return bwd_groups(S, C) * kBwdPartialRows * C * int64_t(sizeof(float));
+// The workspace: int32 counters (per channel tile: one per chunk of kBwdChunk groups, and one),
+// then (16-byte aligned) FP32 partial rows [groups][5][C]; zero before the first launch, and
+// every launch leaves it zero.
+inline int64_t bwd_counter_bytes(int64_t C, int64_t groups) {
+  return ceil_div(ceil_div(C, kBwdMinTileChannels) * (ceil_div(groups, kBwdChunk) + 1) * 4, 16) * 16;
 }
+
+inline int64_t bwd_workspace_bytes_for_groups(int64_t C, int64_t groups) {
+  return groups == 0 ? 0 : bwd_counter_bytes(C, groups) + groups * kBwdPartialRows * C * int64_t(sizeof(float));
+}
+
+// Workspace bytes a backward of S tokens x C channels in token groups of item_tokens tokens uses.
+inline int64_t bwd_workspace_bytes(int64_t S, int64_t C, int64_t item_tokens) {
+  return bwd_workspace_bytes_for_groups(C, ceil_div(S, item_tokens));
+}
+
+// Workspace bytes the caller provides: enough for every token group of bwd_groups(S, C); 0 when
+// S == 0. Non-decreasing in S, as bwd_groups is.
+inline int64_t bwd_workspace_bytes(int64_t S, int64_t C) { return bwd_workspace_bytes_for_groups(C, bwd_groups(S, C)); }
 
 }  // namespace flashinfer_cake
