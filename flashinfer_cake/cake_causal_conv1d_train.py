@@ -27,8 +27,8 @@ _BWD = "cake_causal_conv1d_train_backward"
 # Token-chunk counters for forward routes with a persistent grid (kFwdWorkspaceCounters in the
 # template): two int32, zero before and after every launch (no route of today writes them).
 _FWD_WORKSPACE_COUNTERS = 2
-# silu_grad_preactivation -> the kernel's round_preact flag.
-_SILU_GRAD_POLICIES = {"bf16": 1, "fp32": 0}
+# silu_grad_preactivation values (the binding maps them to the kernel's round_preact flag).
+_SILU_GRAD_POLICIES = ("bf16", "fp32")
 # The binding's dtype codes of the parameters (torch_binding.cpp).
 _WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _BIAS_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2}
@@ -51,24 +51,22 @@ def cake_causal_conv1d_train_forward_workspace(S: int, C: int, device) -> torch.
     return torch.zeros(math.ceil(nbytes / 4), dtype=torch.int32, device=device)
 
 
-def _round_preact_flag(fn: str, silu_grad_preactivation) -> int:
-    """The kernel's round_preact flag of a silu_grad_preactivation policy; ValueError otherwise."""
-    flag = _SILU_GRAD_POLICIES.get(silu_grad_preactivation) if isinstance(silu_grad_preactivation, str) else None
-    if flag is None:
+def _check_policy(fn: str, silu_grad_preactivation) -> None:
+    """ValueError unless silu_grad_preactivation is one of the policies."""
+    if not isinstance(silu_grad_preactivation, str) or silu_grad_preactivation not in _SILU_GRAD_POLICIES:
         raise ValueError(
-            f"{fn}: silu_grad_preactivation must be one of {sorted(_SILU_GRAD_POLICIES)}, got {silu_grad_preactivation!r}"
+            f"{fn}: silu_grad_preactivation must be one of {list(_SILU_GRAD_POLICIES)}, got {silu_grad_preactivation!r}"
         )
-    return flag
 
 
 def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device) -> int:
-    """Bytes of FP32 workspace a backward of ``[S, C]`` on ``device`` needs: one counter per
-    32 channels, then one partial row of the four taps' and the bias's gradient sums per token
-    group (5 x C x 4 bytes per group of 128 to 1024 tokens: 1 % to 8 % of x's bytes once
-    S >= 128, 0.3 % to 2.6 % of the bytes the backward moves; a single group below that); 0
-    when ``S == 0``. Never
-    decreases with S: a workspace for the largest S serves every smaller one. (The group rule
-    lives in the C++ the kernels are launched from: the first call builds the torch binding.)"""
+    """Bytes of FP32 workspace a backward of ``[S, C]`` on ``device`` needs: int32 counters of
+    the reduction tree (per 32 channels, one per 8 token groups and one), then one partial row of
+    the four taps' and the bias's gradient sums per token group (5 x C x 4 bytes per group of
+    128 to 1024 tokens: 1 % to 8 % of x's bytes once S >= 128, 0.3 % to 2.6 % of the bytes the
+    backward moves; a single group below that); 0 when ``S == 0``. Never decreases with S: a
+    workspace for the largest S serves every smaller one. (The rule lives in
+    causal_conv1d_bwd_plan.h; the first call builds the torch binding, which applies it.)"""
     _checks.check_sizes(S, C, device)
     return jit.load_binding().backward_plan(S, C)[1]
 
@@ -228,10 +226,10 @@ def cake_causal_conv1d_train_backward(
 
     No gradient crosses a document boundary: a tap the forward skipped contributes nothing.
     dweight and dbias are summed in FP32 in a fixed order (per-token-group partial sums in the
-    workspace, added in group order by the last CTA of each channel tile to finish; no float
-    atomics), so they are
-    bitwise identical run to run for a given (S, C, weight dtype, bias dtype, policy). No host
-    synchronization; CUDA-graph capturable.
+    workspace, added by a fixed two-level tree: the last CTA of each chunk of 8 groups adds the
+    chunk in group order, the last chunk adds the chunk sums in chunk order; no float atomics),
+    so they are bitwise identical run to run for a given (S, C, weight dtype, bias dtype,
+    policy). No host synchronization; CUDA-graph capturable.
 
     Args:
         x, weight, cu_seqlens, bias: the forward's arguments, with the forward's requirements,
@@ -277,7 +275,7 @@ def _backward_declined(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation,
     _checks.check_types(_BWD, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy)),
                         (("bias", bias), ("workspace", workspace), ("dx", dx), ("dweight", dweight),
                          ("dbias", dbias)))
-    _round_preact_flag(_BWD, silu_grad_preactivation)
+    _check_policy(_BWD, silu_grad_preactivation)
     S, C = _checks.check_x(_BWD, x, "backward")
     _checks.check_params(_BWD, weight, cu_seqlens, bias, C)
     _checks.check_like(_BWD, "dy", dy, torch.bfloat16, x.shape, "x's shape")
@@ -415,7 +413,7 @@ def cake_causal_conv1d(
         As the forward; and a ValueError up front when x is outside the backward's range
         (S < 2^30, S * C < 2^34).
     """
-    _round_preact_flag("cake_causal_conv1d", silu_grad_preactivation)
+    _check_policy("cake_causal_conv1d", silu_grad_preactivation)
     if isinstance(x, torch.Tensor) and x.dim() in (2, 3):  # fail before the forward, not in the backward
         S, C = x.shape[-2], x.shape[-1]
         if S >= _checks.MAX_S["backward"] or S * C >= _checks.MAX_ELEMENTS["backward"]:
