@@ -30,6 +30,11 @@ def check_types(fn: str, required, optional) -> None:
 # keeps token indices of a whole token group in int32 (S < 2^30).
 MAX_S = {"forward": 2**31, "backward": 2**30}
 MAX_ELEMENTS = {"forward": 2**35, "backward": 2**34}
+# Both kernels keep C and the document count in int32 (C / 8 vectors per row, num_docs + 1).
+MAX_C = 2**28
+MAX_CU_SEQLENS = 2**31 - 1
+# Device indices the kernel modules' C entries accept.
+MAX_DEVICES = 64
 
 
 def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
@@ -44,8 +49,8 @@ def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
         S, C = shape[1], shape[2]
     else:
         raise ValueError(f"{fn}: x must have shape [S, C] or [1, S, C], got {tuple(shape)}")
-    if C <= 0 or C % 8:
-        raise ValueError(f"{fn}: x's channel count C must be a positive multiple of 8, got C={C}")
+    if C <= 0 or C % 8 or C >= MAX_C:
+        raise ValueError(f"{fn}: x's channel count C must be a positive multiple of 8 below 2^28, got C={C}")
     max_s, max_elements = MAX_S[op], MAX_ELEMENTS[op]
     if S >= max_s or S * C >= max_elements:
         whose = "" if op == "forward" else " (the backward's range)"
@@ -55,7 +60,16 @@ def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
         )
     if not x.is_contiguous():
         raise ValueError(f"{fn}: x must be contiguous, got strides {x.stride()}")
+    check_not_lazy(fn, "x", x)
     return S, C
+
+
+def check_not_lazy(fn: str, name: str, t: torch.Tensor) -> None:
+    """A lazily negated or conjugated view (torch._neg_view, .conj()) shares memory whose values
+    the kernels would read, or write, without the pending sign."""
+    if t.is_neg() or t.is_conj():
+        raise ValueError(f"{fn}: {name} must not be a lazily negated or conjugated view; pass t.resolve_neg() / "
+                         f"t.resolve_conj()")
 
 
 def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, C: int) -> None:
@@ -66,6 +80,7 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
         raise ValueError(f"{fn}: weight must have shape [C, 4] = [{C}, 4] (C from x), got {tuple(weight.shape)}")
     if not weight.is_contiguous():
         raise ValueError(f"{fn}: weight must be contiguous, got strides {weight.stride()}")
+    check_not_lazy(fn, "weight", weight)
     if bias is not None:
         if bias.dtype not in PARAM_DTYPES:
             raise ValueError(f"{fn}: bias must have dtype torch.float32 or torch.bfloat16, got {bias.dtype}")
@@ -73,11 +88,13 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
             raise ValueError(f"{fn}: bias must have shape [C] = [{C}] (C from x), got {tuple(bias.shape)}")
         if not bias.is_contiguous():
             raise ValueError(f"{fn}: bias must be contiguous, got strides {bias.stride()}")
+        check_not_lazy(fn, "bias", bias)
     if cu_seqlens.dtype != torch.int32:
         raise ValueError(f"{fn}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+    if cu_seqlens.dim() != 1 or not 1 <= cu_seqlens.shape[0] <= MAX_CU_SEQLENS:
         raise ValueError(
-            f"{fn}: cu_seqlens must be 1-D [num_docs + 1] with at least one entry, got shape {tuple(cu_seqlens.shape)}"
+            f"{fn}: cu_seqlens must be 1-D [num_docs + 1] with 1 to 2^31 - 1 entries, got shape "
+            f"{tuple(cu_seqlens.shape)}"
         )
     if not cu_seqlens.is_contiguous():
         raise ValueError(f"{fn}: cu_seqlens must be contiguous, got strides {cu_seqlens.stride()}")
@@ -91,6 +108,7 @@ def check_like(fn: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape, s
         raise ValueError(f"{fn}: {name} must have {shape_text} {tuple(shape)}, got {tuple(t.shape)}")
     if not t.is_contiguous():
         raise ValueError(f"{fn}: {name} must be contiguous, got strides {t.stride()}")
+    check_not_lazy(fn, name, t)
 
 
 def check_workspace(fn: str, workspace: torch.Tensor, dtype: torch.dtype, need: int, bytes_fn: str) -> None:
@@ -111,11 +129,13 @@ def check_devices(fn: str, x: torch.Tensor, others) -> int:
     """Every tensor of ``others`` ((name, tensor or None) pairs) on x's CUDA device, of a supported
     arch. Returns the device index."""
     device = x.get_device()
-    if device < 0:
+    if device < 0 or not x.is_cuda:
         raise ValueError(f"{fn}: x must be a CUDA tensor, got device {x.device}")
     for name, t in others:
         if t is not None and t.get_device() != device:
             raise ValueError(f"{fn}: {name} must be on x's device {x.device}, got {t.device}")
+    if device >= MAX_DEVICES:
+        raise RuntimeError(f"{fn}: device cuda:{device} is not supported: device indices must be below {MAX_DEVICES}")
     if arch_of(device) is None:
         cap = torch.cuda.get_device_capability(device)
         raise RuntimeError(
@@ -131,14 +151,25 @@ def arch_of(device_index: int) -> str | None:
     return ARCH_OF_CAPABILITY.get(torch.cuda.get_device_capability(device_index))
 
 
-def overlaps(a_ptr: int, a_bytes: int, b_ptr: int, b_bytes: int) -> bool:
-    return a_ptr < b_ptr + b_bytes and b_ptr < a_ptr + a_bytes
+def check_no_overlap(fn: str, tensors, written) -> None:
+    """No tensor named in ``written`` shares a byte with any tensor before it in ``tensors``
+    ((name, tensor or None) pairs, in the order of the message's "other")."""
+    spans = [(n, t.data_ptr(), t.numel() * t.element_size()) for n, t in tensors if t is not None]
+    for i, (name, ptr, size) in enumerate(spans):
+        if name not in written or not size:
+            continue
+        for other, optr, osize in spans[:i]:
+            if osize and ptr < optr + osize and optr < ptr + size:
+                raise ValueError(f"{fn}: {name} must not overlap {other}")
 
 
-def check_sizes(S, C, device) -> torch.device:
-    """Arguments of the *_workspace_bytes functions."""
+def check_sizes(S, C, device, op: str) -> torch.device:
+    """Arguments of the *_workspace_bytes functions of ``op`` ("forward" or "backward")."""
     if not isinstance(S, int) or isinstance(S, bool) or S < 0:
         raise ValueError(f"S must be a non-negative int, got {S!r}")
-    if not isinstance(C, int) or isinstance(C, bool) or C <= 0 or C % 8:
-        raise ValueError(f"C must be a positive multiple of 8, got {C!r}")
+    if not isinstance(C, int) or isinstance(C, bool) or C <= 0 or C % 8 or C >= MAX_C:
+        raise ValueError(f"C must be a positive multiple of 8 below 2^28, got {C!r}")
+    if S >= MAX_S[op] or S * C >= MAX_ELEMENTS[op]:
+        raise ValueError(f"S must be below 2^{MAX_S[op].bit_length() - 1} and S * C below "
+                         f"2^{MAX_ELEMENTS[op].bit_length() - 1} for the {op}, got S={S}, C={C}")
     return torch.device(device)

@@ -8,7 +8,7 @@ import math
 import torch
 
 from . import _checks, jit
-from ._checks import PARAM_DTYPES, arch_of, overlaps
+from ._checks import PARAM_DTYPES, arch_of
 
 __all__ = [
     "CakeCausalConv1dFunction",
@@ -37,7 +37,7 @@ _BIAS_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 def cake_causal_conv1d_train_forward_workspace_bytes(S: int, C: int, device) -> int:
     """Bytes of int32 workspace a forward of ``[S, C]`` on ``device`` needs: the most over every
     route (two token-chunk counters; no route of today writes them)."""
-    _checks.check_sizes(S, C, device)
+    _checks.check_sizes(S, C, device, "forward")
     return 4 * _FWD_WORKSPACE_COUNTERS
 
 
@@ -46,7 +46,7 @@ def cake_causal_conv1d_train_forward_workspace(S: int, C: int, device) -> torch.
     ``cake_causal_conv1d_train_forward_workspace_bytes(S, C, device)`` bytes on ``device``.
     Every launch leaves it zero, so one serves every later call of one stream (graph replays
     included); launches that may run at once need one each."""
-    device = _checks.check_sizes(S, C, device)
+    device = _checks.check_sizes(S, C, device, "forward")
     nbytes = cake_causal_conv1d_train_forward_workspace_bytes(S, C, device)
     return torch.zeros(math.ceil(nbytes / 4), dtype=torch.int32, device=device)
 
@@ -67,7 +67,7 @@ def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device) ->
     backward moves; a single group below that); 0 when ``S == 0``. Never decreases with S: a
     workspace for the largest S serves every smaller one. (The rule lives in
     causal_conv1d_bwd_plan.h; the first call builds the torch binding, which applies it.)"""
-    _checks.check_sizes(S, C, device)
+    _checks.check_sizes(S, C, device, "backward")
     return jit.load_binding().backward_plan(S, C)[1]
 
 
@@ -77,7 +77,7 @@ def cake_causal_conv1d_train_backward_workspace(S: int, C: int, device) -> torch
     Every launch leaves it zero (the counters and partial rows it used are reset by the CTA that
     reduces them), so one serves every later call of one stream, of any shape it is large
     enough for, CUDA Graph replays included; launches that may run at once need one each."""
-    device = _checks.check_sizes(S, C, device)
+    device = _checks.check_sizes(S, C, device, "backward")
     nbytes = cake_causal_conv1d_train_backward_workspace_bytes(S, C, device)
     return torch.zeros(math.ceil(nbytes / 4), dtype=torch.float32, device=device)
 
@@ -188,9 +188,11 @@ def _forward_declined(x, weight, cu_seqlens, bias, out, workspace) -> torch.Tens
     device = _checks.check_devices(_FWD, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
                                              ("out", out), ("workspace", workspace)))
     if S:
+        # out is written while x, the parameters and cu_seqlens are read (the workspace, too,
+        # must stay as it is).
+        _checks.check_no_overlap(_FWD, (("x", x), ("weight", weight), ("bias", bias), ("cu_seqlens", cu_seqlens),
+                                        ("workspace", workspace), ("out", out)), ("out",))
         x_ptr, out_ptr = x.data_ptr(), 0 if out is None else out.data_ptr()
-        if out is not None and overlaps(out_ptr, 2 * S * C, x_ptr, 2 * S * C):
-            raise ValueError(f"{_FWD}: out must not overlap x (the kernel reads x after writing out)")
         if (x_ptr | out_ptr) & 15:  # 16-byte vector loads and stores
             name, ptr = ("x", x_ptr) if x_ptr & 15 else ("out", out_ptr)
             raise ValueError(f"{_FWD}: {name} must start at a 16-byte aligned address, got {ptr:#x}")
@@ -299,19 +301,12 @@ def _backward_declined(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation,
     if S and (x_ptr | dy_ptr | dx_ptr) & 15:  # 8-byte vectors; 16 keeps the forward's rule
         name, ptr = next((n, p) for n, p in (("x", x_ptr), ("dy", dy_ptr), ("dx", dx_ptr)) if p & 15)
         raise ValueError(f"{_BWD}: {name} must start at a 16-byte aligned address, got {ptr:#x}")
-    if workspace is not None or dx is not None or dweight is not None or dbias is not None:
-        # What the kernels write (dx, the workspace's partial rows, dweight, dbias) may overlap
-        # nothing else: they read x, dy, weight, bias and cu_seqlens while writing dx and the
-        # partial rows, and the reduction reads the partial rows while writing dweight/dbias.
-        spans = [(n, t.data_ptr(), t.numel() * t.element_size()) for n, t in (
-            ("x", x), ("dy", dy), ("weight", weight), ("bias", bias), ("cu_seqlens", cu_seqlens),
-            ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias)) if t is not None]
-        for i, (name, ptr, size) in enumerate(spans):
-            if name not in ("workspace", "dx", "dweight", "dbias") or not size:
-                continue
-            for other, optr, osize in spans[:i]:
-                if osize and overlaps(ptr, size, optr, osize):
-                    raise ValueError(f"{_BWD}: {name} must not overlap {other}")
+    # What the kernel writes (dx, the workspace's counters and partial rows, dweight, dbias) may
+    # overlap nothing else: it reads x, dy, weight, bias and cu_seqlens while writing dx and the
+    # partial rows, and reads the partial rows while writing dweight/dbias.
+    _checks.check_no_overlap(_BWD, (("x", x), ("dy", dy), ("weight", weight), ("bias", bias),
+                                    ("cu_seqlens", cu_seqlens), ("workspace", workspace), ("dx", dx),
+                                    ("dweight", dweight), ("dbias", dbias)), ("workspace", "dx", "dweight", "dbias"))
     _register(device, weight, bias)
     grads = jit.load_binding().backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx,
                                         dweight, dbias)

@@ -40,6 +40,7 @@ def _torch_dir() -> Path:
 def _flags() -> list[str]:
     return [
         "-O2",
+        "-DNDEBUG",  # torch's debug-only asserts out of the inlined header code
         "-std=c++20",  # what torch's own extensions use
         "-fPIC",
         "-fvisibility=hidden",  # only PyInit__torch_binding is exported

@@ -35,9 +35,10 @@ using flashinfer_cake::bwd_workspace_bytes;
 constexpr int kMaxDevices = 64;  // launch_common.cuh's kMaxDevices
 // The forward's workspace: two int32 token-chunk counters (kFwdWorkspaceCounters).
 constexpr int64_t kFwdWorkspaceInts = 2;
-// Index ranges of the kernels (_checks.MAX_S / MAX_ELEMENTS).
+// Index ranges of the kernels (_checks.MAX_S / MAX_ELEMENTS / MAX_C / MAX_CU_SEQLENS).
 constexpr int64_t kFwdMaxS = int64_t(1) << 31, kFwdMaxElements = int64_t(1) << 35;
 constexpr int64_t kBwdMaxS = int64_t(1) << 30, kBwdMaxElements = int64_t(1) << 34;
+constexpr int64_t kMaxC = int64_t(1) << 28, kMaxCuSeqlens = (int64_t(1) << 31) - 1;
 
 using Entry = int (*)(const void* packed_int64_args);
 using Capturing = int (*)(const void* stream);
@@ -64,26 +65,30 @@ int param_code(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat ? 0 : t.scalar_type() == at::kBFloat16 ? 1 : -1;
 }
 
-// The tensor of a Python argument: false when it is neither a tensor nor (if allowed) None.
+// The tensor of a Python argument: false when it is neither a tensor nor (if allowed) None. The
+// type itself is checked (THPVariable_Check also takes objects that only claim the class, e.g.
+// mocks, whose memory is no tensor).
 bool as_tensor(PyObject* obj, bool optional, const at::Tensor** out) {
   if (obj == Py_None) {
     *out = nullptr;
     return optional;
   }
-  if (!THPVariable_Check(obj)) return false;
+  if (!PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(THPVariableClass))) return false;
   *out = &THPVariable_Unpack(obj);
   return true;
 }
 
-// Contiguous, on CUDA device `device`.
+// Contiguous, no lazy negation or conjugation (_checks.check_not_lazy), on CUDA device `device`.
 bool usable_on(const at::Tensor& t, int device) {
-  return t.is_contiguous() && t.is_cuda() && t.get_device() == device;
+  return t.is_contiguous() && !t.is_neg() && !t.is_conj() && t.is_cuda() && t.get_device() == device;
 }
 
 // x: BF16 [S, C] or [1, S, C], contiguous, on a CUDA device, C a positive multiple of 8, within
 // (max_s, max_elements).
 bool check_x(const at::Tensor& x, int64_t max_s, int64_t max_elements, int64_t* S, int64_t* C, int* device) {
-  if (x.scalar_type() != at::kBFloat16 || !x.is_contiguous() || !x.is_cuda()) return false;
+  if (x.scalar_type() != at::kBFloat16 || !x.is_contiguous() || x.is_neg() || x.is_conj() || !x.is_cuda()) {
+    return false;
+  }
   const auto sizes = x.sizes();
   if (sizes.size() == 2) {
     *S = sizes[0], *C = sizes[1];
@@ -93,7 +98,8 @@ bool check_x(const at::Tensor& x, int64_t max_s, int64_t max_elements, int64_t* 
     return false;
   }
   *device = x.get_device();
-  return *C > 0 && *C % 8 == 0 && *S < max_s && *S * *C < max_elements && *device >= 0 && *device < kMaxDevices;
+  return *C > 0 && *C % 8 == 0 && *C < kMaxC && *S < max_s && *S * *C < max_elements && *device >= 0 &&
+         *device < kMaxDevices;
 }
 
 // weight FP32/BF16 [C, 4], bias None or FP32/BF16 [C], cu_seqlens int32 [num_docs + 1], all
@@ -105,7 +111,7 @@ bool check_params(const at::Tensor& weight, const at::Tensor& cu_seqlens, const 
     return false;
   }
   if (cu_seqlens.scalar_type() != at::kInt || cu_seqlens.dim() != 1 || cu_seqlens.size(0) < 1 ||
-      !usable_on(cu_seqlens, device)) {
+      cu_seqlens.size(0) > kMaxCuSeqlens || !usable_on(cu_seqlens, device)) {
     return false;
   }
   *b = 0;
@@ -190,6 +196,10 @@ bool default_workspace(const Module& m, int kind, int device, intptr_t stream, i
   return true;
 }
 
+// A caller's tensor the kernel writes: its version moves, as with an in-place op, so autograd
+// refuses a saved tensor that changed (and an inference tensor outside inference mode raises).
+void bump_version(const at::Tensor& t) { t.unsafeGetTensorImpl()->bump_version(); }
+
 PyObject* launch_failed(const Module& m, const char* fn, int rc) {
   PyErr_Format(PyExc_RuntimeError, "%s: launch failed with CUDA error %d: %s", fn, rc, m.message());
   return nullptr;
@@ -202,11 +212,16 @@ PyObject* register_module(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "register_module takes 7 arguments");
     return nullptr;
   }
-  long v[7];
-  for (int i = 0; i < 3; ++i) v[i] = PyLong_AsLong(args[i]);
+  long v[3];
+  for (int i = 0; i < 3; ++i) {
+    v[i] = PyLong_AsLong(args[i]);
+    if (PyErr_Occurred()) return nullptr;
+  }
   void* p[4];
-  for (int i = 0; i < 4; ++i) p[i] = PyLong_AsVoidPtr(args[3 + i]);
-  if (PyErr_Occurred()) return nullptr;
+  for (int i = 0; i < 4; ++i) {
+    p[i] = PyLong_AsVoidPtr(args[3 + i]);
+    if (PyErr_Occurred()) return nullptr;
+  }
   if (v[0] < 0 || v[0] >= kMaxDevices || v[1] < 0 || v[1] > 1 || v[2] < 0 || v[2] > 2 || !p[0] || !p[1] || !p[2] ||
       !p[3]) {
     PyErr_SetString(PyExc_ValueError, "register_module: device, dtype code or entry address out of range");
@@ -230,10 +245,12 @@ PyObject* backward_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "backward_plan takes 2 arguments");
     return nullptr;
   }
-  const long long S = PyLong_AsLongLong(args[0]), C = PyLong_AsLongLong(args[1]);
+  const long long S = PyLong_AsLongLong(args[0]);
   if (PyErr_Occurred()) return nullptr;
-  if (S < 0 || C <= 0) {
-    PyErr_SetString(PyExc_ValueError, "backward_plan: S must be >= 0 and C > 0");
+  const long long C = PyLong_AsLongLong(args[1]);
+  if (PyErr_Occurred()) return nullptr;
+  if (S < 0 || S >= kBwdMaxS || C <= 0 || C >= kMaxC || S * C >= kBwdMaxElements) {
+    PyErr_Format(PyExc_ValueError, "backward_plan: (S, C) = (%lld, %lld) is outside the backward's range", S, C);
     return nullptr;
   }
   return Py_BuildValue("(LL)", static_cast<long long>(bwd_item_tokens(S, C)),
@@ -266,7 +283,11 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const Module& m = g_modules[device][w][b];
   if (!m.fwd) Py_RETURN_NONE;
   if (S == 0) return out ? Py_NewRef(args[4]) : THPVariable_Wrap(at::empty(x->sizes(), x->options()));
-  if ((address(x) | address(out)) & 15 || overlaps(out, x)) Py_RETURN_NONE;
+  // out is written while x, the parameters and cu_seqlens are read; the workspace stays as it is.
+  if ((address(x) | address(out)) & 15 || overlaps(out, x) || overlaps(out, weight) || overlaps(out, bias) ||
+      overlaps(out, cu_seqlens) || overlaps(out, workspace)) {
+    Py_RETURN_NONE;
+  }
 
   at::Tensor weight_copy, bias_copy, y, ws;
   const intptr_t w_ptr = aligned_param(weight, &weight_copy);
@@ -278,6 +299,7 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !default_workspace(m, 0, device, stream, kFwdWorkspaceInts, x->options().dtype(at::kInt), kFwd, &ws)) {
     return nullptr;
   }
+  if (out) bump_version(*out);  // as an in-place op does: autograd sees the write
   // x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream
   const int64_t packed[11] = {address(x), out ? address(out) : address(&y), w_ptr, b_ptr, address(cu_seqlens),
                               workspace ? address(workspace) : address(&ws), S, C, cu_seqlens->size(0) - 1,
@@ -351,6 +373,9 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const at::Tensor& dweight_t = dweight ? *dweight : dweight_own;
   const at::Tensor* dbias_t = bias ? (dbias ? dbias : &dbias_own) : nullptr;
   const at::Tensor& ws_t = workspace ? *workspace : ws;
+  for (const at::Tensor* t : {dx, dweight, dbias, workspace}) {  // as in-place ops do: autograd sees the writes
+    if (t) bump_version(*t);
+  }
   // x, dy, dx, weight, bias, cu_seqlens, workspace, workspace_bytes, dweight, dbias, S, C,
   // num_docs, item_tokens, round_preact, device, stream
   const int64_t packed[17] = {address(x), address(dy), address(&dx_t), w_ptr, b_ptr, address(cu_seqlens),
@@ -359,11 +384,16 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const int rc = m.bwd(packed);
   if (rc) return launch_failed(m, kBwd, rc);
   // The given outputs are returned as the same Python objects.
-  PyObject* result = PyTuple_New(bias ? 3 : 2);
-  if (!result) return nullptr;
-  PyTuple_SET_ITEM(result, 0, dx ? Py_NewRef(args[7]) : THPVariable_Wrap(std::move(dx_own)));
-  PyTuple_SET_ITEM(result, 1, dweight ? Py_NewRef(args[8]) : THPVariable_Wrap(std::move(dweight_own)));
-  if (bias) PyTuple_SET_ITEM(result, 2, dbias ? Py_NewRef(args[9]) : THPVariable_Wrap(std::move(dbias_own)));
+  PyObject* items[3] = {dx ? Py_NewRef(args[7]) : THPVariable_Wrap(std::move(dx_own)),
+                        dweight ? Py_NewRef(args[8]) : THPVariable_Wrap(std::move(dweight_own)),
+                        !bias ? nullptr : dbias ? Py_NewRef(args[9]) : THPVariable_Wrap(std::move(dbias_own))};
+  const int n = bias ? 3 : 2;
+  PyObject* result = items[0] && items[1] && (n == 2 || items[2]) ? PyTuple_New(n) : nullptr;
+  if (!result) {
+    for (PyObject* item : items) Py_XDECREF(item);
+    return nullptr;
+  }
+  for (int i = 0; i < n; ++i) PyTuple_SET_ITEM(result, i, items[i]);
   return result;
   END_HANDLE_TH_ERRORS
 }

@@ -857,6 +857,18 @@ def test_bad_gpu_input_rejected_and_nothing_written(argname, mutate):
         assert same_bits(t, before[name]), f"a rejected call wrote {name}"
 
 
+def test_writes_bump_the_version_of_given_outputs():
+    """dx=, dweight=, dbias= and workspace= are written as by in-place ops: their versions move."""
+    S, C = 1000, 264
+    x, w, b, dy = make_inputs(S, C, seed=9)
+    cu = make_cu(S, split(S, 9, random.Random(9)))
+    outs = poisoned_grads(x, w, b)
+    ws = new_workspace(S, C, device())
+    before = [t._version for t in (*outs, ws)]
+    backward(x, w, cu, dy, b, workspace=ws, dx=outs[0], dweight=outs[1], dbias=outs[2])
+    assert all(t._version > v for t, v in zip((*outs, ws), before))
+
+
 @pytest.mark.parametrize("argname", ["weight", "bias"])
 def test_misaligned_parameter_is_copied_and_correct(argname):
     """A misaligned weight / bias view (a slice of a larger parameter) works; dweight / dbias

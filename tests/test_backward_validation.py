@@ -92,6 +92,7 @@ BAD_INPUTS = [
          x=lambda: torch.randn(S, 12).to(BF16), weight=lambda: torch.randn(12, 4),
          dy=lambda: torch.randn(S, 12).to(BF16), bias=lambda: torch.randn(12)),
     case("x-noncontig", ValueError, "x", x=lambda: torch.randn(C, S).to(BF16).t()),
+    case("x-neg-view", ValueError, "x", x=lambda: torch._neg_view(torch.randn(S, C).to(BF16))),
     case("x-list", TypeError, "x", x=lambda: torch.randn(S, C).tolist()),
     case("x-none", TypeError, "x", x=lambda: None),
     # weight
@@ -106,6 +107,7 @@ BAD_INPUTS = [
     case("bias-fp16", ValueError, "bias", bias=lambda: torch.randn(C).half()),
     case("bias-2d", ValueError, "bias", bias=lambda: torch.randn(1, C)),
     case("bias-noncontig", ValueError, "bias", bias=lambda: torch.randn(2 * C)[::2]),
+    case("bias-neg-view", ValueError, "bias", bias=lambda: torch._neg_view(torch.randn(C))),
     case("bias-float", TypeError, "bias", bias=lambda: 0.5),
     # cu_seqlens
     case("cu-int64", ValueError, "cu_seqlens", cu_seqlens=lambda: torch.tensor([0, 5, S])),
@@ -115,6 +117,7 @@ BAD_INPUTS = [
          cu_seqlens=lambda: torch.tensor([0, 9, 5, 9, S, 9], dtype=I32)[::2]),
     case("cu-list", TypeError, "cu_seqlens", cu_seqlens=lambda: [0, 5, S]),
     # dy
+    case("dy-neg-view", ValueError, "dy", dy=lambda: torch._neg_view(torch.randn(S, C).to(BF16))),
     case("dy-fp32", ValueError, "dy", dy=lambda: torch.randn(S, C)),
     case("dy-fp16", ValueError, "dy", dy=lambda: torch.randn(S, C).half()),
     case("dy-more-rows", ValueError, "dy", dy=lambda: torch.randn(S + 1, C).to(BF16)),
@@ -260,6 +263,8 @@ def test_workspace_bytes_properties():
     for c in SIZES_C:
         assert workspace_bytes(0, c, device) == 0
         for s in SIZES_S:
+            if s * c >= 2**34:  # past the backward's range (test_workspace_functions_reject_bad_sizes)
+                continue
             n = workspace_bytes(s, c, device)
             assert isinstance(n, int) and not isinstance(n, bool), (s, c, n)
             assert n % 4 == 0, (s, c, n)
@@ -280,6 +285,8 @@ def test_workspace_bytes_is_monotone_in_S():
     for c in SIZES_C:
         previous = 0
         for s in SIZES_S:
+            if s * c >= 2**34:
+                continue
             n = workspace_bytes(s, c, device)
             assert n >= previous, f"workspace bytes shrank from {previous} to {n} at S={s}, C={c}"
             previous = n
@@ -310,6 +317,10 @@ def test_workspace_tensor_matches_bytes(s, c):
         pytest.param(16, 0, "C", id="C-0"),
         pytest.param(16, -8, "C", id="C-negative"),
         pytest.param(16, 32.0, "C", id="C-float"),
+        pytest.param(16, 2**28, "C", id="C-2^28"),
+        pytest.param(2**30, 8, "S", id="S-2^30"),
+        pytest.param(2**26, 256, "S", id="SC-2^34"),
+        pytest.param(2**63 - 1, 8, "S", id="S-huge"),
     ],
 )
 def test_workspace_functions_reject_bad_sizes(s, c, argname):

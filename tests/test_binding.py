@@ -7,6 +7,7 @@ declines what it cannot launch (so the Python checks raise), the backward's grou
 from __future__ import annotations
 
 import shutil
+from unittest import mock
 
 import pytest
 import torch
@@ -35,6 +36,9 @@ def test_declines_cpu_tensors_and_non_tensors(loaded):
     assert loaded.backward(x, w, cu, x, None, "fp16", None, None, None, None) is None
     meta = torch.empty(16, 32, dtype=torch.bfloat16, device="meta")
     assert loaded.forward(meta, w, cu, None, None, None) is None
+    fake = mock.Mock(spec=torch.Tensor)  # claims the class, is no tensor: declined, not read
+    assert loaded.forward(fake, w, cu, None, None, None) is None
+    assert loaded.backward(x, w, cu, fake, None, "bf16", None, None, None, None) is None
 
 
 def test_wrong_argument_count_is_a_type_error(loaded):
@@ -67,6 +71,8 @@ def plan_rule(S: int, C: int) -> tuple[int, int]:
 def test_backward_plan(loaded, C):
     previous = 0
     for S in [0, 1, 63, 64, 65, 127, 128, 129, 1000, 1024, 4096, 16383, 16384, 131072, 2**29 + 5, 2**30 - 1]:
+        if S * C >= 2**34:  # past the backward's range (below)
+            continue
         item_tokens, ws_bytes = loaded.backward_plan(S, C)
         assert (item_tokens, ws_bytes) == plan_rule(S, C), (S, C)
         assert item_tokens % 64 == 0 and 64 <= item_tokens <= 1024, (S, C, item_tokens)
@@ -74,8 +80,9 @@ def test_backward_plan(loaded, C):
             assert ws_bytes >= -(-S // item_tokens) * 5 * C * 4, (S, C)  # a partial row set per group
         assert ws_bytes >= previous, (S, C)  # a workspace for the largest S serves every smaller one
         previous = ws_bytes
-    with pytest.raises(ValueError):
-        loaded.backward_plan(-1, C)
+    for S, C_bad in ((-1, C), (2**30, C), (2**63 - 1, C), (1, 2**28), (-(-2**34 // C), C)):
+        with pytest.raises(ValueError, match="outside the backward's range"):
+            loaded.backward_plan(S, C_bad)
 
 
 def test_name_tracks_torch_python_and_source(monkeypatch, tmp_path):

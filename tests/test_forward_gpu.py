@@ -396,8 +396,19 @@ def _out_overlaps_x(a):
     a["x"], a["out"] = buf[:S], buf[S // 2 : S // 2 + S]
 
 
+def _out_overlaps(other):
+    """out's first bytes reused as `other` (weight or cu_seqlens): the kernel would write what it reads."""
+    def mutate(a):
+        t = a[other]
+        a[other] = a["out"].view(-1).view(t.dtype)[: t.numel()].view(t.shape).copy_(t)
+
+    return mutate
+
+
 BAD_GPU_CASES = [
     pytest.param("x", _cpu("x"), id="x-cpu"),
+    pytest.param("out", _out_overlaps("weight"), id="out-overlaps-weight"),
+    pytest.param("out", _out_overlaps("cu_seqlens"), id="out-overlaps-cu_seqlens"),
     pytest.param("cu_seqlens", _cpu("cu_seqlens"), id="cu-cpu"),
     pytest.param("weight", _cpu("weight"), id="weight-cpu"),
     pytest.param("bias", _cpu("bias"), id="bias-cpu"),
@@ -431,6 +442,18 @@ def test_bad_gpu_input_rejected_and_nothing_written(argname, mutate):
     assert same_bits(args["out"], out_before), "a rejected call wrote out"
     assert same_bits(args["x"], x_before), "a rejected call wrote x"
     assert torch.equal(args["workspace"], ws_before), "a rejected call wrote the workspace"
+
+
+def test_writes_bump_the_version_of_given_outputs():
+    """out= is written as by an in-place op: its version moves, so autograd refuses a saved
+    tensor the call overwrote."""
+    S, C = 1000, 264
+    x, w, b = make_inputs(S, C, seed=8)
+    cu = make_cu(S, split(S, 9, random.Random(8)))
+    out = poisoned(x.shape)
+    before = out._version
+    fwd(x, w, cu, bias=b, out=out)
+    assert out._version > before
 
 
 def _misaligned(t):

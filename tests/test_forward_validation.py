@@ -63,6 +63,9 @@ BAD_INPUTS = [
     case("x-noncontig", ValueError, "x", x=lambda: torch.randn(C, S).to(BF16).t()),
     case("x-noncontig-3d", ValueError, "x",
          x=lambda: torch.randn(1, C, S).to(BF16).transpose(1, 2)),
+    case("x-neg-view", ValueError, "x", x=lambda: torch._neg_view(torch.randn(S, C).to(BF16))),
+    case("x-C-2^28", ValueError, "x", x=lambda: torch.empty(1, 2**28, dtype=BF16, device="meta"),
+         weight=lambda: torch.empty(2**28, 4, device="meta")),
     case("x-list", TypeError, "x", x=lambda: torch.randn(S, C).tolist()),
     case("x-none", TypeError, "x", x=lambda: None),
     # weight
@@ -74,6 +77,7 @@ BAD_INPUTS = [
     case("weight-transposed", ValueError, "weight", weight=lambda: torch.randn(4, C).t()),
     case("weight-1d", ValueError, "weight", weight=lambda: torch.randn(4 * C)),
     case("weight-3d", ValueError, "weight", weight=lambda: torch.randn(C, 4, 1)),
+    case("weight-neg-view", ValueError, "weight", weight=lambda: torch._neg_view(torch.randn(C, 4))),
     case("weight-list", TypeError, "weight", weight=lambda: torch.randn(C, 4).tolist()),
     # bias
     case("bias-wrong-len", ValueError, "bias", bias=lambda: torch.randn(C + 8)),
@@ -93,6 +97,8 @@ BAD_INPUTS = [
          cu_seqlens=lambda: torch.empty(0, dtype=I32)),
     case("cu-noncontig", ValueError, "cu_seqlens",
          cu_seqlens=lambda: torch.tensor([0, 9, 5, 9, S, 9], dtype=I32)[::2]),
+    case("cu-2^31-entries", ValueError, "cu_seqlens",
+         cu_seqlens=lambda: torch.empty(2**31, dtype=I32, device="meta")),
     case("cu-list", TypeError, "cu_seqlens", cu_seqlens=lambda: [0, 5, S]),
     # out
     case("out-fp32", ValueError, "out", out=lambda: torch.empty(S, C)),
@@ -101,6 +107,7 @@ BAD_INPUTS = [
     case("out-more-cols", ValueError, "out", out=lambda: torch.empty(S, C + 8, dtype=BF16)),
     case("out-3d-for-2d-x", ValueError, "out", out=lambda: torch.empty(1, S, C, dtype=BF16)),
     case("out-noncontig", ValueError, "out", out=lambda: torch.empty(C, S, dtype=BF16).t()),
+    case("out-neg-view", ValueError, "out", out=lambda: torch._neg_view(torch.empty(S, C, dtype=BF16))),
     case("out-list", TypeError, "out", out=lambda: [[0.0] * C] * S),
     # workspace
     case("ws-int64", ValueError, "workspace",
@@ -147,6 +154,8 @@ def test_workspace_bytes_is_positive_and_monotone_in_S():
     for c in (8, 32, 1000, 4096, 16384):
         previous = 0
         for s in (0, 1, 2, 7, 64, 1000, 4097, 65536, 1 << 20, 1 << 24):
+            if s * c >= 2**35:  # past the forward's range (test_workspace_bytes_rejects_bad_sizes)
+                continue
             n = cake_causal_conv1d_train_forward_workspace_bytes(s, c, device)
             assert isinstance(n, int) and not isinstance(n, bool), (s, c, n)
             assert n >= previous, f"workspace bytes shrank from {previous} to {n} at S={s}, C={c}"
@@ -162,6 +171,9 @@ def test_workspace_bytes_is_positive_and_monotone_in_S():
         pytest.param(16, 12, "C", id="C-not-mult-8"),
         pytest.param(16, 4, "C", id="C-4"),
         pytest.param(16, -8, "C", id="C-negative"),
+        pytest.param(16, 2**28, "C", id="C-2^28"),
+        pytest.param(2**31, 8, "S", id="S-2^31"),
+        pytest.param(2**27, 256, "S", id="SC-2^35"),
     ],
 )
 def test_workspace_bytes_rejects_bad_sizes(s, c, argname):
