@@ -24,6 +24,7 @@ __all__ = [
 
 _FWD = "cake_causal_conv1d_train_forward"
 _BWD = "cake_causal_conv1d_train_backward"
+_AUTOGRAD = "cake_causal_conv1d"
 # Token-chunk counters for forward routes with a persistent grid (kFwdWorkspaceCounters in the
 # template): two int32, zero before and after every launch (no route of today writes them).
 _FWD_WORKSPACE_COUNTERS = 2
@@ -176,6 +177,16 @@ def _forward_declined(x, weight, cu_seqlens, bias, out, workspace) -> torch.Tens
     """The binding declined the call (it applies these rules without the messages): raise the
     error these checks find, else register the variant's module (its first call on the device)
     and call again."""
+    device = _check_forward_args(x, weight, cu_seqlens, bias, out, workspace)
+    _register(device, weight, bias)
+    y = jit.load_binding().forward(x, weight, cu_seqlens, bias, out, workspace)
+    if y is None:
+        raise _declined(_FWD)
+    return y
+
+
+def _check_forward_args(x, weight, cu_seqlens, bias, out, workspace) -> int:
+    """Raises the error of the first forward rule the arguments break; returns x's device index."""
     _checks.check_types(_FWD, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens)),
                         (("bias", bias), ("out", out), ("workspace", workspace)))
     S, C = _checks.check_x(_FWD, x)
@@ -196,11 +207,7 @@ def _forward_declined(x, weight, cu_seqlens, bias, out, workspace) -> torch.Tens
         if (x_ptr | out_ptr) & 15:  # 16-byte vector loads and stores
             name, ptr = ("x", x_ptr) if x_ptr & 15 else ("out", out_ptr)
             raise ValueError(f"{_FWD}: {name} must start at a 16-byte aligned address, got {ptr:#x}")
-    _register(device, weight, bias)
-    y = jit.load_binding().forward(x, weight, cu_seqlens, bias, out, workspace)
-    if y is None:
-        raise _declined(_FWD)
-    return y
+    return device
 
 
 def cake_causal_conv1d_train_backward(
@@ -353,8 +360,11 @@ def _backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation):
 
 
 class CakeCausalConv1dFunction(torch.autograd.Function):
-    """Autograd of :func:`cake_causal_conv1d`: saves x, weight, bias and cu_seqlens only (the
-    backward recomputes the pre-activation); gradients come back in the inputs' dtypes."""
+    """Autograd of :func:`cake_causal_conv1d` under torch.compile: saves x, weight, bias and
+    cu_seqlens only (the backward recomputes the pre-activation); gradients come back in the
+    inputs' dtypes. Eager calls of :func:`cake_causal_conv1d` use the torch binding's C++ node,
+    which does the same for less host time; ``CakeCausalConv1dFunction.apply(x, weight,
+    cu_seqlens, bias, silu_grad_preactivation)`` works eagerly too, with identical results."""
 
     @staticmethod
     def forward(ctx, x, weight, cu_seqlens, bias, silu_grad_preactivation):
@@ -392,9 +402,11 @@ def cake_causal_conv1d(
     runs :func:`cake_causal_conv1d_train_backward` (x, weight and bias get gradients in their own
     dtypes; cu_seqlens none). Only x, weight, bias and cu_seqlens are saved for the backward; an
     incoming gradient that is not BF16, contiguous and 16-byte aligned is copied once into one
-    that is. Under ``torch.compile`` the kernels are the custom ops
+    that is; the backward is not itself differentiable (``create_graph=True`` gives gradients
+    whose own backward raises). Eager calls record a C++ autograd node of the torch binding;
+    under ``torch.compile`` the call is :class:`CakeCausalConv1dFunction` over the custom ops
     ``torch.ops.flashinfer_cake.causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (no graph break,
-    ``fullgraph=True`` works); eager calls launch them directly.
+    ``fullgraph=True`` works). Both give bitwise the same results.
 
     Args:
         x, weight, cu_seqlens, bias: as in :func:`cake_causal_conv1d_train_forward`.
@@ -408,9 +420,30 @@ def cake_causal_conv1d(
         As the forward; and a ValueError up front when x is outside the backward's range
         (S < 2^30, S * C < 2^34).
     """
-    _check_policy("cake_causal_conv1d", silu_grad_preactivation)
-    if isinstance(x, torch.Tensor) and x.dim() in (2, 3):  # fail before the forward, not in the backward
+    if torch.compiler.is_compiling():
+        _check_autograd_args(x, silu_grad_preactivation)
+        return CakeCausalConv1dFunction.apply(x, weight, cu_seqlens, bias, silu_grad_preactivation)
+    # Eager: the binding's C++ autograd node (a Python autograd.Function costs ~13 us more per call).
+    y = jit.load_binding().autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation)
+    return _autograd_declined(x, weight, cu_seqlens, bias, silu_grad_preactivation) if y is None else y
+
+
+def _check_autograd_args(x, silu_grad_preactivation) -> None:
+    """cake_causal_conv1d's own rules: the policy, and x within the backward's range (an error now,
+    not in the backward)."""
+    _check_policy(_AUTOGRAD, silu_grad_preactivation)
+    if isinstance(x, torch.Tensor) and x.dim() in (2, 3):
         S, C = x.shape[-2], x.shape[-1]
         if S >= _checks.MAX_S["backward"] or S * C >= _checks.MAX_ELEMENTS["backward"]:
-            _checks.check_x("cake_causal_conv1d", x, "backward")
-    return CakeCausalConv1dFunction.apply(x, weight, cu_seqlens, bias, silu_grad_preactivation)
+            _checks.check_x(_AUTOGRAD, x, "backward")
+
+
+def _autograd_declined(x, weight, cu_seqlens, bias, silu_grad_preactivation) -> torch.Tensor:
+    """As _forward_declined, for cake_causal_conv1d's eager call."""
+    _check_autograd_args(x, silu_grad_preactivation)
+    device = _check_forward_args(x, weight, cu_seqlens, bias, None, None)
+    _register(device, weight, bias)
+    y = jit.load_binding().autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation)
+    if y is None:
+        raise _declined(_AUTOGRAD)
+    return y

@@ -3,7 +3,8 @@
 // Why it exists: a call must cost at most 10 µs of host time, and reading ~30 tensor properties
 // through Python plus a ctypes launch costs more than that. Here the metadata is read natively.
 //
-// forward() and backward() take the public function's arguments as they came from the user,
+// forward(), backward() and autograd_forward() (cake_causal_conv1d's eager call, recording a C++
+// autograd node) take the public function's arguments as they came from the user,
 // apply every rule flashinfer_cake/_checks.py documents, allocate outputs and default workspaces
 // with torch's caching allocator and call the C entry of the kernel module of the call's (device,
 // weight dtype, bias dtype), which Python registers with register_module(). They return None,
@@ -13,10 +14,13 @@
 // raises RuntimeError with the CUDA message.
 //
 // Built once per torch build by flashinfer_cake.jit.binding (CPython API + ATen, no pybind11).
-// Every function runs under the GIL, which also guards this file's tables.
+// Every function runs under the GIL, which also guards this file's tables; the autograd node's
+// backward, which the engine runs on its own thread, takes it.
 
 #include <Python.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -25,6 +29,9 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
 #include <tuple>
 
 namespace {
@@ -154,27 +161,29 @@ intptr_t aligned_param(const at::Tensor* t, at::Tensor* copy) {
   return reinterpret_cast<intptr_t>(copy->data_ptr());
 }
 
-// The current stream of `device` (torch's, the one the caller's work is ordered on).
-bool current_stream(int device, intptr_t* stream) {
-  if (!g_current_stream || g_current_stream == Py_None) {
-    PyErr_SetString(PyExc_RuntimeError, "flashinfer_cake: this torch build has no CUDA streams");
-    return false;
-  }
-  PyObject* index = PyLong_FromLong(device);
-  if (!index) return false;
-  PyObject* handle = PyObject_Vectorcall(g_current_stream, &index, 1, nullptr);
-  Py_DECREF(index);
-  if (!handle) return false;
-  *stream = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(handle));
-  Py_DECREF(handle);
-  return !PyErr_Occurred();
+// Errors are thrown: std::runtime_error for a failed launch or CUDA query, python_error for the
+// stream getter's own exception. HANDLE_TH_ERRORS turns them into the Python exception; from the
+// autograd node's backward the engine hands them to the thread that called backward().
+[[noreturn]] void rethrow_python_error() {
+  python_error e;
+  e.persist();
+  throw std::move(e);
 }
 
-// Whether `stream` captures a CUDA graph; -1 with a Python error set when the query failed.
-int capturing(const Module& m, intptr_t stream, const char* fn) {
-  const int status = m.capturing(reinterpret_cast<const void*>(stream));
-  if (status < 0) PyErr_Format(PyExc_RuntimeError, "%s: cudaStreamIsCapturing failed: %s", fn, m.message());
-  return status;
+// The current stream of `device` (torch's, the one the caller's work is ordered on).
+intptr_t current_stream(int device) {
+  if (!g_current_stream || g_current_stream == Py_None) {
+    throw std::runtime_error("flashinfer_cake: this torch build has no CUDA streams");
+  }
+  PyObject* index = PyLong_FromLong(device);
+  if (!index) rethrow_python_error();
+  PyObject* handle = PyObject_Vectorcall(g_current_stream, &index, 1, nullptr);
+  Py_DECREF(index);
+  if (!handle) rethrow_python_error();
+  const intptr_t stream = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(handle));
+  Py_DECREF(handle);
+  if (PyErr_Occurred()) rethrow_python_error();
+  return stream;
 }
 
 // The workspace of a call without one: kept per (kind, device, stream), replaced by a larger one
@@ -182,27 +191,25 @@ int capturing(const Module& m, intptr_t stream, const char* fn) {
 // graph replays with it: never shared with eager calls or other graphs). A replaced buffer may
 // still be in use by the stream's queued work: the caching allocator hands its memory out again
 // only in the stream's order.
-bool default_workspace(const Module& m, int kind, int device, intptr_t stream, int64_t elements,
-                       const at::TensorOptions& options, const char* fn, at::Tensor* ws) {
-  const int status = capturing(m, stream, fn);
-  if (status < 0) return false;
-  if (status) {  // zero, as every launch leaves a workspace
-    *ws = at::zeros({elements}, options);
-    return true;
-  }
+at::Tensor default_workspace(const Module& m, int kind, int device, intptr_t stream, int64_t elements,
+                             const at::TensorOptions& options, const char* fn) {
+  const int status = m.capturing(reinterpret_cast<const void*>(stream));
+  if (status < 0) throw std::runtime_error(std::string(fn) + ": cudaStreamIsCapturing failed: " + m.message());
+  if (status) return at::zeros({elements}, options);  // zero, as every launch leaves a workspace
   at::Tensor& kept = (*g_workspaces)[{kind, device, stream}];
   if (!kept.defined() || kept.numel() < elements) kept = at::zeros({elements}, options);
-  *ws = kept;
-  return true;
+  return kept;
 }
 
 // A caller's tensor the kernel writes: its version moves, as with an in-place op, so autograd
 // refuses a saved tensor that changed (and an inference tensor outside inference mode raises).
 void bump_version(const at::Tensor& t) { t.unsafeGetTensorImpl()->bump_version(); }
 
-PyObject* launch_failed(const Module& m, const char* fn, int rc) {
-  PyErr_Format(PyExc_RuntimeError, "%s: launch failed with CUDA error %d: %s", fn, rc, m.message());
-  return nullptr;
+void check_launch(const Module& m, const char* fn, int rc) {
+  if (rc) {
+    throw std::runtime_error(std::string(fn) + ": launch failed with CUDA error " + std::to_string(rc) + ": " +
+                             m.message());
+  }
 }
 
 // register_module(device, weight code, bias code, fwd, bwd, capturing, message): the addresses of
@@ -260,6 +267,135 @@ PyObject* backward_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 constexpr const char* kFwd = "cake_causal_conv1d_train_forward";
 constexpr const char* kBwd = "cake_causal_conv1d_train_backward";
 
+// A forward call: its tensors (null = None), then what check_forward() derives.
+struct ForwardCall {
+  const at::Tensor *x, *weight, *cu_seqlens, *bias, *out, *workspace;
+  int64_t S = 0, C = 0;
+  int device = 0;
+  const Module* m = nullptr;
+};
+
+// Applies the forward's rules with S < max_s and S * C < max_elements; false = declined.
+bool check_forward(ForwardCall* c, int64_t max_s, int64_t max_elements) {
+  int w, b;
+  if (!check_x(*c->x, max_s, max_elements, &c->S, &c->C, &c->device) ||
+      !check_params(*c->weight, *c->cu_seqlens, c->bias, c->C, c->device, &w, &b) ||
+      (c->out && !check_like(*c->out, *c->x, c->device)) ||
+      (c->workspace && !check_workspace(*c->workspace, at::kInt, 4 * kFwdWorkspaceInts, c->device))) {
+    return false;
+  }
+  c->m = &g_modules[c->device][w][b];
+  if (!c->m->fwd) return false;
+  if (c->S == 0) return true;  // nothing is read or written
+  // out is written while x, the parameters and cu_seqlens are read; the workspace stays as it is.
+  const at::Tensor *x = c->x, *out = c->out;
+  return !((address(x) | address(out)) & 15 || overlaps(out, x) || overlaps(out, c->weight) ||
+           overlaps(out, c->bias) || overlaps(out, c->cu_seqlens) || overlaps(out, c->workspace));
+}
+
+// Runs a checked forward; returns y (*out when given).
+at::Tensor run_forward(const ForwardCall& c) {
+  if (c.S == 0) return c.out ? *c.out : at::empty(c.x->sizes(), c.x->options());
+  at::Tensor weight_copy, bias_copy, y, ws;
+  const intptr_t w_ptr = aligned_param(c.weight, &weight_copy);
+  const intptr_t b_ptr = aligned_param(c.bias, &bias_copy);
+  if (c.out) {
+    y = *c.out;
+    bump_version(y);  // as an in-place op does: autograd sees the write
+  } else {
+    y = at::empty(c.x->sizes(), c.x->options());  // the allocator's blocks are 512-byte aligned
+  }
+  const intptr_t stream = current_stream(c.device);
+  if (!c.workspace) {
+    ws = default_workspace(*c.m, 0, c.device, stream, kFwdWorkspaceInts, c.x->options().dtype(at::kInt), kFwd);
+  }
+  // x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream
+  const int64_t packed[11] = {address(c.x), address(&y), w_ptr, b_ptr, address(c.cu_seqlens),
+                              address(c.workspace ? c.workspace : &ws), c.S, c.C, c.cu_seqlens->size(0) - 1,
+                              c.device, stream};
+  check_launch(*c.m, kFwd, c.m->fwd(packed));
+  return y;
+}
+
+// A backward call: its tensors (null = None) and SiLU' policy, then what check_backward() derives.
+struct BackwardCall {
+  const at::Tensor *x, *weight, *cu_seqlens, *dy, *bias, *workspace, *dx, *dweight, *dbias;
+  int round_preact;
+  int64_t S = 0, C = 0, need = 0;
+  int device = 0;
+  const Module* m = nullptr;
+};
+
+// Applies the backward's rules; false = declined.
+bool check_backward(BackwardCall* c) {
+  int w, b;
+  if (!check_x(*c->x, kBwdMaxS, kBwdMaxElements, &c->S, &c->C, &c->device) ||
+      !check_params(*c->weight, *c->cu_seqlens, c->bias, c->C, c->device, &w, &b) ||
+      !check_like(*c->dy, *c->x, c->device) || (c->dx && !check_like(*c->dx, *c->x, c->device)) ||
+      (c->dweight && !check_like(*c->dweight, *c->weight, c->device)) ||
+      (c->dbias && (!c->bias || !check_like(*c->dbias, *c->bias, c->device)))) {
+    return false;
+  }
+  c->need = bwd_workspace_bytes(c->S, c->C);
+  if (c->workspace && !check_workspace(*c->workspace, at::kFloat, c->need, c->device)) return false;
+  c->m = &g_modules[c->device][w][b];
+  if (!c->m->bwd) return false;
+  if (c->S && (address(c->x) | address(c->dy) | address(c->dx)) & 15) return false;
+  // What the kernel writes (dx, the workspace, dweight, dbias) overlaps nothing else: it reads
+  // x, dy, weight, bias and cu_seqlens while writing dx and the partial rows, and reads the
+  // partial rows while writing dweight and dbias.
+  const at::Tensor* const spans[] = {c->x,        c->dy,        c->weight, c->bias,   c->cu_seqlens,
+                                     c->workspace, c->dx,       c->dweight, c->dbias};
+  constexpr int kFirstWritten = 5;
+  for (int i = kFirstWritten; i < 9; ++i) {
+    for (int j = 0; j < i; ++j) {
+      if (overlaps(spans[i], spans[j])) return false;
+    }
+  }
+  return true;
+}
+
+// The backward's results: dx, dweight, dbias (undefined without bias).
+struct Grads {
+  at::Tensor dx, dweight, dbias;
+};
+
+// Runs a checked backward; given outputs are written and returned.
+Grads run_backward(const BackwardCall& c) {
+  at::Tensor weight_copy, bias_copy, ws;
+  const intptr_t w_ptr = aligned_param(c.weight, &weight_copy);
+  const intptr_t b_ptr = aligned_param(c.bias, &bias_copy);
+  Grads g;
+  g.dx = c.dx ? *c.dx : at::empty(c.x->sizes(), c.x->options());
+  g.dweight = c.dweight ? *c.dweight : at::empty(c.weight->sizes(), c.weight->options());
+  if (c.bias) g.dbias = c.dbias ? *c.dbias : at::empty(c.bias->sizes(), c.bias->options());
+  const intptr_t stream = current_stream(c.device);
+  if (!c.workspace) {
+    ws = default_workspace(*c.m, 1, c.device, stream, flashinfer_cake::ceil_div(c.need, 4),
+                           c.x->options().dtype(at::kFloat), kBwd);
+  }
+  for (const at::Tensor* t : {c.dx, c.dweight, c.dbias, c.workspace}) {  // as in-place ops do: autograd sees the writes
+    if (t) bump_version(*t);
+  }
+  const at::Tensor* workspace = c.workspace ? c.workspace : &ws;
+  // x, dy, dx, weight, bias, cu_seqlens, workspace, workspace_bytes, dweight, dbias, S, C,
+  // num_docs, item_tokens, round_preact, device, stream
+  const int64_t packed[17] = {address(c.x), address(c.dy), address(&g.dx), w_ptr, b_ptr, address(c.cu_seqlens),
+                              address(workspace), nbytes(workspace), address(&g.dweight),
+                              c.bias ? address(&g.dbias) : 0, c.S, c.C, c.cu_seqlens->size(0) - 1,
+                              bwd_item_tokens(c.S, c.C), c.round_preact, c.device, stream};
+  check_launch(*c.m, kBwd, c.m->bwd(packed));
+  return g;
+}
+
+// silu_grad_preactivation -> the kernel's round_preact flag (1 "bf16", 0 "fp32"); -1 otherwise.
+int round_preact_of(PyObject* policy) {
+  if (!PyUnicode_Check(policy)) return -1;
+  if (PyUnicode_CompareWithASCIIString(policy, "bf16") == 0) return 1;
+  if (PyUnicode_CompareWithASCIIString(policy, "fp32") == 0) return 0;
+  return -1;
+}
+
 // forward(x, weight, cu_seqlens, bias, out, workspace) -> y, or None when declined.
 PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
@@ -267,46 +403,15 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "forward takes 6 arguments");
     return nullptr;
   }
-  const at::Tensor *x, *weight, *cu_seqlens, *bias, *out, *workspace;
-  if (!as_tensor(args[0], false, &x) || !as_tensor(args[1], false, &weight) ||
-      !as_tensor(args[2], false, &cu_seqlens) || !as_tensor(args[3], true, &bias) ||
-      !as_tensor(args[4], true, &out) || !as_tensor(args[5], true, &workspace)) {
+  ForwardCall c{};
+  if (!as_tensor(args[0], false, &c.x) || !as_tensor(args[1], false, &c.weight) ||
+      !as_tensor(args[2], false, &c.cu_seqlens) || !as_tensor(args[3], true, &c.bias) ||
+      !as_tensor(args[4], true, &c.out) || !as_tensor(args[5], true, &c.workspace) ||
+      !check_forward(&c, kFwdMaxS, kFwdMaxElements)) {
     Py_RETURN_NONE;
   }
-  int64_t S, C;
-  int device, w, b;
-  if (!check_x(*x, kFwdMaxS, kFwdMaxElements, &S, &C, &device) ||
-      !check_params(*weight, *cu_seqlens, bias, C, device, &w, &b) || (out && !check_like(*out, *x, device)) ||
-      (workspace && !check_workspace(*workspace, at::kInt, 4 * kFwdWorkspaceInts, device))) {
-    Py_RETURN_NONE;
-  }
-  const Module& m = g_modules[device][w][b];
-  if (!m.fwd) Py_RETURN_NONE;
-  if (S == 0) return out ? Py_NewRef(args[4]) : THPVariable_Wrap(at::empty(x->sizes(), x->options()));
-  // out is written while x, the parameters and cu_seqlens are read; the workspace stays as it is.
-  if ((address(x) | address(out)) & 15 || overlaps(out, x) || overlaps(out, weight) || overlaps(out, bias) ||
-      overlaps(out, cu_seqlens) || overlaps(out, workspace)) {
-    Py_RETURN_NONE;
-  }
-
-  at::Tensor weight_copy, bias_copy, y, ws;
-  const intptr_t w_ptr = aligned_param(weight, &weight_copy);
-  const intptr_t b_ptr = aligned_param(bias, &bias_copy);
-  if (!out) y = at::empty(x->sizes(), x->options());  // the allocator's blocks are 512-byte aligned
-  intptr_t stream;
-  if (!current_stream(device, &stream)) return nullptr;
-  if (!workspace &&
-      !default_workspace(m, 0, device, stream, kFwdWorkspaceInts, x->options().dtype(at::kInt), kFwd, &ws)) {
-    return nullptr;
-  }
-  if (out) bump_version(*out);  // as an in-place op does: autograd sees the write
-  // x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream
-  const int64_t packed[11] = {address(x), out ? address(out) : address(&y), w_ptr, b_ptr, address(cu_seqlens),
-                              workspace ? address(workspace) : address(&ws), S, C, cu_seqlens->size(0) - 1,
-                              device, stream};
-  const int rc = m.fwd(packed);
-  if (rc) return launch_failed(m, kFwd, rc);
-  return out ? Py_NewRef(args[4]) : THPVariable_Wrap(std::move(y));
+  at::Tensor y = run_forward(c);
+  return c.out ? Py_NewRef(args[4]) : THPVariable_Wrap(std::move(y));  // out: the caller's object
   END_HANDLE_TH_ERRORS
 }
 
@@ -318,76 +423,21 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "backward takes 10 arguments");
     return nullptr;
   }
-  const at::Tensor *x, *weight, *cu_seqlens, *dy, *bias, *workspace, *dx, *dweight, *dbias;
-  if (!as_tensor(args[0], false, &x) || !as_tensor(args[1], false, &weight) ||
-      !as_tensor(args[2], false, &cu_seqlens) || !as_tensor(args[3], false, &dy) ||
-      !as_tensor(args[4], true, &bias) || !as_tensor(args[6], true, &workspace) || !as_tensor(args[7], true, &dx) ||
-      !as_tensor(args[8], true, &dweight) || !as_tensor(args[9], true, &dbias)) {
+  BackwardCall c{};
+  c.round_preact = round_preact_of(args[5]);
+  if (!as_tensor(args[0], false, &c.x) || !as_tensor(args[1], false, &c.weight) ||
+      !as_tensor(args[2], false, &c.cu_seqlens) || !as_tensor(args[3], false, &c.dy) ||
+      !as_tensor(args[4], true, &c.bias) || !as_tensor(args[6], true, &c.workspace) ||
+      !as_tensor(args[7], true, &c.dx) || !as_tensor(args[8], true, &c.dweight) ||
+      !as_tensor(args[9], true, &c.dbias) || c.round_preact < 0 || !check_backward(&c)) {
     Py_RETURN_NONE;
   }
-  int round_preact;
-  if (PyUnicode_Check(args[5]) && PyUnicode_CompareWithASCIIString(args[5], "bf16") == 0) {
-    round_preact = 1;
-  } else if (PyUnicode_Check(args[5]) && PyUnicode_CompareWithASCIIString(args[5], "fp32") == 0) {
-    round_preact = 0;
-  } else {
-    Py_RETURN_NONE;
-  }
-  int64_t S, C;
-  int device, w, b;
-  if (!check_x(*x, kBwdMaxS, kBwdMaxElements, &S, &C, &device) ||
-      !check_params(*weight, *cu_seqlens, bias, C, device, &w, &b) || !check_like(*dy, *x, device) ||
-      (dx && !check_like(*dx, *x, device)) || (dweight && !check_like(*dweight, *weight, device)) ||
-      (dbias && (!bias || !check_like(*dbias, *bias, device)))) {
-    Py_RETURN_NONE;
-  }
-  const int64_t need = bwd_workspace_bytes(S, C);
-  if (workspace && !check_workspace(*workspace, at::kFloat, need, device)) Py_RETURN_NONE;
-  const Module& m = g_modules[device][w][b];
-  if (!m.bwd) Py_RETURN_NONE;
-  if (S && (address(x) | address(dy) | address(dx)) & 15) Py_RETURN_NONE;
-  // What the kernels write (dx, the workspace, dweight, dbias) overlaps nothing else: they read
-  // x, dy, weight, bias and cu_seqlens while writing dx and the partial rows, and the reduction
-  // reads the partial rows while writing dweight and dbias.
-  const at::Tensor* const spans[] = {x, dy, weight, bias, cu_seqlens, workspace, dx, dweight, dbias};
-  constexpr int kFirstWritten = 5;
-  for (int i = kFirstWritten; i < 9; ++i) {
-    for (int j = 0; j < i; ++j) {
-      if (overlaps(spans[i], spans[j])) Py_RETURN_NONE;
-    }
-  }
-
-  at::Tensor weight_copy, bias_copy, dx_own, dweight_own, dbias_own, ws;
-  const intptr_t w_ptr = aligned_param(weight, &weight_copy);
-  const intptr_t b_ptr = aligned_param(bias, &bias_copy);
-  if (!dx) dx_own = at::empty(x->sizes(), x->options());
-  if (!dweight) dweight_own = at::empty(weight->sizes(), weight->options());
-  if (bias && !dbias) dbias_own = at::empty(bias->sizes(), bias->options());
-  intptr_t stream;
-  if (!current_stream(device, &stream)) return nullptr;
-  if (!workspace && !default_workspace(m, 1, device, stream, flashinfer_cake::ceil_div(need, 4),
-                                       x->options().dtype(at::kFloat), kBwd, &ws)) {
-    return nullptr;
-  }
-  const at::Tensor& dx_t = dx ? *dx : dx_own;
-  const at::Tensor& dweight_t = dweight ? *dweight : dweight_own;
-  const at::Tensor* dbias_t = bias ? (dbias ? dbias : &dbias_own) : nullptr;
-  const at::Tensor& ws_t = workspace ? *workspace : ws;
-  for (const at::Tensor* t : {dx, dweight, dbias, workspace}) {  // as in-place ops do: autograd sees the writes
-    if (t) bump_version(*t);
-  }
-  // x, dy, dx, weight, bias, cu_seqlens, workspace, workspace_bytes, dweight, dbias, S, C,
-  // num_docs, item_tokens, round_preact, device, stream
-  const int64_t packed[17] = {address(x), address(dy), address(&dx_t), w_ptr, b_ptr, address(cu_seqlens),
-                              address(&ws_t), nbytes(&ws_t), address(&dweight_t), address(dbias_t), S, C,
-                              cu_seqlens->size(0) - 1, bwd_item_tokens(S, C), round_preact, device, stream};
-  const int rc = m.bwd(packed);
-  if (rc) return launch_failed(m, kBwd, rc);
-  // The given outputs are returned as the same Python objects.
-  PyObject* items[3] = {dx ? Py_NewRef(args[7]) : THPVariable_Wrap(std::move(dx_own)),
-                        dweight ? Py_NewRef(args[8]) : THPVariable_Wrap(std::move(dweight_own)),
-                        !bias ? nullptr : dbias ? Py_NewRef(args[9]) : THPVariable_Wrap(std::move(dbias_own))};
-  const int n = bias ? 3 : 2;
+  Grads g = run_backward(c);
+  // The given outputs are returned as the caller's objects.
+  PyObject* items[3] = {c.dx ? Py_NewRef(args[7]) : THPVariable_Wrap(std::move(g.dx)),
+                        c.dweight ? Py_NewRef(args[8]) : THPVariable_Wrap(std::move(g.dweight)),
+                        !c.bias ? nullptr : c.dbias ? Py_NewRef(args[9]) : THPVariable_Wrap(std::move(g.dbias))};
+  const int n = c.bias ? 3 : 2;
   PyObject* result = items[0] && items[1] && (n == 2 || items[2]) ? PyTuple_New(n) : nullptr;
   if (!result) {
     for (PyObject* item : items) Py_XDECREF(item);
@@ -398,12 +448,107 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// Holds the GIL in a thread of the autograd engine: this file's tables and the stream getter
+// are Python-side state.
+class GilHeld {
+ public:
+  GilHeld() : state_(PyGILState_Ensure()) {}
+  ~GilHeld() { PyGILState_Release(state_); }
+  GilHeld(const GilHeld&) = delete;
+  GilHeld& operator=(const GilHeld&) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
+constexpr const char* kAutograd = "cake_causal_conv1d";
+
+// The autograd node of cake_causal_conv1d's eager calls: a C++ node costs a fraction of a Python
+// torch.autograd.Function's host time. It does what CakeCausalConv1dFunction (the path under
+// torch.compile) does: saves x, weight, bias and cu_seqlens only; the backward materializes an
+// incoming gradient that is not BF16, contiguous and 16-byte aligned once, returns the gradients
+// in the parameters' dtypes, and is not itself differentiable (as @once_differentiable).
+struct ConvSiluFunction : torch::autograd::Function<ConvSiluFunction> {
+  // `call` was checked (check_forward, within the backward's range) before apply().
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& bias, int64_t round_preact,
+                            const ForwardCall* call) {
+    ctx->save_for_backward({x, weight, bias.value_or(at::Tensor()), cu_seqlens});
+    ctx->saved_data["round_preact"] = round_preact;
+    return run_forward(*call);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2], &cu_seqlens = saved[3];
+    const bool differentiable = at::GradMode::is_enabled() && grads[0].requires_grad();
+    Grads g;
+    {
+      at::NoGradGuard no_grad;
+      at::Tensor dy = grads[0];
+      if (dy.scalar_type() != at::kBFloat16 || !dy.is_contiguous() || dy.is_neg() || dy.is_conj() ||
+          address(&dy) & 15) {
+        dy = at::empty(x.sizes(), x.options()).copy_(dy);
+      }
+      GilHeld gil;
+      BackwardCall c{&x,      &weight, &cu_seqlens, &dy,     bias.defined() ? &bias : nullptr,
+                     nullptr, nullptr, nullptr,     nullptr, int(ctx->saved_data["round_preact"].toInt())};
+      if (!check_backward(&c)) {
+        throw std::runtime_error(std::string(kAutograd) +
+                                 ": internal error: the backward declined the forward's saved tensors "
+                                 "(please report it, with the arguments' dtypes, shapes and devices)");
+      }
+      g = run_backward(c);
+    }
+    torch::autograd::variable_list out = {std::move(g.dx), std::move(g.dweight), at::Tensor(), std::move(g.dbias)};
+    if (differentiable) {  // double backward: an error when it is taken, as @once_differentiable
+      for (at::Tensor& t : out) {
+        if (t.defined()) t = t.detach().requires_grad_(true);
+      }
+      out = std::make_shared<torch::autograd::DelayedError>(
+                "trying to differentiate twice a function that was marked with @once_differentiable",
+                int64_t(out.size()))
+                ->apply(std::move(out));
+    }
+    out.resize(6);  // no gradient for round_preact and call
+    return out;
+  }
+};
+
+// autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation) -> y, recorded for
+// autograd when grad mode is on and x, weight or bias requires grad; None when declined (also
+// when x is outside the backward's range: the error comes now, not in the backward).
+PyObject* autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "autograd_forward takes 5 arguments");
+    return nullptr;
+  }
+  ForwardCall c{};
+  const int round_preact = round_preact_of(args[4]);
+  if (!as_tensor(args[0], false, &c.x) || !as_tensor(args[1], false, &c.weight) ||
+      !as_tensor(args[2], false, &c.cu_seqlens) || !as_tensor(args[3], true, &c.bias) || round_preact < 0 ||
+      !check_forward(&c, kBwdMaxS, kBwdMaxElements)) {
+    Py_RETURN_NONE;
+  }
+  // register_module() gives a module's forward and backward at once: c.m->bwd is there too.
+  return THPVariable_Wrap(ConvSiluFunction::apply(*c.x, *c.weight, *c.cu_seqlens,
+                                                  c.bias ? std::optional<at::Tensor>(*c.bias) : std::nullopt,
+                                                  int64_t(round_preact), &c));
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef g_methods[] = {
     {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(forward)), METH_FASTCALL,
      "forward(x, weight, cu_seqlens, bias, out, workspace) -> y, or None when declined"},
     {"backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(backward)), METH_FASTCALL,
      "backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight, dbias) "
      "-> (dx, dweight[, dbias]), or None when declined"},
+    {"autograd_forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(autograd_forward)),
+     METH_FASTCALL,
+     "autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation) -> y with cake_causal_conv1d's "
+     "autograd node, or None when declined"},
     {"backward_plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(backward_plan)), METH_FASTCALL,
      "backward_plan(S, C) -> (item_tokens, workspace bytes) of the backward"},
     {"register_module", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(register_module)), METH_FASTCALL,

@@ -1072,6 +1072,10 @@ class Bench:
                           lambda: ag(x, w, cu, b), None))
             cands.append(("cake_causal_conv1d fwd (x, weight, bias require grad)",
                           lambda: ag(xg, wg, cu, bg, silu_grad_preactivation=pol), None))
+            with contextlib.suppress(ImportError):  # the Python autograd.Function (torch.compile's path)
+                from flashinfer_cake import CakeCausalConv1dFunction as Fn
+                cands.append(("CakeCausalConv1dFunction.apply fwd (x, weight, bias require grad)",
+                              lambda: Fn.apply(xg, wg, cu, bg, pol), None))
         try:
             ops = torch.ops.flashinfer_cake
             op_f, op_b = ops.causal_conv1d_fwd, ops.causal_conv1d_bwd

@@ -22,6 +22,7 @@ import torch
 
 from doclengths import docs_3000, docs_16_to_64, fill, make_cu, one_doc, split
 from flashinfer_cake import (
+    CakeCausalConv1dFunction,
     cake_causal_conv1d,
     cake_causal_conv1d_train_backward,
     cake_causal_conv1d_train_backward_workspace,
@@ -655,6 +656,90 @@ def test_autograd_only_parameters_require_grad():
     cake_causal_conv1d(x, wl, cu, bl).backward(dy)
     _, dweight, dbias = backward(x, w, cu, dy, b)
     assert same_bits(wl.grad, dweight) and same_bits(bl.grad, dbias)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("bias_dtype", BIAS_DTYPES)
+@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
+def test_eager_node_matches_function_apply(weight_dtype, bias_dtype, policy):
+    """The eager C++ node of cake_causal_conv1d and CakeCausalConv1dFunction (the torch.compile
+    path, applied eagerly here): the same y and the same gradients, bit for bit."""
+    S, C = 2200, 264
+    seed = 950 + 10 * (weight_dtype is BF16) + {None: 0, F32: 1, BF16: 2}[bias_dtype]
+    x, w, b, dy = make_inputs(S, C, seed=seed, weight_dtype=weight_dtype, bias_dtype=bias_dtype)
+    cu = make_cu(S, [0] + split(S, 21, random.Random(seed)) + [0])
+    xl, wl, bl = _leaves(x, w, b)
+    y = cake_causal_conv1d(xl, wl, cu, bl, silu_grad_preactivation=policy)
+    assert "CakeCausalConv1dFunction" not in type(y.grad_fn).__name__  # the C++ node
+    y.backward(dy)
+    xf, wf, bf = _leaves(x, w, b)
+    yf = CakeCausalConv1dFunction.apply(xf, wf, cu, bf, policy)
+    assert "CakeCausalConv1dFunction" in type(yf.grad_fn).__name__
+    yf.backward(dy)
+    assert same_bits(y.detach(), yf.detach())
+    assert_same_grads(_grads_of(xl, wl, bl), _grads_of(xf, wf, bf))
+
+
+def test_autograd_without_grad_records_nothing():
+    S, C = 600, 136
+    x, w, b, _ = make_inputs(S, C, seed=94)
+    cu = make_cu(S, split(S, 5, random.Random(94)))
+    xl, wl, bl = _leaves(x, w, b)
+    expected = fwd(x, w, cu, bias=b)
+    with torch.no_grad():
+        y = cake_causal_conv1d(xl, wl, cu, bl)
+    assert y.grad_fn is None and not y.requires_grad and same_bits(y, expected)
+    with torch.inference_mode():
+        y = cake_causal_conv1d(x, w, cu, b)
+    assert y.is_inference() and same_bits(y, expected)
+    y = cake_causal_conv1d(x, w, cu, b)  # no input requires grad
+    assert y.grad_fn is None and same_bits(y, expected)
+
+
+def test_autograd_create_graph_gives_grads_whose_backward_raises():
+    """create_graph=True: first-order gradients as usual; differentiating them again raises, as
+    with @once_differentiable (the backward is not itself differentiable)."""
+    S, C = 1500, 136
+    x, w, b, dy = make_inputs(S, C, seed=95)
+    cu = make_cu(S, split(S, 8, random.Random(95)))
+    xl, wl, bl = _leaves(x, w, b)
+    g = dy.clone().requires_grad_()
+    y = cake_causal_conv1d(xl, wl, cu, bl)
+    dx, dweight, dbias = torch.autograd.grad(y, (xl, wl, bl), g, create_graph=True)
+    assert_same_grads((dx.detach(), dweight.detach(), dbias.detach()), backward(x, w, cu, dy, b))
+    assert dweight.requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dweight.sum().backward()
+
+
+def test_autograd_saved_x_modified_in_place_raises():
+    """The saved x is checked as autograd checks every saved tensor: an in-place change between
+    the forward and the backward raises instead of giving gradients of other data."""
+    S, C = 800, 136
+    x, w, b, dy = make_inputs(S, C, seed=96)
+    cu = make_cu(S, split(S, 6, random.Random(96)))
+    xl, wl, bl = _leaves(x, w, b)
+    h = xl * 1  # a non-leaf, so it may be changed in place
+    y = cake_causal_conv1d(h, wl, cu, bl)
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward(dy)
+
+
+def test_autograd_backward_on_a_side_stream():
+    """Forward and backward issued on a side stream (the engine runs the node's backward on the
+    forward's stream): the gradients of the default stream."""
+    S, C = 3000, 264
+    x, w, b, dy = make_inputs(S, C, seed=97)
+    cu = make_cu(S, split(S, 11, random.Random(97)))
+    expected = backward(x, w, cu, dy, b)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    xl, wl, bl = _leaves(x, w, b)
+    with torch.cuda.stream(side):
+        cake_causal_conv1d(xl, wl, cu, bl).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    assert_same_grads(_grads_of(xl, wl, bl), expected)
 
 
 def _misaligned(t):

@@ -39,6 +39,9 @@ def test_declines_cpu_tensors_and_non_tensors(loaded):
     fake = mock.Mock(spec=torch.Tensor)  # claims the class, is no tensor: declined, not read
     assert loaded.forward(fake, w, cu, None, None, None) is None
     assert loaded.backward(x, w, cu, fake, None, "bf16", None, None, None, None) is None
+    assert loaded.autograd_forward(x, w, cu, None, "bf16") is None
+    assert loaded.autograd_forward(fake, w, cu, None, "bf16") is None
+    assert loaded.autograd_forward(x, w, cu, None, "fp16") is None
 
 
 def test_wrong_argument_count_is_a_type_error(loaded):
@@ -47,6 +50,8 @@ def test_wrong_argument_count_is_a_type_error(loaded):
         loaded.forward(x, w, cu)
     with pytest.raises(TypeError, match="backward takes 10 arguments"):
         loaded.backward(x, w, cu, x)
+    with pytest.raises(TypeError, match="autograd_forward takes 5 arguments"):
+        loaded.autograd_forward(x, w, cu)
 
 
 @pytest.mark.parametrize("codes", [(-1, 0, 0), (64, 0, 0), (0, 2, 0), (0, 0, 3), (0, -1, 0)])
