@@ -1101,6 +1101,11 @@ class Bench:
             except Exception as e:
                 res["results"][f"{name} bwd (autograd.grad, retained graph)"] = {
                     "error": fmt_err(e)}
+        # the engine's own cost: autograd.grad through one native op on the same tensors
+        xs_leaf = _leaf(x)
+        ys_native = torch.nn.functional.silu(xs_leaf)
+        cands.append(("torch silu bwd (autograd.grad, retained graph)",
+                      lambda: torch.autograd.grad(ys_native, xs_leaf, dy, retain_graph=True), None))
         for name, fn, env_name in cands:
             try:
                 with fla_env(env_name):
