@@ -353,7 +353,7 @@ def _(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation):
 def _backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation):
     """The backward with an incoming gradient of any dtype and layout, materialized once as a
     BF16 contiguous 16-byte aligned tensor when it is not one."""
-    if dy.dtype != torch.bfloat16 or not dy.is_contiguous() or dy.data_ptr() & 15:
+    if dy.dtype != torch.bfloat16 or not dy.is_contiguous() or dy.is_neg() or dy.data_ptr() & 15:
         dy = torch.empty_like(x).copy_(dy)
     return cake_causal_conv1d_train_backward(x, weight, cu_seqlens, dy, bias=bias,
                                              silu_grad_preactivation=silu_grad_preactivation)
@@ -406,7 +406,8 @@ def cake_causal_conv1d(
     whose own backward raises). Eager calls record a C++ autograd node of the torch binding;
     under ``torch.compile`` the call is :class:`CakeCausalConv1dFunction` over the custom ops
     ``torch.ops.flashinfer_cake.causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (no graph break,
-    ``fullgraph=True`` works). Both give bitwise the same results.
+    ``fullgraph=True`` works), and under ``torch.jit.trace`` that Function too. Both give bitwise
+    the same results. ``torch.func`` transforms (grad, vmap) are not supported.
 
     Args:
         x, weight, cu_seqlens, bias: as in :func:`cake_causal_conv1d_train_forward`.
@@ -420,7 +421,7 @@ def cake_causal_conv1d(
         As the forward; and a ValueError up front when x is outside the backward's range
         (S < 2^30, S * C < 2^34).
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # the binding is opaque to both
         _check_autograd_args(x, silu_grad_preactivation)
         return CakeCausalConv1dFunction.apply(x, weight, cu_seqlens, bias, silu_grad_preactivation)
     # Eager: the binding's C++ autograd node (a Python autograd.Function costs ~13 us more per call).

@@ -177,7 +177,9 @@ intptr_t current_stream(int device) {
   }
   PyObject* index = PyLong_FromLong(device);
   if (!index) rethrow_python_error();
-  PyObject* handle = PyObject_Vectorcall(g_current_stream, &index, 1, nullptr);
+  PyObject* getter = Py_NewRef(g_current_stream);  // set_stream_getter() may replace it meanwhile
+  PyObject* handle = PyObject_Vectorcall(getter, &index, 1, nullptr);
+  Py_DECREF(getter);
   Py_DECREF(index);
   if (!handle) rethrow_python_error();
   const intptr_t stream = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(handle));
@@ -299,16 +301,13 @@ at::Tensor run_forward(const ForwardCall& c) {
   at::Tensor weight_copy, bias_copy, y, ws;
   const intptr_t w_ptr = aligned_param(c.weight, &weight_copy);
   const intptr_t b_ptr = aligned_param(c.bias, &bias_copy);
-  if (c.out) {
-    y = *c.out;
-    bump_version(y);  // as an in-place op does: autograd sees the write
-  } else {
-    y = at::empty(c.x->sizes(), c.x->options());  // the allocator's blocks are 512-byte aligned
-  }
+  // the allocator's blocks are 512-byte aligned
+  y = c.out ? *c.out : at::empty(c.x->sizes(), c.x->options());
   const intptr_t stream = current_stream(c.device);
   if (!c.workspace) {
     ws = default_workspace(*c.m, 0, c.device, stream, kFwdWorkspaceInts, c.x->options().dtype(at::kInt), kFwd);
   }
+  if (c.out) bump_version(y);  // as an in-place op does: autograd sees the write
   // x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream
   const int64_t packed[11] = {address(c.x), address(&y), w_ptr, b_ptr, address(c.cu_seqlens),
                               address(c.workspace ? c.workspace : &ws), c.S, c.C, c.cu_seqlens->size(0) - 1,

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import re
 import time
+import warnings
 
 import pytest
 import torch
@@ -740,6 +741,20 @@ def test_autograd_backward_on_a_side_stream():
         cake_causal_conv1d(xl, wl, cu, bl).backward(dy)
     torch.cuda.current_stream().wait_stream(side)
     assert_same_grads(_grads_of(xl, wl, bl), expected)
+
+
+def test_jit_trace_replays_with_new_data():
+    """torch.jit.trace records the Python autograd.Function (the binding is opaque to the
+    tracer): the traced function computes y of new inputs, not the traced ones."""
+    S, C = 1000, 136
+    x, w, b, _ = make_inputs(S, C, seed=98)
+    cu = make_cu(S, split(S, 6, random.Random(98)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's warnings about Python values
+        traced = torch.jit.trace(lambda x, w, cu, b: cake_causal_conv1d(x, w, cu, b), (x, w, cu, b),
+                                 check_trace=False)
+    x2, w2, b2, _ = make_inputs(S, C, seed=99)
+    assert same_bits(traced(x2, w2, cu, b2), fwd(x2, w2, cu, bias=b2))
 
 
 def _misaligned(t):
