@@ -303,6 +303,10 @@ DOC_CASES = [
     # Token groups of >= 256 tokens (the 4-strip route), the last sub-tile of a group part-filled.
     pytest.param(9000, 4096, short_docs, F32, F32, "bf16", id="S9000-C4096-short"),
     pytest.param(4100, 8192, boundary_mix, BF16, None, "fp32", id="S4100-C8192-boundary-mix"),
+    # 16 channel lanes (32 < C <= 64) in 64-thread CTAs: groups of >= 256 tokens (320 here), two
+    # lanes idle at C = 56. (S69999-C40 and the boundary lengths at C = 48 take its 32-thread form.)
+    pytest.param(270000, 56, short_docs, F32, BF16, "fp32", id="S270000-C56-short"),
+    pytest.param(262144, 64, docs_16_to_64, BF16, F32, "bf16", id="S262144-C64-docs16-64"),
 ]
 
 
@@ -315,7 +319,7 @@ def test_document_mixes_match_reference(S, C, mix, weight_dtype, bias_dtype, pol
     assert_grads_match_reference(grads, x, w, cu, dy, b, policy)
 
 
-@pytest.mark.parametrize("C", [24, 136])
+@pytest.mark.parametrize("C", [24, 48, 136])
 @pytest.mark.parametrize("L", BOUNDARY_LENGTHS)
 def test_tile_boundary_document_lengths(L, C):
     """Five documents of length L, then 1, 2 and 3 token ones (63/64/65/.../1023/1024/1025)."""

@@ -56,9 +56,11 @@ cudaError_t zero_param_grads(const CausalConv1dBwdParams& p, cudaStream_t stream
 // Token groups (the item_tokens argument) must be a multiple of this.
 constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
 
-// Routes, from shapes only: channel lanes per CTA 32, or 8 when C <= 8 * kVec (a few idle lanes
-// at tiny C); with 32 lanes, half the threads (2 strips) when a token group is shorter than one
-// sub-tile of the full CTA (small S: the group would leave strips idle).
+// Routes, from shapes only: channel lanes per CTA 32; 16 when C <= 16 * kVec, in CTAs of half
+// the threads (with 32 lanes half of each row would be idle: C = 64 ran at 37-40 % of copy);
+// 8 when C <= 8 * kVec (a few idle lanes at tiny C). With 32 or 16 lanes, half the threads
+// (2 strips) when a token group is shorter than one sub-tile of the full CTA (small S: the
+// group would leave strips idle). Threads per SM stay 4 * CAKE_BWD_THREADS on every route.
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_t stream) {
   if (p.groups == 0) return zero_param_grads<WeightT, BiasT>(p, stream);
@@ -66,9 +68,15 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                 kRing = CAKE_BWD_RING, kMinCtas = CAKE_BWD_MIN_CTAS;
   using Wide = BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
   using WideShort = BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
-  if (p.C > 8 * kVec) {
+  using Mid = BwdTraits<kVec, 16, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
+  using MidShort = BwdTraits<kVec, 16, kThreads / 4, kStrip, kRing, 4 * kMinCtas>;
+  if (p.C > 16 * kVec) {
     if (p.item_tokens >= Wide::kTileTokens) return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT>(p, stream);
     return launch_causal_conv1d_bwd_route<WideShort, WeightT, BiasT>(p, stream);
+  }
+  if (p.C > 8 * kVec) {
+    if (p.item_tokens >= Mid::kTileTokens) return launch_causal_conv1d_bwd_route<Mid, WeightT, BiasT>(p, stream);
+    return launch_causal_conv1d_bwd_route<MidShort, WeightT, BiasT>(p, stream);
   }
   return launch_causal_conv1d_bwd_route<BwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, stream);
 }
