@@ -1024,7 +1024,7 @@ _MEMCHECK_SCRIPT = """
 import torch
 from flashinfer_cake import cake_causal_conv1d_train_backward as bwd
 PATTERNS = {patterns}
-for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (4100, 8192)]:
+for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (4100, 8192), (300, 56), (262200, 40)]:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")
