@@ -641,11 +641,19 @@ def test_autograd_matches_raw_functions(weight_dtype, bias_dtype, policy):
 
     y = cake_causal_conv1d(xl, wl, cu, bl, silu_grad_preactivation=policy)
     assert y.dtype == BF16 and y.shape == x.shape and y.requires_grad
+    assert "CakeCausalConv1dFunction" not in type(y.grad_fn).__name__  # eager: the C++ node
     assert same_bits(y.detach(), fwd(x, w, cu, bias=b))
     y.backward(dy)
     got = _grads_of(xl, wl, bl)
     assert got[1].dtype == weight_dtype and (bl is None or got[2].dtype == bias_dtype)
     assert_same_grads(got, backward(x, w, cu, dy, b, policy))
+    # CakeCausalConv1dFunction (the torch.compile path), applied eagerly: the same bits
+    xf, wf, bf = _leaves(x, w, b)
+    yf = CakeCausalConv1dFunction.apply(xf, wf, cu, bf, policy)
+    assert "CakeCausalConv1dFunction" in type(yf.grad_fn).__name__
+    assert same_bits(yf.detach(), y.detach())
+    yf.backward(dy)
+    assert_same_grads(_grads_of(xf, wf, bf), got, "CakeCausalConv1dFunction: ")
     if policy == "bf16":  # the default policy
         xl2, wl2, bl2 = _leaves(x, w, b)
         cake_causal_conv1d(xl2, wl2, cu, bl2).backward(dy)
@@ -661,28 +669,6 @@ def test_autograd_only_parameters_require_grad():
     cake_causal_conv1d(x, wl, cu, bl).backward(dy)
     _, dweight, dbias = backward(x, w, cu, dy, b)
     assert same_bits(wl.grad, dweight) and same_bits(bl.grad, dbias)
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("bias_dtype", BIAS_DTYPES)
-@pytest.mark.parametrize("weight_dtype", WEIGHT_DTYPES)
-def test_eager_node_matches_function_apply(weight_dtype, bias_dtype, policy):
-    """The eager C++ node of cake_causal_conv1d and CakeCausalConv1dFunction (the torch.compile
-    path, applied eagerly here): the same y and the same gradients, bit for bit."""
-    S, C = 2200, 264
-    seed = 950 + 10 * (weight_dtype is BF16) + {None: 0, F32: 1, BF16: 2}[bias_dtype]
-    x, w, b, dy = make_inputs(S, C, seed=seed, weight_dtype=weight_dtype, bias_dtype=bias_dtype)
-    cu = make_cu(S, [0] + split(S, 21, random.Random(seed)) + [0])
-    xl, wl, bl = _leaves(x, w, b)
-    y = cake_causal_conv1d(xl, wl, cu, bl, silu_grad_preactivation=policy)
-    assert "CakeCausalConv1dFunction" not in type(y.grad_fn).__name__  # the C++ node
-    y.backward(dy)
-    xf, wf, bf = _leaves(x, w, b)
-    yf = CakeCausalConv1dFunction.apply(xf, wf, cu, bf, policy)
-    assert "CakeCausalConv1dFunction" in type(yf.grad_fn).__name__
-    yf.backward(dy)
-    assert same_bits(y.detach(), yf.detach())
-    assert_same_grads(_grads_of(xl, wl, bl), _grads_of(xf, wf, bf))
 
 
 def test_autograd_without_grad_records_nothing():
