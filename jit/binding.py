@@ -121,8 +121,6 @@ def _import(path: Path):
         spec.loader.exec_module(module)
     except ImportError as e:
         raise RuntimeError(f"flashinfer_cake: cannot load the torch binding {path}: {e}") from e
-    # The stream every launch is ordered on; a CPU-only torch has none (and no CUDA tensor).
-    module.set_stream_getter(getattr(torch._C, "_cuda_getCurrentRawStream", None))
     return module
 
 

@@ -13,26 +13,36 @@
 // in one place, _checks.py), or loads and registers the module and calls again. A launch error
 // raises RuntimeError with the CUDA message.
 //
-// Built once per torch build by flashinfer_cake.jit.binding (CPython API + ATen, no pybind11).
-// Every function runs under the GIL, which also guards this file's tables; the autograd node's
-// backward, which the engine runs on its own thread, takes it.
+// Built once per torch build by flashinfer_cake.jit.binding (CPython API + ATen, no pybind11; no
+// CUDA header: the current stream comes through c10's device-generic interface). The Python
+// functions run under the GIL; the autograd node's backward runs on the engine's thread without
+// it, so this file's tables have a mutex of their own.
 
 #include <Python.h>
 #include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <flashinfer_cake/causal_conv1d_bwd_plan.h>
 
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 namespace {
 
@@ -59,13 +69,18 @@ struct Module {
   Message message = nullptr;
 };
 
+// Guards g_modules and g_workspaces (the autograd node's backward reads them without the GIL).
+std::mutex g_mutex;
 // [device][weight: fp32, bf16][bias: none, fp32, bf16]; a null entry = not registered.
 Module g_modules[kMaxDevices][2][3];
-// torch._C._cuda_getCurrentRawStream (None in a CPU-only torch: nothing reaches a launch there).
-PyObject* g_current_stream = nullptr;
 // (0 forward | 1 backward, device, stream) -> the default workspace of calls without one. Never
 // destroyed: freeing CUDA memory from a static destructor at exit would race torch's teardown.
 auto* const g_workspaces = new std::map<std::tuple<int, int, intptr_t>, at::Tensor>();
+
+Module module_of(int device, int w, int b) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_modules[device][w][b];
+}
 
 // Parameter dtype codes: weight 0 fp32 / 1 bf16; bias 0 none / 1 fp32 / 2 bf16; -1 otherwise.
 int param_code(const at::Tensor& t) {
@@ -161,31 +176,15 @@ intptr_t aligned_param(const at::Tensor* t, at::Tensor* copy) {
   return reinterpret_cast<intptr_t>(copy->data_ptr());
 }
 
-// Errors are thrown: std::runtime_error for a failed launch or CUDA query, python_error for the
-// stream getter's own exception. HANDLE_TH_ERRORS turns them into the Python exception; from the
-// autograd node's backward the engine hands them to the thread that called backward().
-[[noreturn]] void rethrow_python_error() {
-  python_error e;
-  e.persist();
-  throw std::move(e);
-}
+// Errors are thrown (std::runtime_error for a failed launch or CUDA query, c10::Error from
+// torch): HANDLE_TH_ERRORS turns them into the Python exception; from the autograd node's
+// backward the engine hands them to the thread that called backward().
 
-// The current stream of `device` (torch's, the one the caller's work is ordered on).
+// The current stream of `device` (torch's, the one the caller's work is ordered on), as
+// torch.cuda.current_stream(device).cuda_stream.
 intptr_t current_stream(int device) {
-  if (!g_current_stream || g_current_stream == Py_None) {
-    throw std::runtime_error("flashinfer_cake: this torch build has no CUDA streams");
-  }
-  PyObject* index = PyLong_FromLong(device);
-  if (!index) rethrow_python_error();
-  PyObject* getter = Py_NewRef(g_current_stream);  // set_stream_getter() may replace it meanwhile
-  PyObject* handle = PyObject_Vectorcall(getter, &index, 1, nullptr);
-  Py_DECREF(getter);
-  Py_DECREF(index);
-  if (!handle) rethrow_python_error();
-  const intptr_t stream = reinterpret_cast<intptr_t>(PyLong_AsVoidPtr(handle));
-  Py_DECREF(handle);
-  if (PyErr_Occurred()) rethrow_python_error();
-  return stream;
+  const c10::Device cuda(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+  return reinterpret_cast<intptr_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(cuda).native_handle());
 }
 
 // The workspace of a call without one: kept per (kind, device, stream), replaced by a larger one
@@ -198,9 +197,20 @@ at::Tensor default_workspace(const Module& m, int kind, int device, intptr_t str
   const int status = m.capturing(reinterpret_cast<const void*>(stream));
   if (status < 0) throw std::runtime_error(std::string(fn) + ": cudaStreamIsCapturing failed: " + m.message());
   if (status) return at::zeros({elements}, options);  // zero, as every launch leaves a workspace
+  std::lock_guard<std::mutex> lock(g_mutex);
   at::Tensor& kept = (*g_workspaces)[{kind, device, stream}];
   if (!kept.defined() || kept.numel() < elements) kept = at::zeros({elements}, options);
   return kept;
+}
+
+// A new output like `like` (dtype, shape, device), which the kernel writes in full: uninitialized
+// memory of torch's CUDA caching allocator (graph pools and memory statistics as usual) without
+// the dispatcher, ~0.3-0.5 us less per tensor than at::empty, and no NaN fill under
+// torch.use_deterministic_algorithms (no element is left unwritten for it to expose).
+at::Tensor new_output(const at::Tensor& like) {
+  const c10::DeviceGuard guard(like.device());  // the allocator allocates on the current device
+  return at::detail::empty_generic(like.sizes(), c10::GetAllocator(c10::DeviceType::CUDA),
+                                   c10::DispatchKeySet(c10::DispatchKey::CUDA), like.scalar_type(), std::nullopt);
 }
 
 // A caller's tensor the kernel writes: its version moves, as with an in-place op, so autograd
@@ -236,14 +246,9 @@ PyObject* register_module(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_ValueError, "register_module: device, dtype code or entry address out of range");
     return nullptr;
   }
+  std::lock_guard<std::mutex> lock(g_mutex);
   g_modules[v[0]][v[1]][v[2]] = {reinterpret_cast<Entry>(p[0]), reinterpret_cast<Entry>(p[1]),
                                  reinterpret_cast<Capturing>(p[2]), reinterpret_cast<Message>(p[3])};
-  Py_RETURN_NONE;
-}
-
-// set_stream_getter(torch._C._cuda_getCurrentRawStream or None)
-PyObject* set_stream_getter(PyObject*, PyObject* getter) {
-  Py_XSETREF(g_current_stream, Py_NewRef(getter));
   Py_RETURN_NONE;
 }
 
@@ -274,7 +279,7 @@ struct ForwardCall {
   const at::Tensor *x, *weight, *cu_seqlens, *bias, *out, *workspace;
   int64_t S = 0, C = 0;
   int device = 0;
-  const Module* m = nullptr;
+  Module m;
 };
 
 // Applies the forward's rules with S < max_s and S * C < max_elements; false = declined.
@@ -286,8 +291,8 @@ bool check_forward(ForwardCall* c, int64_t max_s, int64_t max_elements) {
       (c->workspace && !check_workspace(*c->workspace, at::kInt, 4 * kFwdWorkspaceInts, c->device))) {
     return false;
   }
-  c->m = &g_modules[c->device][w][b];
-  if (!c->m->fwd) return false;
+  c->m = module_of(c->device, w, b);
+  if (!c->m.fwd) return false;
   if (c->S == 0) return true;  // nothing is read or written
   // out is written while x, the parameters and cu_seqlens are read; the workspace stays as it is.
   const at::Tensor *x = c->x, *out = c->out;
@@ -297,22 +302,22 @@ bool check_forward(ForwardCall* c, int64_t max_s, int64_t max_elements) {
 
 // Runs a checked forward; returns y (*out when given).
 at::Tensor run_forward(const ForwardCall& c) {
-  if (c.S == 0) return c.out ? *c.out : at::empty(c.x->sizes(), c.x->options());
+  if (c.S == 0) return c.out ? *c.out : new_output(*c.x);
   at::Tensor weight_copy, bias_copy, y, ws;
   const intptr_t w_ptr = aligned_param(c.weight, &weight_copy);
   const intptr_t b_ptr = aligned_param(c.bias, &bias_copy);
   // the allocator's blocks are 512-byte aligned
-  y = c.out ? *c.out : at::empty(c.x->sizes(), c.x->options());
+  y = c.out ? *c.out : new_output(*c.x);
   const intptr_t stream = current_stream(c.device);
   if (!c.workspace) {
-    ws = default_workspace(*c.m, 0, c.device, stream, kFwdWorkspaceInts, c.x->options().dtype(at::kInt), kFwd);
+    ws = default_workspace(c.m, 0, c.device, stream, kFwdWorkspaceInts, c.x->options().dtype(at::kInt), kFwd);
   }
   if (c.out) bump_version(y);  // as an in-place op does: autograd sees the write
   // x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream
   const int64_t packed[11] = {address(c.x), address(&y), w_ptr, b_ptr, address(c.cu_seqlens),
                               address(c.workspace ? c.workspace : &ws), c.S, c.C, c.cu_seqlens->size(0) - 1,
                               c.device, stream};
-  check_launch(*c.m, kFwd, c.m->fwd(packed));
+  check_launch(c.m, kFwd, c.m.fwd(packed));
   return y;
 }
 
@@ -322,7 +327,7 @@ struct BackwardCall {
   int round_preact;
   int64_t S = 0, C = 0, need = 0;
   int device = 0;
-  const Module* m = nullptr;
+  Module m;
 };
 
 // Applies the backward's rules; false = declined.
@@ -337,8 +342,8 @@ bool check_backward(BackwardCall* c) {
   }
   c->need = bwd_workspace_bytes(c->S, c->C);
   if (c->workspace && !check_workspace(*c->workspace, at::kFloat, c->need, c->device)) return false;
-  c->m = &g_modules[c->device][w][b];
-  if (!c->m->bwd) return false;
+  c->m = module_of(c->device, w, b);
+  if (!c->m.bwd) return false;
   if (c->S && (address(c->x) | address(c->dy) | address(c->dx)) & 15) return false;
   // What the kernel writes (dx, the workspace, dweight, dbias) overlaps nothing else: it reads
   // x, dy, weight, bias and cu_seqlens while writing dx and the partial rows, and reads the
@@ -365,12 +370,12 @@ Grads run_backward(const BackwardCall& c) {
   const intptr_t w_ptr = aligned_param(c.weight, &weight_copy);
   const intptr_t b_ptr = aligned_param(c.bias, &bias_copy);
   Grads g;
-  g.dx = c.dx ? *c.dx : at::empty(c.x->sizes(), c.x->options());
-  g.dweight = c.dweight ? *c.dweight : at::empty(c.weight->sizes(), c.weight->options());
-  if (c.bias) g.dbias = c.dbias ? *c.dbias : at::empty(c.bias->sizes(), c.bias->options());
+  g.dx = c.dx ? *c.dx : new_output(*c.x);
+  g.dweight = c.dweight ? *c.dweight : new_output(*c.weight);
+  if (c.bias) g.dbias = c.dbias ? *c.dbias : new_output(*c.bias);
   const intptr_t stream = current_stream(c.device);
   if (!c.workspace) {
-    ws = default_workspace(*c.m, 1, c.device, stream, flashinfer_cake::ceil_div(c.need, 4),
+    ws = default_workspace(c.m, 1, c.device, stream, flashinfer_cake::ceil_div(c.need, 4),
                            c.x->options().dtype(at::kFloat), kBwd);
   }
   for (const at::Tensor* t : {c.dx, c.dweight, c.dbias, c.workspace}) {  // as in-place ops do: autograd sees the writes
@@ -383,7 +388,7 @@ Grads run_backward(const BackwardCall& c) {
                               address(workspace), nbytes(workspace), address(&g.dweight),
                               c.bias ? address(&g.dbias) : 0, c.S, c.C, c.cu_seqlens->size(0) - 1,
                               bwd_item_tokens(c.S, c.C), c.round_preact, c.device, stream};
-  check_launch(*c.m, kBwd, c.m->bwd(packed));
+  check_launch(c.m, kBwd, c.m.bwd(packed));
   return g;
 }
 
@@ -447,52 +452,60 @@ PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// Holds the GIL in a thread of the autograd engine: this file's tables and the stream getter
-// are Python-side state.
-class GilHeld {
- public:
-  GilHeld() : state_(PyGILState_Ensure()) {}
-  ~GilHeld() { PyGILState_Release(state_); }
-  GilHeld(const GilHeld&) = delete;
-  GilHeld& operator=(const GilHeld&) = delete;
-
- private:
-  PyGILState_STATE state_;
-};
-
 constexpr const char* kAutograd = "cake_causal_conv1d";
 
-// The autograd node of cake_causal_conv1d's eager calls: a C++ node costs a fraction of a Python
-// torch.autograd.Function's host time. It does what CakeCausalConv1dFunction (the path under
-// torch.compile) does: saves x, weight, bias and cu_seqlens only; the backward materializes an
-// incoming gradient that is not BF16, contiguous and 16-byte aligned once, returns the gradients
-// in the parameters' dtypes, and is not itself differentiable (as @once_differentiable).
-struct ConvSiluFunction : torch::autograd::Function<ConvSiluFunction> {
-  // `call` was checked (check_forward, within the backward's range) before apply().
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& bias, int64_t round_preact,
-                            const ForwardCall* call) {
-    ctx->save_for_backward({x, weight, bias.value_or(at::Tensor()), cu_seqlens});
-    ctx->saved_data["round_preact"] = round_preact;
-    return run_forward(*call);
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+// A new autograd node, held as this torch holds them: by c10::intrusive_ptr since torch 2.13, by
+// std::shared_ptr with torch's iterative deleter before.
+template <class N>
+auto make_node() {
+  if constexpr (std::is_same_v<decltype(torch::autograd::Edge::function), std::shared_ptr<Node>>) {
+    return std::shared_ptr<N>(new N(), [](N* node) { deleteNode(node); });  // found by ADL where it exists
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
+
+// The autograd node of cake_causal_conv1d's eager calls, written as torch's generated nodes are
+// (a torch::autograd::Function's generic bookkeeping costs ~2 us more per forward). It does what
+// CakeCausalConv1dFunction (the path under torch.compile) does: saves x, weight, bias and
+// cu_seqlens only; materializes an incoming gradient that is not BF16, contiguous and 16-byte
+// aligned once (zeros when undefined); returns the gradients in the parameters' dtypes; is not
+// itself differentiable (as @once_differentiable). The engine runs it without the GIL.
+struct CakeCausalConv1dBackward final : Node {
+  SavedVariable x, weight, bias, cu_seqlens;  // bias: default-constructed when None
+  int round_preact = 1;
+
+  std::string name() const override { return "CakeCausalConv1dBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    x.reset_data();
+    weight.reset_data();
+    bias.reset_data();
+    cu_seqlens.reset_data();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const torch::autograd::variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2], &cu_seqlens = saved[3];
-    const bool differentiable = at::GradMode::is_enabled() && grads[0].requires_grad();
+  // grads: dy. Returns (dx, dweight, dbias), the gradients of the next edges (x, weight, bias).
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor xs = x.unpack(), ws = weight.unpack(), bs = bias.unpack(), cus = cu_seqlens.unpack();
+    const bool differentiable = at::GradMode::is_enabled() && grads[0].defined() && grads[0].requires_grad();
     Grads g;
     {
       at::NoGradGuard no_grad;
       at::Tensor dy = grads[0];
-      if (dy.scalar_type() != at::kBFloat16 || !dy.is_contiguous() || dy.is_neg() || dy.is_conj() ||
-          address(&dy) & 15) {
-        dy = at::empty(x.sizes(), x.options()).copy_(dy);
+      if (!dy.defined()) {
+        dy = at::zeros(xs.sizes(), xs.options());
+      } else if (dy.scalar_type() != at::kBFloat16 || !dy.is_contiguous() || dy.is_neg() || dy.is_conj() ||
+                 address(&dy) & 15) {
+        dy = at::empty(xs.sizes(), xs.options()).copy_(dy);
       }
-      GilHeld gil;
-      BackwardCall c{&x,      &weight, &cu_seqlens, &dy,     bias.defined() ? &bias : nullptr,
-                     nullptr, nullptr, nullptr,     nullptr, int(ctx->saved_data["round_preact"].toInt())};
+      BackwardCall c{&xs,     &ws,     &cus,    &dy,     bs.defined() ? &bs : nullptr,
+                     nullptr, nullptr, nullptr, nullptr, round_preact};
       if (!check_backward(&c)) {
         throw std::runtime_error(std::string(kAutograd) +
                                  ": internal error: the backward declined the forward's saved tensors "
@@ -500,7 +513,7 @@ struct ConvSiluFunction : torch::autograd::Function<ConvSiluFunction> {
       }
       g = run_backward(c);
     }
-    torch::autograd::variable_list out = {std::move(g.dx), std::move(g.dweight), at::Tensor(), std::move(g.dbias)};
+    variable_list out = {std::move(g.dx), std::move(g.dweight), std::move(g.dbias)};
     if (differentiable) {  // double backward: an error when it is taken, as @once_differentiable
       for (at::Tensor& t : out) {
         if (t.defined()) t = t.detach().requires_grad_(true);
@@ -510,7 +523,6 @@ struct ConvSiluFunction : torch::autograd::Function<ConvSiluFunction> {
                 int64_t(out.size()))
                 ->apply(std::move(out));
     }
-    out.resize(6);  // no gradient for round_preact and call
     return out;
   }
 };
@@ -531,10 +543,25 @@ PyObject* autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !check_forward(&c, kBwdMaxS, kBwdMaxElements)) {
     Py_RETURN_NONE;
   }
-  // register_module() gives a module's forward and backward at once: c.m->bwd is there too.
-  return THPVariable_Wrap(ConvSiluFunction::apply(*c.x, *c.weight, *c.cu_seqlens,
-                                                  c.bias ? std::optional<at::Tensor>(*c.bias) : std::nullopt,
-                                                  int64_t(round_preact), &c));
+  const at::Tensor& x = *c.x;
+  const at::Tensor& weight = *c.weight;
+  const at::Tensor bias = c.bias ? *c.bias : at::Tensor();
+  TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(x) && !torch::autograd::isFwGradDefined(weight) &&
+                                  !torch::autograd::isFwGradDefined(bias),
+                              kAutograd, ": forward-mode AD (dual tensors, torch.func.jvp) is not supported");
+  at::Tensor y = run_forward(c);
+  if (torch::autograd::compute_requires_grad(x, weight, bias)) {
+    // register_module() gives a module's forward and backward at once: the backward is there too.
+    auto node = make_node<CakeCausalConv1dBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
+    node->x = SavedVariable(x, false);
+    node->weight = SavedVariable(weight, false);
+    if (bias.defined()) node->bias = SavedVariable(bias, false);
+    node->cu_seqlens = SavedVariable(*c.cu_seqlens, false);
+    node->round_preact = round_preact;
+    torch::autograd::set_history(y, node);
+  }
+  return THPVariable_Wrap(std::move(y));
   END_HANDLE_TH_ERRORS
 }
 
@@ -552,8 +579,6 @@ PyMethodDef g_methods[] = {
      "backward_plan(S, C) -> (item_tokens, workspace bytes) of the backward"},
     {"register_module", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(register_module)), METH_FASTCALL,
      "register_module(device, weight_code, bias_code, fwd, bwd, capturing, message): a kernel module's entries"},
-    {"set_stream_getter", set_stream_getter, METH_O,
-     "set_stream_getter(fn): fn(device index) -> the current raw stream (torch._C._cuda_getCurrentRawStream)"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -413,6 +413,33 @@ def test_workspace_allocator():
         assert ws.numel() * 4 >= nbytes
 
 
+def test_outputs_come_from_torchs_caching_allocator():
+    """The binding allocates its outputs outside the dispatcher: they must still be blocks of
+    torch's CUDA caching allocator (counted by its statistics, 512-byte blocks, freed to it)."""
+    S, C = 3000, 264
+    x, w, b, dy = make_inputs(S, C, seed=78, weight_dtype=F32, bias_dtype=BF16)
+    cu = make_cu(S, split(S, 9, random.Random(78)))
+    xl, wl, bl = _leaves(x, w, b)
+
+    def block_bytes(*tensors):
+        return sum(-(-t.numel() * t.element_size() // 512) * 512 for t in tensors)
+
+    calls = {
+        "forward": lambda: (fwd(x, w, cu, bias=b),),
+        "backward": lambda: backward(x, w, cu, dy, b),
+        "cake_causal_conv1d": lambda: (cake_causal_conv1d(xl, wl, cu, bl),),
+    }
+    for name, call in calls.items():
+        call()  # default workspaces made
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        outs = call()
+        assert torch.cuda.memory_allocated() - before == block_bytes(*outs), name
+        assert all(t.device == x.device for t in outs), name
+        del outs
+        assert torch.cuda.memory_allocated() == before, name
+
+
 @pytest.mark.parametrize(
     "weight_dtype, bias_dtype, policy",
     [
@@ -641,7 +668,7 @@ def test_autograd_matches_raw_functions(weight_dtype, bias_dtype, policy):
 
     y = cake_causal_conv1d(xl, wl, cu, bl, silu_grad_preactivation=policy)
     assert y.dtype == BF16 and y.shape == x.shape and y.requires_grad
-    assert "CakeCausalConv1dFunction" not in type(y.grad_fn).__name__  # eager: the C++ node
+    assert y.grad_fn.name() == "CakeCausalConv1dBackward"  # eager: the binding's C++ node
     assert same_bits(y.detach(), fwd(x, w, cu, bias=b))
     y.backward(dy)
     got = _grads_of(xl, wl, bl)
@@ -731,6 +758,74 @@ def test_autograd_backward_on_a_side_stream():
         cake_causal_conv1d(xl, wl, cu, bl).backward(dy)
     torch.cuda.current_stream().wait_stream(side)
     assert_same_grads(_grads_of(xl, wl, bl), expected)
+
+
+# The eager C++ node and the Python Function (torch.compile's path), called alike.
+_AUTOGRAD_PATHS = (
+    lambda x, w, cu, b, policy: cake_causal_conv1d(x, w, cu, b, silu_grad_preactivation=policy),
+    CakeCausalConv1dFunction.apply,
+)
+
+
+def test_autograd_saved_tensors_hooks_see_every_saved_tensor():
+    """saved_tensors_hooks (activation offloading, checkpointing tools) pack and unpack what both
+    paths save: x, weight, bias, cu_seqlens; the gradients are the same bits through the hooks."""
+    S, C = 1200, 136
+    x, w, b, dy = make_inputs(S, C, seed=101, weight_dtype=BF16, bias_dtype=F32)
+    cu = make_cu(S, split(S, 7, random.Random(101)))
+    expected = backward(x, w, cu, dy, b)
+    for apply in _AUTOGRAD_PATHS:
+        packed = []
+
+        def pack(t):
+            packed.append(t)
+            return t.clone()  # the backward must see what unpack returns, not the original
+
+        xl, wl, bl = _leaves(x, w, b)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = apply(xl, wl, cu, bl, "bf16")
+        assert sorted(t.data_ptr() for t in packed) == sorted(t.data_ptr() for t in (xl, wl, bl, cu))
+        y.backward(dy)
+        assert_same_grads(_grads_of(xl, wl, bl), expected)
+
+
+class _DropFirstGrad(torch.autograd.Function):
+    """Passes z through; gives its first input no gradient (None), as a user's Function may."""
+
+    @staticmethod
+    def forward(ctx, y, z):
+        return z.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g
+
+
+def test_autograd_undefined_incoming_grad_gives_zero_grads():
+    """An undefined incoming gradient counts as zeros on both paths (as a Function's
+    materialize_grads): zero dx and dweight, not an error and not a missing gradient."""
+    S, C = 700, 136
+    x, w, b, _ = make_inputs(S, C, seed=102)
+    cu = make_cu(S, split(S, 5, random.Random(102)))
+    for apply in _AUTOGRAD_PATHS:
+        xl, wl, bl = _leaves(x, w, b)
+        z = torch.ones(3, device=x.device, requires_grad=True)
+        _DropFirstGrad.apply(apply(xl, wl, cu, bl, "bf16"), z).sum().backward()
+        for g in _grads_of(xl, wl, bl):
+            assert g is not None and not g.any()
+
+
+def test_autograd_forward_mode_ad_not_supported():
+    """Dual tensors (forward-mode AD) raise NotImplementedError before anything is launched."""
+    import torch.autograd.forward_ad as fwAD
+
+    S, C = 256, 136
+    x, w, b, _ = make_inputs(S, C, seed=103)
+    cu = make_cu(S, [S])
+    with fwAD.dual_level():
+        xd = fwAD.make_dual(x, torch.ones_like(x))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            cake_causal_conv1d(xd, w, cu, b)
 
 
 def test_jit_trace_replays_with_new_data():
