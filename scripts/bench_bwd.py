@@ -1106,20 +1106,13 @@ class Bench:
         ys_native = torch.nn.functional.silu(xs_leaf)
         cands.append(("torch silu bwd (autograd.grad, retained graph)",
                       lambda: torch.autograd.grad(ys_native, xs_leaf, dy, retain_graph=True), None))
-        for name, fn, env_name in cands:
-            try:
-                with fla_env(env_name):
-                    res["results"][name] = dev.host_us(fn, a.host_calls)
-            except Exception as e:
-                res["results"][name] = {"error": fmt_err(e)}
-                with contextlib.suppress(Exception):
-                    dev.sync()
+        res["results"].update(dev.host_us_rounds(cands, a.host_calls, fla_env))
         del keeps
         r = res["results"]
 
         def med(key):
             v = r.get(key) or {}
-            return v.get("mean_us")
+            return v.get("median_us")
         derived = {}
         raw_f = med("fwd raw (defaults)")
         for key, label in (("torch.ops.flashinfer_cake.causal_conv1d_fwd",
@@ -1134,14 +1127,11 @@ class Bench:
         if raw_b is not None and med("torch.ops.flashinfer_cake.causal_conv1d_bwd") is not None:
             derived["custom-op dispatch (bwd op - bwd raw)"] = (
                 med("torch.ops.flashinfer_cake.causal_conv1d_bwd") - raw_b)
-        res["derived_mean_us"] = derived
+        res["derived_median_us"] = derived
         for name, v in r.items():
-            if "mean_us" in v:
-                log(f"host overhead {name}: median {v['median_us']:.1f} us/call, mean {v['mean_us']:.1f} us/call")
-            else:
-                log(f"host overhead {name}: {v.get('error')}")
+            log(f"host overhead {name}: {B.fmt_host(v)}")
         for label, v in derived.items():
-            log(f"host overhead {label}: {v:+.1f} us/call (means)")
+            log(f"host overhead {label}: {v:+.1f} us/call (medians)")
 
     # ---- summary (no pass/fail thresholds: the backward has no stated goals here)
     def summary(self) -> dict:
@@ -1174,8 +1164,8 @@ class Bench:
                     "median": statistics.median([t[0] for t in sp]), "n": len(sp)}
         ho = self.res.get("host_overhead") or {}
         hr = ho.get("results", {})
-        s["host_mean_us"] = {k: v["mean_us"] for k, v in hr.items() if "mean_us" in v}
-        s["host_derived_mean_us"] = ho.get("derived_mean_us", {})
+        s["host_median_us"] = {k: v["median_us"] for k, v in hr.items() if "median_us" in v}
+        s["host_derived_median_us"] = ho.get("derived_median_us", {})
         chk = [r for r in self.res["rows"] if r.get("check")]
         gchk = [r for r in self.res["rows"] if r.get("ours_graph") and r["ours_graph"].get("check")]
         s["correct"] = {
@@ -1287,14 +1277,11 @@ class Bench:
         if ho:
             L += ["", f"## Host overhead per eager call (S={ho['S']}, C={ho['C']}, "
                       f"{ho['ndocs']} docs, {ho['calls']} calls)", "",
-                  "| call | mean µs | median µs |", "|---|---|---|"]
+                  "| call | median µs | rounds µs | mean µs | × x.clone() |", "|---|---|---|---|---|"]
             for name, r in ho["results"].items():
-                if "mean_us" in r:
-                    L.append(f"| {name} | {r['mean_us']:.1f} | {r['median_us']:.1f} |")
-                else:
-                    L.append(f"| {name} | ERR | {str(r.get('error', ''))[:80]} |")
-            for label, v in (ho.get("derived_mean_us") or {}).items():
-                L.append(f"| {label} | {v:+.1f} | |")
+                L.append(B.host_row(name, r))
+            for label, v in (ho.get("derived_median_us") or {}).items():
+                L.append(f"| {label} | {v:+.1f} | | | |")
         if self.res["errors"]:
             L += ["", "Errors:"] + [f"- {e['error']}" for e in self.res["errors"]]
         return L
@@ -1372,10 +1359,10 @@ class Bench:
                      "ours-ag bwd (autograd.grad, retained graph)": "autograd bwd",
                      "torch.ops.flashinfer_cake.causal_conv1d_fwd": "op fwd",
                      "torch.ops.flashinfer_cake.causal_conv1d_bwd": "op bwd"}
-            items = [f"{short.get(n, n)} {v['mean_us']:.1f}" for n, v in hr.items()
-                     if "mean_us" in v and n in short]
-            L.append("host µs/call (mean): " + ", ".join(items))
-            der = ho.get("derived_mean_us") or {}
+            items = [f"{short.get(n, n)} {v['median_us']:.1f}" for n, v in hr.items()
+                     if "median_us" in v and n in short]
+            L.append("host µs/call (median of rounds): " + ", ".join(items))
+            der = ho.get("derived_median_us") or {}
             if der:
                 L.append("host deltas µs/call: " + ", ".join(f"{k} {v:+.1f}"
                                                            for k, v in der.items()))
