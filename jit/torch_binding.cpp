@@ -25,10 +25,12 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <c10/core/Allocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -43,6 +45,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 namespace {
 
@@ -197,10 +200,20 @@ at::Tensor default_workspace(const Module& m, int kind, int device, intptr_t str
   const int status = m.capturing(reinterpret_cast<const void*>(stream));
   if (status < 0) throw std::runtime_error(std::string(fn) + ": cudaStreamIsCapturing failed: " + m.message());
   if (status) return at::zeros({elements}, options);  // zero, as every launch leaves a workspace
+  const std::tuple<int, int, intptr_t> key{kind, device, stream};
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const auto it = g_workspaces->find(key);
+    if (it != g_workspaces->end() && it->second.numel() >= elements) return it->second;
+  }
+  // Allocated and freed outside the mutex: the allocator may take the GIL (memory history, a
+  // Python dispatch mode) while a Python thread holding it waits for the mutex.
+  at::Tensor fresh = at::zeros({elements}, options), replaced;
   std::lock_guard<std::mutex> lock(g_mutex);
-  at::Tensor& kept = (*g_workspaces)[{kind, device, stream}];
-  if (!kept.defined() || kept.numel() < elements) kept = at::zeros({elements}, options);
-  return kept;
+  at::Tensor& kept = (*g_workspaces)[key];
+  if (kept.defined() && kept.numel() >= elements) return kept;  // another thread's, meanwhile
+  replaced = std::exchange(kept, fresh);
+  return fresh;
 }
 
 // A new output like `like` (dtype, shape, device), which the kernel writes in full: uninitialized
@@ -209,8 +222,10 @@ at::Tensor default_workspace(const Module& m, int kind, int device, intptr_t str
 // torch.use_deterministic_algorithms (no element is left unwritten for it to expose).
 at::Tensor new_output(const at::Tensor& like) {
   const c10::DeviceGuard guard(like.device());  // the allocator allocates on the current device
-  return at::detail::empty_generic(like.sizes(), c10::GetAllocator(c10::DeviceType::CUDA),
-                                   c10::DispatchKeySet(c10::DispatchKey::CUDA), like.scalar_type(), std::nullopt);
+  // at::empty's allocator (a pluggable one when set by torch.cuda.memory.change_current_allocator)
+  c10::Allocator* const allocator = at::detail::getCUDAHooks().getCUDADeviceAllocator();
+  return at::detail::empty_generic(like.sizes(), allocator, c10::DispatchKeySet(c10::DispatchKey::CUDA),
+                                   like.scalar_type(), std::nullopt);
 }
 
 // A caller's tensor the kernel writes: its version moves, as with an in-place op, so autograd
@@ -525,6 +540,34 @@ struct CakeCausalConv1dBackward final : Node {
     }
     return out;
   }
+
+  // Compiled autograd (torch._dynamo.compiled_autograd) traces the node through these two: its
+  // backward becomes one call of the custom op flashinfer_cake::causal_conv1d_bwd on the swapped
+  // saved tensors, as in CakeCausalConv1dFunction's backward under torch.compile.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    args.collect(x, false);
+    args.collect(weight, false);
+    args.collect(bias, false);
+    args.collect(cu_seqlens, false);
+    args.collect(round_preact);
+  }
+
+  variable_list apply_with_saved(const variable_list& grads, torch::dynamo::autograd::SwapSavedVariables& saved) override {
+    for (SavedVariable* v : {&x, &weight, &bias, &cu_seqlens}) saved.before(*v);
+    const at::Tensor xs = x.unpack(), bs = bias.unpack();
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("flashinfer_cake::causal_conv1d_bwd", "");
+    // (x, weight, cu_seqlens, dy, bias, silu_grad_preactivation) -> (dx, dweight, dbias or empty)
+    torch::jit::Stack stack{xs,
+                            weight.unpack(),
+                            cu_seqlens.unpack(),
+                            grads[0].defined() ? grads[0] : at::zeros_like(xs),
+                            bs.defined() ? c10::IValue(bs) : c10::IValue(),
+                            std::string(round_preact ? "bf16" : "fp32")};
+    op.callBoxed(&stack);
+    for (SavedVariable* v : {&x, &weight, &bias, &cu_seqlens}) saved.after(*v);
+    return {stack[0].toTensor(), stack[1].toTensor(), bs.defined() ? stack[2].toTensor() : at::Tensor()};
+  }
 };
 
 // autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation) -> y, recorded for
@@ -549,7 +592,11 @@ PyObject* autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(x) && !torch::autograd::isFwGradDefined(weight) &&
                                   !torch::autograd::isFwGradDefined(bias),
                               kAutograd, ": forward-mode AD (dual tensors, torch.func.jvp) is not supported");
-  at::Tensor y = run_forward(c);
+  at::Tensor y;
+  {
+    at::NoGradGuard no_grad;  // as a Function's forward: nothing in it is recorded (a parameter's aligned copy)
+    y = run_forward(c);
+  }
   if (torch::autograd::compute_requires_grad(x, weight, bias)) {
     // register_module() gives a module's forward and backward at once: the backward is there too.
     auto node = make_node<CakeCausalConv1dBackward>();

@@ -414,15 +414,15 @@ def test_workspace_allocator():
 
 
 def test_outputs_come_from_torchs_caching_allocator():
-    """The binding allocates its outputs outside the dispatcher: they must still be blocks of
-    torch's CUDA caching allocator (counted by its statistics, 512-byte blocks, freed to it)."""
+    """The binding allocates its outputs outside the dispatcher: they must still come from
+    torch's CUDA caching allocator (counted by its statistics, freed to it)."""
     S, C = 3000, 264
     x, w, b, dy = make_inputs(S, C, seed=78, weight_dtype=F32, bias_dtype=BF16)
     cu = make_cu(S, split(S, 9, random.Random(78)))
     xl, wl, bl = _leaves(x, w, b)
 
-    def block_bytes(*tensors):
-        return sum(-(-t.numel() * t.element_size() // 512) * 512 for t in tensors)
+    def requested():
+        return torch.cuda.memory_stats()["requested_bytes.all.current"]
 
     calls = {
         "forward": lambda: (fwd(x, w, cu, bias=b),),
@@ -432,12 +432,12 @@ def test_outputs_come_from_torchs_caching_allocator():
     for name, call in calls.items():
         call()  # default workspaces made
         torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
+        before = requested()
         outs = call()
-        assert torch.cuda.memory_allocated() - before == block_bytes(*outs), name
+        assert requested() - before == sum(t.numel() * t.element_size() for t in outs), name
         assert all(t.device == x.device for t in outs), name
         del outs
-        assert torch.cuda.memory_allocated() == before, name
+        assert requested() == before, name
 
 
 @pytest.mark.parametrize(
@@ -769,23 +769,34 @@ _AUTOGRAD_PATHS = (
 
 def test_autograd_saved_tensors_hooks_see_every_saved_tensor():
     """saved_tensors_hooks (activation offloading, checkpointing tools) pack and unpack what both
-    paths save: x, weight, bias, cu_seqlens; the gradients are the same bits through the hooks."""
+    paths save: x, weight, bias, cu_seqlens; the backward computes from what unpack returns (the
+    originals are overwritten after the forward), and the gradients are the same bits."""
     S, C = 1200, 136
     x, w, b, dy = make_inputs(S, C, seed=101, weight_dtype=BF16, bias_dtype=F32)
     cu = make_cu(S, split(S, 7, random.Random(101)))
     expected = backward(x, w, cu, dy, b)
     for apply in _AUTOGRAD_PATHS:
-        packed = []
+        packed, unpacked = [], []
 
         def pack(t):
             packed.append(t)
-            return t.clone()  # the backward must see what unpack returns, not the original
+            return t.clone()
+
+        def unpack(t):
+            unpacked.append(t)
+            return t
 
         xl, wl, bl = _leaves(x, w, b)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = apply(xl, wl, cu, bl, "bf16")
-        assert sorted(t.data_ptr() for t in packed) == sorted(t.data_ptr() for t in (xl, wl, bl, cu))
+        cu_call = cu.clone()
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            y = apply(xl, wl, cu_call, bl, "bf16")
+        assert sorted(t.data_ptr() for t in packed) == sorted(t.data_ptr() for t in (xl, wl, bl, cu_call))
+        with torch.no_grad():  # the hooks' copies hold the forward's values; the originals move
+            for t in (xl, wl, bl):
+                t.mul_(-3)
+            cu_call.zero_()
         y.backward(dy)
+        assert len(unpacked) == 4
         assert_same_grads(_grads_of(xl, wl, bl), expected)
 
 
@@ -813,6 +824,36 @@ def test_autograd_undefined_incoming_grad_gives_zero_grads():
         _DropFirstGrad.apply(apply(xl, wl, cu, bl, "bf16"), z).sum().backward()
         for g in _grads_of(xl, wl, bl):
             assert g is not None and not g.any()
+
+
+def test_compiled_autograd_traces_the_eager_node():
+    """Compiled autograd over an eager forward: the C++ node's backward is traced as one call of
+    the custom op causal_conv1d_bwd, and gives the eager gradients' bits."""
+    from torch._dynamo import compiled_autograd
+
+    S, C = 2000, 264
+    x, w, b, dy = make_inputs(S, C, seed=104, weight_dtype=BF16, bias_dtype=F32)
+    cu = make_cu(S, split(S, 9, random.Random(104)))
+    expected = backward(x, w, cu, dy, b)
+    graphs = []
+
+    def compiler_fn(gm):
+        graphs.append(gm)
+        return torch.compile(gm, backend="eager", fullgraph=True)
+
+    torch._dynamo.reset()
+    try:
+        for bias in (b, None):
+            xl, wl, bl = _leaves(x, w, bias)
+            y = cake_causal_conv1d(xl, wl, cu, bl)
+            assert y.grad_fn.name() == "CakeCausalConv1dBackward"
+            with compiled_autograd._enable(compiler_fn):
+                y.backward(dy)
+            want = expected if bias is not None else backward(x, w, cu, dy, None)
+            assert_same_grads(_grads_of(xl, wl, bl), want, f"bias {bias is not None}: ")
+    finally:
+        torch._dynamo.reset()
+    assert graphs and all("flashinfer_cake.causal_conv1d_bwd" in gm.code for gm in graphs)
 
 
 def test_autograd_forward_mode_ad_not_supported():
