@@ -1,9 +1,8 @@
 """flashinfer_cake: JIT-compiled CUDA kernels for packed (varlen) causal conv1d + SiLU in training."""
 
 from ._version import __version__
+from .autograd import CakeCausalConv1dFunction, cake_causal_conv1d
 from .cake_causal_conv1d_train import (
-    CakeCausalConv1dFunction,
-    cake_causal_conv1d,
     cake_causal_conv1d_train_backward,
     cake_causal_conv1d_train_backward_workspace,
     cake_causal_conv1d_train_backward_workspace_bytes,

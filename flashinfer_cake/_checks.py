@@ -1,8 +1,12 @@
-"""Argument validation shared by the public functions: host-side metadata only (never an element
-of a device tensor). Callers check in this order: types, then dtypes/shapes/layouts of every
-argument, then devices, so a mistake is reported the same way on any device. Each check names
-the argument, the expected and the received value. Written for the eager host budget: every
-tensor property is read once."""
+"""The argument rules of the public functions, with their messages: host-side metadata only
+(never an element of a device tensor). Checked in this order: types, then dtypes/shapes/layouts
+of every argument, then devices, so a mistake is reported the same way on any device. Each
+message names the argument, the expected and the received value.
+
+These run before anything is built (a bad argument never waits for a compiler) and whenever the
+torch binding declines a call: the binding applies the same rules natively, without messages, on
+the warm path. The limits mirror include/flashinfer_cake/causal_conv1d_contract.h
+(tests/test_contract.py compares them)."""
 
 from __future__ import annotations
 
@@ -10,9 +14,11 @@ import functools
 
 import torch
 
+from . import _plan
 from .jit.env import ARCH_OF_CAPABILITY
 
 PARAM_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+SILU_GRAD_POLICIES = ("bf16", "fp32")
 
 
 def check_types(fn: str, required, optional) -> None:
@@ -25,16 +31,14 @@ def check_types(fn: str, required, optional) -> None:
             raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
 
 
-# Index ranges of the kernels: the forward addresses 16-byte vectors of 8 channels with 32-bit
-# offsets (S * C / 8 < 2^32); the backward 8-byte vectors of 4 channels (S * C / 4 < 2^32) and
-# keeps token indices of a whole token group in int32 (S < 2^30).
+# The contract's limits (exclusive bounds but MAX_CU_SEQLENS): kFwdMaxS / kBwdMaxS,
+# kFwdMaxElements / kBwdMaxElements, kMaxC, kMaxCuSeqlens, kMaxDevices, kFwdWorkspaceCounters.
 MAX_S = {"forward": 2**31, "backward": 2**30}
 MAX_ELEMENTS = {"forward": 2**35, "backward": 2**34}
-# Both kernels keep C and the document count in int32 (C / 8 vectors per row, num_docs + 1).
 MAX_C = 2**28
 MAX_CU_SEQLENS = 2**31 - 1
-# Device indices the kernel modules' C entries accept.
 MAX_DEVICES = 64
+FWD_WORKSPACE_COUNTERS = 2
 
 
 def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
@@ -173,3 +177,91 @@ def check_sizes(S, C, device, op: str) -> torch.device:
         raise ValueError(f"S must be below 2^{MAX_S[op].bit_length() - 1} and S * C below "
                          f"2^{MAX_ELEMENTS[op].bit_length() - 1} for the {op}, got S={S}, C={C}")
     return torch.device(device)
+
+
+def check_policy(fn: str, silu_grad_preactivation) -> None:
+    """ValueError unless silu_grad_preactivation is one of the policies."""
+    if not isinstance(silu_grad_preactivation, str) or silu_grad_preactivation not in SILU_GRAD_POLICIES:
+        raise ValueError(
+            f"{fn}: silu_grad_preactivation must be one of {list(SILU_GRAD_POLICIES)}, got {silu_grad_preactivation!r}"
+        )
+
+
+def _check_aligned(fn: str, named_tensors) -> None:
+    """Each (name, tensor or None) starts at a 16-byte aligned address (the kernels' vectors)."""
+    for name, t in named_tensors:
+        if t is not None and t.data_ptr() & 15:
+            raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address, got {t.data_ptr():#x}")
+
+
+def check_forward_args(fn: str, x, weight, cu_seqlens, bias, out, workspace, op: str = "forward") -> int:
+    """Raises the error of the first forward rule the arguments break (x within ``op``'s range);
+    returns x's device index."""
+    check_types(fn, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens)),
+                (("bias", bias), ("out", out), ("workspace", workspace)))
+    S, C = check_x(fn, x, op)
+    check_params(fn, weight, cu_seqlens, bias, C)
+    if out is not None:
+        check_like(fn, "out", out, torch.bfloat16, x.shape, "x's shape")
+    if workspace is not None:
+        check_workspace(fn, workspace, torch.int32, 4 * FWD_WORKSPACE_COUNTERS,
+                        "cake_causal_conv1d_train_forward_workspace_bytes")
+    device = check_devices(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias), ("out", out),
+                                   ("workspace", workspace)))
+    if S:
+        # out is written while x, the parameters and cu_seqlens are read (the workspace, too,
+        # must stay as it is).
+        check_no_overlap(fn, (("x", x), ("weight", weight), ("bias", bias), ("cu_seqlens", cu_seqlens),
+                              ("workspace", workspace), ("out", out)), ("out",))
+        _check_aligned(fn, (("x", x), ("out", out)))
+    return device
+
+
+def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight,
+                        dbias) -> int:
+    """Raises the error of the first backward rule the arguments break; returns x's device index."""
+    check_types(fn, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy)),
+                (("bias", bias), ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias)))
+    check_policy(fn, silu_grad_preactivation)
+    S, C = check_x(fn, x, "backward")
+    check_params(fn, weight, cu_seqlens, bias, C)
+    check_like(fn, "dy", dy, torch.bfloat16, x.shape, "x's shape")
+    if dx is not None:
+        check_like(fn, "dx", dx, torch.bfloat16, x.shape, "x's shape")
+    if dweight is not None:
+        check_like(fn, "dweight", dweight, weight.dtype, weight.shape, "weight's dtype and shape")
+    if dbias is not None:
+        if bias is None:
+            raise ValueError(f"{fn}: dbias must be None when bias is None, got a tensor of shape {tuple(dbias.shape)}")
+        check_like(fn, "dbias", dbias, bias.dtype, bias.shape, "bias's dtype and shape")
+    if workspace is not None:
+        check_workspace(fn, workspace, torch.float32, _plan.workspace_bytes(S, C),
+                        "cake_causal_conv1d_train_backward_workspace_bytes")
+    device = check_devices(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy), ("bias", bias),
+                                   ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias)))
+    if S:
+        _check_aligned(fn, (("x", x), ("dy", dy), ("dx", dx)))  # 8-byte vectors; 16 keeps the forward's rule
+    # What the kernel writes (dx, the workspace's partial rows, dweight, dbias) may overlap nothing
+    # else: it reads x, dy, weight, bias and cu_seqlens while writing dx and the partial rows, and
+    # reads the partial rows while writing dweight/dbias.
+    check_no_overlap(fn, (("x", x), ("dy", dy), ("weight", weight), ("bias", bias), ("cu_seqlens", cu_seqlens),
+                          ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias)),
+                     ("workspace", "dx", "dweight", "dbias"))
+    return device
+
+
+def check_autograd_early(fn: str, x, silu_grad_preactivation) -> None:
+    """What cake_causal_conv1d checks before its forward runs, also under torch.compile: the
+    policy, and x within the backward's range (an error now, not in the backward)."""
+    check_policy(fn, silu_grad_preactivation)
+    if isinstance(x, torch.Tensor) and x.dim() in (2, 3):
+        S, C = x.shape[-2], x.shape[-1]
+        if S >= MAX_S["backward"] or S * C >= MAX_ELEMENTS["backward"]:
+            check_x(fn, x, "backward")
+
+
+def check_autograd_args(fn: str, x, weight, cu_seqlens, bias, silu_grad_preactivation) -> int:
+    """cake_causal_conv1d's rules: check_autograd_early's, then the forward's. Returns x's device
+    index."""
+    check_autograd_early(fn, x, silu_grad_preactivation)
+    return check_forward_args(fn, x, weight, cu_seqlens, bias, None, None)

@@ -1,5 +1,6 @@
-"""Packed (varlen) width-4 causal conv1d + SiLU for training: the forward, the backward, their
-workspaces, and the autograd entry point :func:`cake_causal_conv1d` (also under torch.compile)."""
+"""Packed (varlen) width-4 causal conv1d + SiLU for training: the eager forward and backward and
+their workspaces. The autograd entry point is :func:`flashinfer_cake.cake_causal_conv1d`
+(flashinfer_cake/autograd.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,9 @@ import math
 
 import torch
 
-from . import _checks, jit
-from ._checks import PARAM_DTYPES, arch_of
+from . import _checks, _dispatch, _plan
 
 __all__ = [
-    "CakeCausalConv1dFunction",
-    "cake_causal_conv1d",
     "cake_causal_conv1d_train_backward",
     "cake_causal_conv1d_train_backward_workspace",
     "cake_causal_conv1d_train_backward_workspace_bytes",
@@ -24,22 +22,13 @@ __all__ = [
 
 _FWD = "cake_causal_conv1d_train_forward"
 _BWD = "cake_causal_conv1d_train_backward"
-_AUTOGRAD = "cake_causal_conv1d"
-# Token-chunk counters for forward routes with a persistent grid (kFwdWorkspaceCounters in the
-# template): two int32, zero before and after every launch (no route of today writes them).
-_FWD_WORKSPACE_COUNTERS = 2
-# silu_grad_preactivation values (the binding maps them to the kernel's round_preact flag).
-_SILU_GRAD_POLICIES = ("bf16", "fp32")
-# The binding's dtype codes of the parameters (torch_binding.cpp).
-_WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_BIAS_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 
 
 def cake_causal_conv1d_train_forward_workspace_bytes(S: int, C: int, device) -> int:
     """Bytes of int32 workspace a forward of ``[S, C]`` on ``device`` needs: the most over every
     route (two token-chunk counters; no route of today writes them)."""
     _checks.check_sizes(S, C, device, "forward")
-    return 4 * _FWD_WORKSPACE_COUNTERS
+    return 4 * _checks.FWD_WORKSPACE_COUNTERS
 
 
 def cake_causal_conv1d_train_forward_workspace(S: int, C: int, device) -> torch.Tensor:
@@ -52,68 +41,42 @@ def cake_causal_conv1d_train_forward_workspace(S: int, C: int, device) -> torch.
     return torch.zeros(math.ceil(nbytes / 4), dtype=torch.int32, device=device)
 
 
-def _check_policy(fn: str, silu_grad_preactivation) -> None:
-    """ValueError unless silu_grad_preactivation is one of the policies."""
-    if not isinstance(silu_grad_preactivation, str) or silu_grad_preactivation not in _SILU_GRAD_POLICIES:
-        raise ValueError(
-            f"{fn}: silu_grad_preactivation must be one of {list(_SILU_GRAD_POLICIES)}, got {silu_grad_preactivation!r}"
-        )
-
-
 def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device) -> int:
-    """Bytes of FP32 workspace a backward of ``[S, C]`` on ``device`` needs: int32 counters of
-    the reduction tree (per 32 channels, one per 8 token groups and one), then one partial row of
+    """Bytes of FP32 workspace a backward of ``[S, C]`` on ``device`` needs: one partial row of
     the four taps' and the bias's gradient sums per token group (5 x C x 4 bytes per group of
     128 to 1024 tokens: 1 % to 8 % of x's bytes once S >= 128, 0.3 % to 2.6 % of the bytes the
     backward moves; a single group below that); 0 when ``S == 0``. Never decreases with S: a
-    workspace for the largest S serves every smaller one. (The rule lives in
-    causal_conv1d_bwd_plan.h; the first call builds the torch binding, which applies it.)"""
+    workspace for the largest S serves every smaller one. (The rule is causal_conv1d_bwd_plan.h's;
+    nothing is built to compute it.)"""
     _checks.check_sizes(S, C, device, "backward")
-    return jit.load_binding().backward_plan(S, C)[1]
+    return _plan.workspace_bytes(S, C)
 
 
 def cake_causal_conv1d_train_backward_workspace(S: int, C: int, device) -> torch.Tensor:
-    """A zeroed FP32 workspace of at least
-    ``cake_causal_conv1d_train_backward_workspace_bytes(S, C, device)`` bytes on ``device``.
-    Every launch leaves it zero (the counters and partial rows it used are reset by the CTA that
-    reduces them), so one serves every later call of one stream, of any shape it is large
-    enough for, CUDA Graph replays included; launches that may run at once need one each."""
+    """An FP32 workspace of at least ``cake_causal_conv1d_train_backward_workspace_bytes(S, C,
+    device)`` bytes on ``device`` (uninitialized: its content never matters). One serves every
+    later call of one stream, of any shape it is large enough for, CUDA Graph replays included;
+    launches that may run at once need one each."""
     device = _checks.check_sizes(S, C, device, "backward")
     nbytes = cake_causal_conv1d_train_backward_workspace_bytes(S, C, device)
-    return torch.zeros(math.ceil(nbytes / 4), dtype=torch.float32, device=device)
+    return torch.empty(math.ceil(nbytes / 4), dtype=torch.float32, device=device)
 
 
 def is_cake_causal_conv1d_train_supported(device=None) -> bool:
     """True when ``device`` (default: the current CUDA device) can run these kernels: a CUDA
     device of a supported arch (compute capability 9.0). False, not an error, otherwise."""
-    if device is None:
-        if not torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        return False  # before torch.device(int), which raises on a build without an accelerator
+    if device is None or isinstance(device, int):
+        index = torch.cuda.current_device() if device is None else device
+    else:
+        device = torch.device(device)
+        if device.type != "cuda":
             return False
-        device = torch.device("cuda", torch.cuda.current_device())
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
+        index = torch.cuda.current_device() if device.index is None else device.index
+    if not 0 <= index < torch.cuda.device_count():
         return False
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= torch.cuda.device_count():
-        return False
-    return arch_of(index) is not None
-
-
-def _register(device: int, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Load (building if needed) the kernel module of weight's and bias's dtypes for ``device``
-    and give the binding its entries."""
-    bias_dtype = None if bias is None else bias.dtype
-    spec = jit.VariantSpec(
-        PARAM_DTYPES[weight.dtype], "none" if bias_dtype is None else PARAM_DTYPES[bias_dtype], arch_of(device)
-    )
-    module = jit.load(spec)
-    jit.load_binding().register_module(device, _WEIGHT_CODES[weight.dtype], _BIAS_CODES[bias_dtype],
-                                       *module.entry_addresses)
-
-
-def _declined(fn: str) -> RuntimeError:
-    return RuntimeError(f"{fn}: internal error: the torch binding declined arguments that pass every check "
-                        "(please report it, with the arguments' dtypes, shapes and devices)")
+    return _checks.arch_of(index) is not None
 
 
 def cake_causal_conv1d_train_forward(
@@ -169,45 +132,14 @@ def cake_causal_conv1d_train_forward(
         RuntimeError: x's device is not supported, the module cannot be built or loaded, or the
             launch fails (with the CUDA error string).
     """
-    y = jit.load_binding().forward(x, weight, cu_seqlens, bias, out, workspace)
-    return _forward_declined(x, weight, cu_seqlens, bias, out, workspace) if y is None else y
-
-
-def _forward_declined(x, weight, cu_seqlens, bias, out, workspace) -> torch.Tensor:
-    """The binding declined the call (it applies these rules without the messages): raise the
-    error these checks find, else register the variant's module (its first call on the device)
-    and call again."""
-    device = _check_forward_args(x, weight, cu_seqlens, bias, out, workspace)
-    _register(device, weight, bias)
-    y = jit.load_binding().forward(x, weight, cu_seqlens, bias, out, workspace)
-    if y is None:
-        raise _declined(_FWD)
+    binding = _dispatch.binding
+    y = None if binding is None else binding.try_forward(x, weight, cu_seqlens, bias, out, workspace)
+    if y is None:  # a bad argument (raised here, before anything is built), or a first call
+        device = _checks.check_forward_args(_FWD, x, weight, cu_seqlens, bias, out, workspace)
+        y = _dispatch.binding_for(device, weight, bias).try_forward(x, weight, cu_seqlens, bias, out, workspace)
+        if y is None:
+            raise _dispatch.declined_error(_FWD)
     return y
-
-
-def _check_forward_args(x, weight, cu_seqlens, bias, out, workspace) -> int:
-    """Raises the error of the first forward rule the arguments break; returns x's device index."""
-    _checks.check_types(_FWD, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens)),
-                        (("bias", bias), ("out", out), ("workspace", workspace)))
-    S, C = _checks.check_x(_FWD, x)
-    _checks.check_params(_FWD, weight, cu_seqlens, bias, C)
-    if out is not None:
-        _checks.check_like(_FWD, "out", out, torch.bfloat16, x.shape, "x's shape")
-    if workspace is not None:
-        _checks.check_workspace(_FWD, workspace, torch.int32, 4 * _FWD_WORKSPACE_COUNTERS,
-                                "cake_causal_conv1d_train_forward_workspace_bytes")
-    device = _checks.check_devices(_FWD, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
-                                             ("out", out), ("workspace", workspace)))
-    if S:
-        # out is written while x, the parameters and cu_seqlens are read (the workspace, too,
-        # must stay as it is).
-        _checks.check_no_overlap(_FWD, (("x", x), ("weight", weight), ("bias", bias), ("cu_seqlens", cu_seqlens),
-                                        ("workspace", workspace), ("out", out)), ("out",))
-        x_ptr, out_ptr = x.data_ptr(), 0 if out is None else out.data_ptr()
-        if (x_ptr | out_ptr) & 15:  # 16-byte vector loads and stores
-            name, ptr = ("x", x_ptr) if x_ptr & 15 else ("out", out_ptr)
-            raise ValueError(f"{_FWD}: {name} must start at a 16-byte aligned address, got {ptr:#x}")
-    return device
 
 
 def cake_causal_conv1d_train_backward(
@@ -238,7 +170,9 @@ def cake_causal_conv1d_train_backward(
     workspace, added by a fixed two-level tree: the last CTA of each chunk of 8 groups adds the
     chunk in group order, the last chunk adds the chunk sums in chunk order; no float atomics),
     so they are bitwise identical run to run for a given (S, C, weight dtype, bias dtype,
-    policy). No host synchronization; CUDA-graph capturable.
+    policy). The tree's counters live in a buffer the package keeps per (device, stream) (a
+    zeroed one of the call's own while capturing a CUDA graph), never in ``workspace``: no
+    workspace content can change a result. No host synchronization; CUDA-graph capturable.
 
     Args:
         x, weight, cu_seqlens, bias: the forward's arguments, with the forward's requirements,
@@ -248,12 +182,12 @@ def cake_causal_conv1d_train_backward(
             rounded to BF16 (to nearest even), ``"fp32"`` at the unrounded FP32 value.
         workspace: optional caller-owned FP32 1-D buffer of at least
             :func:`cake_causal_conv1d_train_backward_workspace_bytes` bytes, e.g. from
-            :func:`cake_causal_conv1d_train_backward_workspace`: zero before its first launch
-            and left zero by every launch, so one buffer serves every later call of one
-            stream, CUDA Graph replays included; launches that may run at once need one each.
-            When omitted, a zeroed buffer kept per (device, current stream) is used (replaced
-            by a larger one when too small), or a zeroed buffer of the call's own while the
-            current stream is capturing a CUDA graph.
+            :func:`cake_causal_conv1d_train_backward_workspace`: scratch for the partial sums,
+            any content (each launch writes every part it reads first), so one buffer serves
+            every later call of one stream, CUDA Graph replays included; launches that may run
+            at once need one each. When omitted, a buffer kept per (device, current stream) is
+            used (replaced by a larger one when too small), or a buffer of the call's own while
+            the current stream is capturing a CUDA graph.
         dx: optional preallocated BF16 output of x's shape, contiguous, 16-byte aligned.
         dweight: optional preallocated output of weight's dtype and shape ``[C, 4]``, contiguous.
         dbias: optional preallocated output of bias's dtype and shape ``[C]``, contiguous; only
@@ -270,181 +204,12 @@ def cake_causal_conv1d_train_backward(
         RuntimeError: x's device is not supported, the module cannot be built or loaded, or the
             launch fails (with the CUDA error string).
     """
-    grads = jit.load_binding().backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx,
-                                        dweight, dbias)
-    if grads is None:
-        grads = _backward_declined(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx,
-                                   dweight, dbias)
+    args = (x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight, dbias)
+    binding = _dispatch.binding
+    grads = None if binding is None else binding.try_backward(*args)
+    if grads is None:  # a bad argument (raised here, before anything is built), or a first call
+        device = _checks.check_backward_args(_BWD, *args)
+        grads = _dispatch.binding_for(device, weight, bias).try_backward(*args)
+        if grads is None:
+            raise _dispatch.declined_error(_BWD)
     return grads
-
-
-def _backward_declined(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight,
-                       dbias) -> tuple[torch.Tensor, ...]:
-    """As _forward_declined, for the backward."""
-    _checks.check_types(_BWD, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy)),
-                        (("bias", bias), ("workspace", workspace), ("dx", dx), ("dweight", dweight),
-                         ("dbias", dbias)))
-    _check_policy(_BWD, silu_grad_preactivation)
-    S, C = _checks.check_x(_BWD, x, "backward")
-    _checks.check_params(_BWD, weight, cu_seqlens, bias, C)
-    _checks.check_like(_BWD, "dy", dy, torch.bfloat16, x.shape, "x's shape")
-    if dx is not None:
-        _checks.check_like(_BWD, "dx", dx, torch.bfloat16, x.shape, "x's shape")
-    if dweight is not None:
-        _checks.check_like(_BWD, "dweight", dweight, weight.dtype, weight.shape, "weight's dtype and shape")
-    if dbias is not None:
-        if bias is None:
-            raise ValueError(f"{_BWD}: dbias must be None when bias is None, got a tensor of shape {tuple(dbias.shape)}")
-        _checks.check_like(_BWD, "dbias", dbias, bias.dtype, bias.shape, "bias's dtype and shape")
-    if workspace is not None:
-        need = jit.load_binding().backward_plan(S, C)[1]
-        _checks.check_workspace(_BWD, workspace, torch.float32, need,
-                                "cake_causal_conv1d_train_backward_workspace_bytes")
-    device = _checks.check_devices(_BWD, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy),
-                                             ("bias", bias), ("workspace", workspace), ("dx", dx),
-                                             ("dweight", dweight), ("dbias", dbias)))
-    x_ptr, dy_ptr = x.data_ptr(), dy.data_ptr()
-    dx_ptr = 0 if dx is None else dx.data_ptr()
-    if S and (x_ptr | dy_ptr | dx_ptr) & 15:  # 8-byte vectors; 16 keeps the forward's rule
-        name, ptr = next((n, p) for n, p in (("x", x_ptr), ("dy", dy_ptr), ("dx", dx_ptr)) if p & 15)
-        raise ValueError(f"{_BWD}: {name} must start at a 16-byte aligned address, got {ptr:#x}")
-    # What the kernel writes (dx, the workspace's counters and partial rows, dweight, dbias) may
-    # overlap nothing else: it reads x, dy, weight, bias and cu_seqlens while writing dx and the
-    # partial rows, and reads the partial rows while writing dweight/dbias.
-    _checks.check_no_overlap(_BWD, (("x", x), ("dy", dy), ("weight", weight), ("bias", bias),
-                                    ("cu_seqlens", cu_seqlens), ("workspace", workspace), ("dx", dx),
-                                    ("dweight", dweight), ("dbias", dbias)), ("workspace", "dx", "dweight", "dbias"))
-    _register(device, weight, bias)
-    grads = jit.load_binding().backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx,
-                                        dweight, dbias)
-    if grads is None:
-        raise _declined(_BWD)
-    return grads
-
-
-# torch.compile sees the kernels as two custom ops (opaque to the compiler, with fake
-# implementations for shape propagation). Eager calls skip the op dispatcher: they call the
-# functions above directly, which is what the ops run too.
-@torch.library.custom_op("flashinfer_cake::causal_conv1d_fwd", mutates_args=(), device_types="cuda")
-def _causal_conv1d_fwd_op(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
-                          bias: torch.Tensor | None) -> torch.Tensor:
-    return cake_causal_conv1d_train_forward(x, weight, cu_seqlens, bias=bias)
-
-
-@_causal_conv1d_fwd_op.register_fake
-def _(x, weight, cu_seqlens, bias):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("flashinfer_cake::causal_conv1d_bwd", mutates_args=(), device_types="cuda")
-def _causal_conv1d_bwd_op(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, dy: torch.Tensor,
-                          bias: torch.Tensor | None, silu_grad_preactivation: str
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dweight, *dbias = _backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation)
-    # A custom op returns tensors only: no bias -> an empty dbias, turned back into None by the caller.
-    return dx, dweight, dbias[0] if dbias else x.new_empty(0)
-
-
-@_causal_conv1d_bwd_op.register_fake
-def _(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation):
-    return torch.empty_like(x), torch.empty_like(weight), x.new_empty(0) if bias is None else torch.empty_like(bias)
-
-
-def _backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation):
-    """The backward with an incoming gradient of any dtype and layout, materialized once as a
-    BF16 contiguous 16-byte aligned tensor when it is not one."""
-    if dy.dtype != torch.bfloat16 or not dy.is_contiguous() or dy.is_neg() or dy.data_ptr() & 15:
-        dy = torch.empty_like(x).copy_(dy)
-    return cake_causal_conv1d_train_backward(x, weight, cu_seqlens, dy, bias=bias,
-                                             silu_grad_preactivation=silu_grad_preactivation)
-
-
-class CakeCausalConv1dFunction(torch.autograd.Function):
-    """Autograd of :func:`cake_causal_conv1d` under torch.compile: saves x, weight, bias and
-    cu_seqlens only (the backward recomputes the pre-activation); gradients come back in the
-    inputs' dtypes. Eager calls of :func:`cake_causal_conv1d` use the torch binding's C++ node,
-    which does the same for less host time; ``CakeCausalConv1dFunction.apply(x, weight,
-    cu_seqlens, bias, silu_grad_preactivation)`` works eagerly too, with identical results."""
-
-    @staticmethod
-    def forward(ctx, x, weight, cu_seqlens, bias, silu_grad_preactivation):
-        ctx.save_for_backward(x, weight, bias, cu_seqlens)
-        ctx.silu_grad_preactivation = silu_grad_preactivation
-        if torch.compiler.is_compiling():
-            return torch.ops.flashinfer_cake.causal_conv1d_fwd(x, weight, cu_seqlens, bias)
-        return cake_causal_conv1d_train_forward(x, weight, cu_seqlens, bias=bias)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # the backward is not itself differentiable
-    def backward(ctx, dy):
-        x, weight, bias, cu_seqlens = ctx.saved_tensors
-        policy = ctx.silu_grad_preactivation
-        if torch.compiler.is_compiling():
-            dx, dweight, dbias = torch.ops.flashinfer_cake.causal_conv1d_bwd(x, weight, cu_seqlens, dy, bias, policy)
-            dbias = None if bias is None else dbias
-        else:
-            dx, dweight, *rest = _backward(x, weight, cu_seqlens, dy, bias, policy)
-            dbias = rest[0] if rest else None
-        return dx, dweight, None, dbias, None
-
-
-def cake_causal_conv1d(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    silu_grad_preactivation: str = "bf16",
-) -> torch.Tensor:
-    """Packed width-4 causal conv1d + SiLU with autograd: the training entry point.
-
-    ``y = cake_causal_conv1d_train_forward(x, weight, cu_seqlens, bias=bias)``; ``y.backward``
-    runs :func:`cake_causal_conv1d_train_backward` (x, weight and bias get gradients in their own
-    dtypes; cu_seqlens none). Only x, weight, bias and cu_seqlens are saved for the backward; an
-    incoming gradient that is not BF16, contiguous and 16-byte aligned is copied once into one
-    that is; the backward is not itself differentiable (``create_graph=True`` gives gradients
-    whose own backward raises). Eager calls record a C++ autograd node of the torch binding;
-    under ``torch.compile`` the call is :class:`CakeCausalConv1dFunction` over the custom ops
-    ``torch.ops.flashinfer_cake.causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (no graph break,
-    ``fullgraph=True`` works), and under ``torch.jit.trace`` that Function too. Both give bitwise
-    the same results. ``torch.func`` transforms (grad, vmap) are not supported.
-
-    Args:
-        x, weight, cu_seqlens, bias: as in :func:`cake_causal_conv1d_train_forward`.
-        silu_grad_preactivation: ``"bf16"`` or ``"fp32"``, as in
-            :func:`cake_causal_conv1d_train_backward`.
-
-    Returns:
-        BF16 ``y`` of x's shape.
-
-    Raises:
-        As the forward; and a ValueError up front when x is outside the backward's range
-        (S < 2^30, S * C < 2^34).
-    """
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # the binding is opaque to both
-        _check_autograd_args(x, silu_grad_preactivation)
-        return CakeCausalConv1dFunction.apply(x, weight, cu_seqlens, bias, silu_grad_preactivation)
-    # Eager: the binding's C++ autograd node (a Python autograd.Function costs ~13 us more per call).
-    y = jit.load_binding().autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation)
-    return _autograd_declined(x, weight, cu_seqlens, bias, silu_grad_preactivation) if y is None else y
-
-
-def _check_autograd_args(x, silu_grad_preactivation) -> None:
-    """cake_causal_conv1d's own rules: the policy, and x within the backward's range (an error now,
-    not in the backward)."""
-    _check_policy(_AUTOGRAD, silu_grad_preactivation)
-    if isinstance(x, torch.Tensor) and x.dim() in (2, 3):
-        S, C = x.shape[-2], x.shape[-1]
-        if S >= _checks.MAX_S["backward"] or S * C >= _checks.MAX_ELEMENTS["backward"]:
-            _checks.check_x(_AUTOGRAD, x, "backward")
-
-
-def _autograd_declined(x, weight, cu_seqlens, bias, silu_grad_preactivation) -> torch.Tensor:
-    """As _forward_declined, for cake_causal_conv1d's eager call."""
-    _check_autograd_args(x, silu_grad_preactivation)
-    device = _check_forward_args(x, weight, cu_seqlens, bias, None, None)
-    _register(device, weight, bias)
-    y = jit.load_binding().autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation)
-    if y is None:
-        raise _declined(_AUTOGRAD)
-    return y

@@ -3,9 +3,15 @@
     flashinfer-cake            build what this machine needs, run the forward once on a typical
                                training shape, check it against the reference, print GB/s
                                (without a GPU: say so, build the variants, exit 0)
-    flashinfer-cake env        versions, nvcc, arch list, directories, which variants are built
-    flashinfer-cake build      prebuild every variant and the torch binding (into the JIT cache, or --out DIR)
+    flashinfer-cake env        versions, nvcc, arch list, directories, which modules are built
+                               (always finishes: a problem is reported on its line)
+    flashinfer-cake build      prebuild every variant and the torch binding (into the JIT cache,
+                               --out DIR, or --aot: the installed package's own aot/)
     flashinfer-cake clear-cache
+
+Under FLASHINFER_CAKE_DISABLE_JIT=1 the default action compiles nothing (it runs on prebuilt
+modules, or says which are missing); ``build`` still compiles: prebuilding is what it is for.
+Errors are one line on stderr and exit status 1.
 """
 
 from __future__ import annotations
@@ -15,51 +21,74 @@ import logging
 import platform
 import shutil
 import sys
+import time
 
 import torch
 
 from . import __version__, jit
 from .jit import env
-from .jit.build import nvcc_version
+from .jit.build import compiler_version
 
 
-def _specs(archs: list[str] | None) -> list[jit.VariantSpec]:
-    return jit.all_variants([env.normalize_arch(a, "--arch") for a in archs] if archs else env.arch_list())
+def _specs(archs: list[str] | None) -> list[jit.JitSpec]:
+    """Every variant for ``archs`` (default: the arch list), then the torch binding."""
+    archs = [env.normalize_arch(a, "--arch") for a in archs] if archs else env.arch_list()
+    return [*jit.all_variants(archs), jit.binding_spec()]
+
+
+def _line(label: str, value, problems: list[str], width: int = 16) -> None:
+    """One line of `env`: the value, or the error that computing it raised (kept in ``problems``)."""
+    try:
+        text = value() if callable(value) else value
+    except (RuntimeError, ValueError, OSError) as e:
+        problems.append(_message(e))
+        text = f"ERROR: {problems[-1]}"
+    print(f"{label:{width}s} {text}")
+
+
+def _cuda_devices() -> str:
+    if not torch.cuda.is_available():
+        return "none visible to torch"
+    return "; ".join(f"{i}: {torch.cuda.get_device_name(i)} (compute capability "
+                     f"{'.'.join(map(str, torch.cuda.get_device_capability(i)))})"
+                     for i in range(torch.cuda.device_count()))
 
 
 def cmd_env(args) -> int:
-    nvcc = env.nvcc_path()
-    version = "not found" if nvcc is None else nvcc_version(nvcc)
-    print(f"flashinfer_cake  {__version__}")
-    print(f"python           {platform.python_version()}")
-    print(f"torch            {torch.__version__} (CUDA {torch.version.cuda})")
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            cap = torch.cuda.get_device_capability(i)
-            print(f"gpu {i}            {torch.cuda.get_device_name(i)} (compute capability {cap[0]}.{cap[1]})")
+    """Every line, whatever fails; exit status 1 (and the first problem on stderr) if any did."""
+    nvcc, problems = env.nvcc_path(), []
+    _line("flashinfer_cake", __version__, problems)
+    _line("python", platform.python_version(), problems)
+    _line("torch", f"{torch.__version__} (CUDA {torch.version.cuda})", problems)
+    _line("gpus", _cuda_devices, problems)
+    _line("nvcc", lambda: "not found" if nvcc is None else f"{nvcc} ({compiler_version(nvcc)})", problems)
+    _line("c++", lambda: f"{env.cxx_path()} ({compiler_version(env.cxx_path())})  (CXX)", problems)
+    _line("arch list", lambda: f"{' '.join(env.arch_list())}  (FLASHINFER_CAKE_CUDA_ARCH_LIST)", problems)
+    _line("cache dir", lambda: f"{env.cache_dir()}  (FLASHINFER_CAKE_CACHE_DIR)", problems)
+    _line("aot dirs", lambda: f"{' '.join(map(str, env.aot_dirs())) or 'none'}  (FLASHINFER_CAKE_AOT_DIR, the "
+          f"package's aot/)", problems)
+    _line("jit", f"{'disabled' if env.jit_disabled() else 'enabled'}  (FLASHINFER_CAKE_DISABLE_JIT)", problems)
+    if problems:
+        print("modules          not listed (see the errors above)")
     else:
-        print("gpu              none visible to torch")
-    print(f"nvcc             {nvcc or 'not found'} ({version})")
-    print(f"arch list        {' '.join(env.arch_list())}  (FLASHINFER_CAKE_CUDA_ARCH_LIST)")
-    print(f"cache dir        {env.cache_dir()}  (FLASHINFER_CAKE_CACHE_DIR)")
-    print(f"aot dirs         {' '.join(map(str, env.aot_dirs())) or 'none'}  (FLASHINFER_CAKE_AOT_DIR)")
-    print(f"jit              {'disabled' if env.jit_disabled() else 'enabled'}  (FLASHINFER_CAKE_DISABLE_JIT)")
-    binding = jit.published_binding()
-    print(f"torch binding    {binding or 'not built'}")
-    print("variants:")
-    for spec in _specs(None):
-        where = jit.published_modules(spec)
-        print(f"  {spec.uri:44s} {where[0] if where else 'not built'}")
-    return 0
+        print("modules:")
+        for spec in _specs(None):
+            _line(f"  {spec.uri}", lambda spec=spec: (jit.published(spec) or ["not built"])[0], problems, 46)
+    if problems:
+        print(f"flashinfer-cake: error: {problems[0]}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def cmd_build(args) -> int:
-    specs = _specs(args.arch)
-    built = jit.prebuild(specs, args.out, jobs=args.jobs, verbose=True)
-    binding = jit.build_binding(args.out, jobs=args.jobs, verbose=True)
-    for spec in specs:
-        print(f"{spec.uri:44s} {built[spec]}")
-    print(f"{'torch binding':44s} {binding}")
+    out = env.PACKAGE_AOT_DIR if args.aot else args.out
+    start = time.perf_counter()
+    built = jit.prebuild(_specs(args.arch), out, jobs=args.jobs, progress=lambda line: print(line, flush=True))
+    for spec, path in built.items():
+        print(f"{spec.uri:44s} {path}")
+    where = next(iter(built.values())).parent
+    print(f"all {len(built)} modules are in {where} ({time.perf_counter() - start:.1f} s)")
+    if where != env.PACKAGE_AOT_DIR and where not in [env.cache_dir(), *env.aot_dirs()]:
+        print(f"this installation does not search {where}: export FLASHINFER_CAKE_AOT_DIR={where}")
     return 0
 
 
@@ -83,8 +112,11 @@ def cmd_check(args) -> int:
     if not is_cake_causal_conv1d_train_supported():
         why = "no CUDA GPU visible to torch" if not torch.cuda.is_available() else (
             f"GPU {torch.cuda.get_device_name()} is not supported (needs compute capability 9.0)")
-        print(f"{why}: building the variants only, no forward run.")
-        return cmd_build(argparse.Namespace(arch=None, out=None, jobs=None))
+        if env.jit_disabled():
+            print(f"{why}, and FLASHINFER_CAKE_DISABLE_JIT is set: nothing to run, nothing built.")
+            return cmd_env(args)
+        print(f"{why}: building the modules only, no forward run.")
+        return cmd_build(argparse.Namespace(arch=None, out=None, aot=False, jobs=None))
     S, C, docs = 16384, 4096, 16
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -111,14 +143,20 @@ def cmd_check(args) -> int:
     return 0 if ok else 1
 
 
+def _message(e: BaseException) -> str:
+    return str(e).removeprefix("flashinfer_cake: ")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashinfer-cake", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
-    sub.add_parser("env", help="versions, nvcc, arch list, directories, built variants")
-    build = sub.add_parser("build", help="prebuild every variant")
+    sub.add_parser("env", help="versions, compilers, arch list, directories, built modules")
+    build = sub.add_parser("build", help="prebuild every variant and the torch binding")
     build.add_argument("--arch", action="append", help="arch to build, e.g. sm_90a (default: the arch list)")
-    build.add_argument("--out", help="output directory (default: the JIT cache)")
+    where = build.add_mutually_exclusive_group()
+    where.add_argument("--out", help="output directory (default: the JIT cache)")
+    where.add_argument("--aot", action="store_true", help=f"into the installed package's aot/ ({env.PACKAGE_AOT_DIR})")
     build.add_argument("-j", "--jobs", type=int, help="parallel compile jobs (default: MAX_JOBS or all cores)")
     sub.add_parser("clear-cache", help="delete everything in the JIT cache")
     args = parser.parse_args(argv)
@@ -126,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"env": cmd_env, "build": cmd_build, "clear-cache": cmd_clear_cache, None: cmd_check}[args.command]
     try:
         return handler(args)
-    except (RuntimeError, ValueError) as e:
-        print(f"flashinfer-cake: error: {e}", file=sys.stderr)
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"flashinfer-cake: error: {_message(e)}", file=sys.stderr)
         return 1
 
 

@@ -1,12 +1,12 @@
-"""The JIT: variants of the CUDA templates in include/, built with ninja, cached, loaded by ctypes;
-and the torch binding that calls them (binding.py).
+"""The JIT: the package's compiled artifacts, described by :class:`JitSpec` and built, cached and
+loaded by one pipeline (:mod:`.core`): the kernel modules (one per variant of the CUDA templates
+in include/, loaded with ctypes) and the torch binding that calls them (:mod:`.binding`).
 
 Installed as ``flashinfer_cake.jit`` (the sources live in the top-level ``jit/`` directory).
 """
 
-from .binding import build_binding, load_binding, published_binding
-from .core import load, prebuild, published_modules
-from .variant import VariantSpec, all_variants
+from .binding import binding_spec, load_binding
+from .core import JitSpec, load, prebuild, published
+from .variant import all_variants, variant_spec
 
-__all__ = ["VariantSpec", "all_variants", "build_binding", "load", "load_binding", "prebuild", "published_binding",
-           "published_modules"]
+__all__ = ["JitSpec", "all_variants", "binding_spec", "load", "load_binding", "prebuild", "published", "variant_spec"]

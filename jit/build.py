@@ -1,33 +1,81 @@
-"""Build variants with ninja and publish the modules atomically.
+"""Build JitSpecs with ninja and publish them atomically.
 
 Layout of an output directory (the JIT cache or an AOT directory)::
 
-    <name>.so      the module, <name> = VariantSpec.module_name(toolchain digest)
-    <name>.json    its record: sha256 of the .so, variant, nvcc version, build seconds;
-                   written last, so a module without a matching record is never loaded
-    build/...      ninja's work directory (generated .cu, build.ninja, objects, build.log)
+    <name>.so      the artifact, <name> = JitSpec.module_name(compiler digest)
+    <name>.json    its record: sha256 of the .so, uri, compiler and version, build seconds;
+                   written last, so an artifact without a matching record is never loaded
+    <name>.lock    the file lock of its build
+    build/...      ninja's work directories (sources, build.ninja, objects, build.log: the
+                   compilers' whole output, register and spill counts included)
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import filelock
 
 from . import env
-from .variant import VariantSpec
+
+if TYPE_CHECKING:
+    from .core import JitSpec
 
 logger = logging.getLogger("flashinfer_cake.jit")
+
+
+def notice(message: str) -> None:
+    """A line the user should see once (a build starting, a wait on another process's build):
+    logged at INFO where logging is configured, else written to stderr."""
+    if logger.hasHandlers():
+        logger.info(message)
+    else:
+        print(message, file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildItem:
+    """A spec to build, the file stem it is published under, and the compiler that builds it."""
+    spec: "JitSpec"
+    name: str
+    compiler: Path
+
+
+@contextlib.contextmanager
+def hold_lock(out_dir: Path, name: str, what: str):
+    """Hold ``out_dir/<name>.lock``; says so when another process holds it (its build may take a
+    minute). An unwritable directory is a RuntimeError that says what to do."""
+    try:
+        lock = filelock.FileLock(str(out_dir / f"{name}.lock"))
+        try:
+            lock.acquire(timeout=0.5)
+        except filelock.Timeout:
+            notice(f"flashinfer_cake: waiting for another process to finish building {what} (lock {lock.lock_file})")
+            lock.acquire()
+    except OSError as e:
+        raise RuntimeError(
+            f"flashinfer_cake: cannot build in {out_dir}: {e.strerror or e} ({e.filename or out_dir}). Use a "
+            f"writable directory (FLASHINFER_CAKE_CACHE_DIR, or --out for a prebuild)"
+        ) from e
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def write_if_different(path: Path, content: str) -> None:
@@ -40,41 +88,50 @@ def write_if_different(path: Path, content: str) -> None:
     os.replace(tmp, path)
 
 
-def _ninja_file(nvcc: Path, stems: dict[str, VariantSpec]) -> str:
+def _ninja_file(items: list[BuildItem]) -> str:
+    """One ninja file for any mix of CUDA and C++ specs: a compile and a link edge each."""
     lines = [
         "ninja_required_version = 1.3",
-        f"nvcc = {shlex.quote(str(nvcc))}",
-        f"include_dir = {shlex.quote(str(env.include_dir()))}",
-        "rule compile",
-        "  command = $nvcc $flags -I$include_dir -MD -MF $out.d -c $in -o $out",
+        "rule cuda_compile",
+        "  command = $compiler $cflags -MD -MF $out.d -c $in -o $out",
         "  depfile = $out.d",
         "  deps = gcc",
         "  description = compile $out",
-        "rule link",
-        "  command = $nvcc $flags -shared $in -o $out",
+        "rule cuda_link",
+        "  command = $compiler $cflags -shared $in -o $out $ldflags",
+        "  description = link $out",
+        "rule cxx_compile",
+        "  command = $compiler $cflags -MD -MF $out.d -c $in -o $out",
+        "  depfile = $out.d",
+        "  deps = gcc",
+        "  description = compile $out",
+        "rule cxx_link",
+        "  command = $compiler -shared $in -o $out $ldflags",
         "  description = link $out",
     ]
-    for stem, spec in stems.items():
-        flags = " ".join(spec.nvcc_flags())
-        lines += [
-            f"build {stem}.o: compile {stem}.cu",
-            f"  flags = {flags}",
-            f"build {stem}.so: link {stem}.o",
-            f"  flags = {flags}",
-        ]
+    for item in items:
+        spec = item.spec
+        rule = "cuda" if spec.language == "cuda" else "cxx"
+        includes = [str(env.include_dir()), *spec.include_dirs]
+        variables = [f"  compiler = {shlex.quote(str(item.compiler))}",
+                     f"  cflags = {' '.join(map(shlex.quote, [*spec.cflags, *(f'-I{d}' for d in includes)]))}",
+                     f"  ldflags = {' '.join(map(shlex.quote, spec.ldflags))}"]
+        lines += [f"build {item.name}.o: {rule}_compile {item.name}{spec.suffix}", *variables,
+                  f"build {item.name}.so: {rule}_link {item.name}.o", *variables]
     return "\n".join(lines) + "\n"
 
 
-def nvcc_version(nvcc: Path) -> str:
-    """nvcc's "Cuda compilation tools, release X.Y, VX.Y.Z" line (runs nvcc: cold path only)."""
-    out = subprocess.run([str(nvcc), "--version"], capture_output=True, text=True, check=False)
+def compiler_version(compiler: Path) -> str:
+    """The compiler's version line (runs it: cold path only)."""
+    out = subprocess.run([str(compiler), "--version"], capture_output=True, text=True, check=False)
     lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
-    return next((line for line in lines if "release" in line), lines[-1] if lines else f"error: {out.stderr.strip()}")
+    return next((line for line in lines if "release" in line), lines[0] if lines else f"error: {out.stderr.strip()}")
 
 
 def publish(built: Path, out_dir: Path, name: str, record: dict) -> Path:
-    """Copy the module into ``out_dir`` under its final name, then write its record: each with a
-    temporary name and ``os.replace``, so readers see the old state or the new, never a part."""
+    """Copy the artifact into ``out_dir`` under its final name, then write its record: each with
+    a temporary name (``.<name>.*``) and ``os.replace``, so readers see the old state or the new,
+    never a part."""
     data = built.read_bytes()
     target = out_dir / f"{name}.so"
     with tempfile.NamedTemporaryFile(dir=out_dir, prefix=f".{name}.", suffix=".so", delete=False) as f:
@@ -89,43 +146,56 @@ def publish(built: Path, out_dir: Path, name: str, record: dict) -> Path:
     return target
 
 
-def build_variants(specs: list[VariantSpec], out_dir: Path, build_dir: Path, nvcc: Path, *,
-                   jobs: int | None = None, verbose: bool = False) -> dict[VariantSpec, Path]:
-    """Compile ``specs`` in one ninja run in ``build_dir`` and publish each into ``out_dir``.
+def remove_stale_temporaries(out_dir: Path, name: str) -> None:
+    """Delete the temporaries a publish of ``name`` killed midway left. Called under the
+    artifact's lock: no live publish of it can own one."""
+    for path in out_dir.glob(f".{name}.*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
 
-    The caller holds whatever lock keeps other processes out of ``build_dir``. Raises
-    RuntimeError with the compiler's output when the build fails.
-    """
-    toolchain = env.toolchain_digest(nvcc)
-    names = {spec: spec.module_name(toolchain) for spec in specs}
+
+def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs: int | None = None,
+                progress: Callable[[str], None] | None = None) -> dict["JitSpec", Path]:
+    """Compile ``items`` in one ninja run in ``build_dir`` and publish each into ``out_dir``. The
+    caller holds the locks of ``build_dir`` and of every item. Raises RuntimeError with the
+    compiler's output when the build fails."""
+    set_aside(build_dir)
     build_dir.mkdir(parents=True, exist_ok=True)
-    for spec, name in names.items():
-        write_if_different(build_dir / f"{name}.cu", spec.source())
-    write_if_different(build_dir / "build.ninja", _ninja_file(nvcc, {n: s for s, n in names.items()}))
-
-    seconds = run_ninja(build_dir, ", ".join(s.uri for s in specs), jobs=jobs, verbose=verbose)
-    version = nvcc_version(nvcc)
+    for item in items:
+        remove_stale_temporaries(out_dir, item.name)
+        write_if_different(build_dir / f"{item.name}{item.spec.suffix}", item.spec.source)
+    write_if_different(build_dir / "build.ninja", _ninja_file(items))
+    uris = {item.name: item.spec.uri for item in items}
+    seconds = run_ninja(build_dir, ", ".join(uris.values()), jobs=jobs, progress=progress and (
+        lambda stem, done, start: progress(f"built {uris[stem]} ({done}/{len(items)}, {time.perf_counter() - start:.1f} s)")))
+    versions = {c: compiler_version(c) for c in {item.compiler for item in items}}
     published = {}
-    for spec, name in names.items():
-        record = {"variant": spec.uri, "arch": spec.arch, "nvcc": str(nvcc), "nvcc_version": version,
+    for item in items:
+        record = {"uri": item.spec.uri, "compiler": str(item.compiler), "compiler_version": versions[item.compiler],
                   "build_seconds": round(seconds, 2)}
-        published[spec] = publish(build_dir / f"{name}.so", out_dir, name, record)
+        published[item.spec] = publish(build_dir / f"{item.name}.so", out_dir, item.name, record)
     return published
 
 
-def run_ninja(build_dir: Path, what: str, *, jobs: int | None = None, verbose: bool = False) -> float:
+_LINKED = re.compile(r"^\[\d+/\d+\] link (\S+)\.so$")
+
+
+def run_ninja(build_dir: Path, what: str, *, jobs: int | None = None,
+              progress: Callable[[str, int, float], None] | None = None) -> float:
     """Run ninja in ``build_dir`` (its build.ninja written); the seconds it took. Keeps the whole
-    log in build.log, streams ninja's "[i/n] ..." lines when ``verbose`` (AOT progress), and
-    raises RuntimeError with the compiler's output when the build fails."""
+    output in build.log, calls ``progress(stem, artifacts linked so far, start time)`` as each
+    artifact is linked, and raises RuntimeError with the compiler's output when the build fails."""
     (build_dir / "build.log").unlink(missing_ok=True)  # present again only once ninja has ended
     start = time.perf_counter()
     cmd = [env.ninja_path(), "-C", str(build_dir), "-j", str(jobs or env.max_jobs())]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
+    lines, linked = [], 0
     for line in proc.stdout:
         lines.append(line)
-        if verbose:
-            print(line, end="", flush=True)
+        match = _LINKED.match(line.strip())
+        if match and progress:
+            linked += 1
+            progress(match.group(1), linked, start)
     returncode = proc.wait()
     log = "".join(lines)
     (build_dir / "build.log").write_text(log)
@@ -137,7 +207,7 @@ def run_ninja(build_dir: Path, what: str, *, jobs: int | None = None, verbose: b
 
 
 def verified_module(path: Path) -> Path | None:
-    """``path`` if it is a published module whose bytes match its record, else None (missing,
+    """``path`` if it is a published artifact whose bytes match its record, else None (missing,
     truncated, corrupt, or interrupted before its record was written)."""
     record_path = path.with_suffix(".json")
     try:
@@ -153,7 +223,7 @@ def verified_module(path: Path) -> Path | None:
 
 
 def find_published(directory: Path, prefix: str) -> Path | None:
-    """A verified module in ``directory`` whose name starts with ``prefix`` (any compiler)."""
+    """A verified artifact in ``directory`` whose name starts with ``prefix`` (any compiler)."""
     try:
         names = sorted(n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".so"))
     except OSError:
@@ -176,23 +246,19 @@ def set_aside(build_dir: Path) -> None:
     shutil.rmtree(stale, ignore_errors=True)
 
 
-def build_once(out_dir: Path, name: str, build: Callable[[Path], None]) -> Path:
-    """``out_dir/<name>.so``: a verified one if present, else built by ``build(build_dir)`` (which
-    publishes it) under the module's file lock, checked again under the lock, so concurrent first
-    calls from many processes compile once. A build directory an interrupted build left is set
-    aside first."""
-    target = out_dir / f"{name}.so"
+def build_once(out_dir: Path, item: BuildItem) -> Path:
+    """``out_dir/<name>.so``: a verified one if present, else built under the artifact's file lock,
+    checked again under it, so concurrent first calls from many processes compile once."""
+    target = out_dir / f"{item.name}.so"
     if verified_module(target):
         return target
-    with filelock.FileLock(str(out_dir / f"{name}.lock")):
+    with hold_lock(out_dir, item.name, item.spec.uri):
         if verified_module(target):  # another process built it while we waited
             return target
-        logger.info("flashinfer_cake: building %s", name)
+        notice(f"flashinfer_cake: building {item.name} (first use; later calls and processes load it from {out_dir})")
         start = time.perf_counter()
-        build_dir = out_dir / "build" / name
-        set_aside(build_dir)
-        build(build_dir)
-        logger.info("flashinfer_cake: built %s in %.1f s", name, time.perf_counter() - start)
+        build_specs([item], out_dir, out_dir / "build" / item.name)
+        logger.info("flashinfer_cake: built %s in %.1f s", item.name, time.perf_counter() - start)
     if not verified_module(target):
         raise RuntimeError(f"flashinfer_cake: built {target} but cannot verify it")
     return target

@@ -1,117 +1,203 @@
-"""Find or build a variant's module and load it.
+"""The one build pipeline of the package's compiled artifacts.
 
-Contract of :func:`load`: returns the loaded module of ``spec``, trying in order
-  1. the modules already loaded by this process (no file access),
-  2. the AOT directories (``FLASHINFER_CAKE_AOT_DIR``, then the one shipped in the package),
-  3. the JIT cache (``FLASHINFER_CAKE_CACHE_DIR``),
+A :class:`JitSpec` describes one shared library: a single translation unit (a kernel module's
+generated ``.cu``, or the torch binding's ``.cpp``), its flags, and everything else its binary
+depends on. Its published file name carries a digest of all of that plus the compiler's identity,
+so a stale build is never loaded (:mod:`.build` has the directory layout).
+
+Contract of :func:`load`: returns the loaded artifact (a :class:`~.module.KernelModule`, or the
+imported binding module), trying in order
+  1. what this process already loaded (no file access),
+  2. the AOT directories (``FLASHINFER_CAKE_AOT_DIR``, then the package's own ``aot/``), any
+     compiler's build,
+  3. the JIT cache (``FLASHINFER_CAKE_CACHE_DIR``): this compiler's build, or any compiler's when
+     nothing will be compiled (``FLASHINFER_CAKE_DISABLE_JIT``, or no compiler),
   4. a build into the JIT cache, unless ``FLASHINFER_CAKE_DISABLE_JIT`` is set.
-Steps 1-3 start no process. Step 4 holds a file lock per module and checks the cache again under
-it, so concurrent first calls from many processes compile once. A module is loaded only when its
-bytes match the record written after it (so a truncated or half-published file is rebuilt).
+Steps 1-3 start no process. Step 4 holds the artifact's file lock and checks the cache again
+under it, so concurrent first calls from many processes compile once. A file is loaded only when
+its bytes match the record written after it. :func:`prebuild` builds many specs in one ninja run
+(the CLI's ``build``; it compiles even under ``FLASHINFER_CAKE_DISABLE_JIT``: that is its job).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import hashlib
+import importlib.util
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-import filelock
-
 from . import env
-from .build import build_once, build_variants, find_published, set_aside, verified_module
-from .module import CompiledModule
-from .variant import VariantSpec
+from .build import BuildItem, build_once, build_specs, find_published, hold_lock, verified_module
+from .module import KernelModule
 
 logger = logging.getLogger("flashinfer_cake.jit")
 
-_loaded: dict[VariantSpec, CompiledModule] = {}
+
+@dataclasses.dataclass(frozen=True)
+class JitSpec:
+    """One artifact. ``source`` is its only translation unit; ``language`` picks the compiler
+    ("cuda": nvcc, "c++": the C++ compiler); ``include_dirs`` come after the package's templates
+    (paths: what they hold belongs in ``identity``); ``identity`` lists whatever else the binary
+    depends on (e.g. the torch and Python a binding is built for); ``python_extension``: imported
+    as a Python module, else loaded with ctypes as a :class:`KernelModule`."""
+
+    uri: str
+    source: str = dataclasses.field(repr=False)
+    language: str = "cuda"
+    cflags: tuple[str, ...] = ()
+    ldflags: tuple[str, ...] = ()
+    include_dirs: tuple[str, ...] = ()
+    identity: tuple[str, ...] = ()
+    python_extension: bool = False
+
+    def __post_init__(self):
+        if self.language not in ("cuda", "c++"):
+            raise ValueError(f"JitSpec {self.uri}: language must be 'cuda' or 'c++', got {self.language!r}")
+
+    @property
+    def suffix(self) -> str:
+        return ".cu" if self.language == "cuda" else ".cpp"
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """Hash of every input of the binary but the compiler: templates, source, flags, identity."""
+        h = hashlib.sha256()
+        for part in (templates_digest(), self.language, self.source, *self.cflags, "\0ld", *self.ldflags,
+                     "\0id", *self.identity):
+            h.update(part.encode() + b"\0")
+        return h.hexdigest()
+
+    def module_prefix(self) -> str:
+        """What every build of this spec starts with, any compiler."""
+        return f"{self.uri}_{self.digest[:16]}_"
+
+    def module_name(self, toolchain_digest: str) -> str:
+        """File stem of a build: the uri, the source digest, the compiler's digest."""
+        return f"{self.module_prefix()}{toolchain_digest[:8]}"
+
+
+@functools.cache
+def templates_digest() -> str:
+    """Digest of every file under include/ (path and bytes); read once per process."""
+    root = env.include_dir()
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def compiler_of(spec: JitSpec) -> Path:
+    """The compiler that builds ``spec``; raises RuntimeError saying how to get one."""
+    return env.require_nvcc() if spec.language == "cuda" else env.cxx_path()
+
+
+def _compiler_if_any(spec: JitSpec) -> Path | None:
+    try:
+        return compiler_of(spec)
+    except RuntimeError:
+        return None
+
+
+_loaded: dict[JitSpec, object] = {}
 _loaded_lock = threading.Lock()
 
 
-def load(spec: VariantSpec) -> CompiledModule:
-    module = _loaded.get(spec)
-    if module is None:
+def load(spec: JitSpec):
+    """The loaded artifact of ``spec`` (see the module's contract)."""
+    artifact = _loaded.get(spec)
+    if artifact is None:
         with _loaded_lock:
-            module = _loaded.get(spec)
-            if module is None:
-                module = _find_or_build(spec)
-                _loaded[spec] = module
+            artifact = _loaded.get(spec)
+            if artifact is None:
+                artifact = _find_or_build(spec)
+                _loaded[spec] = artifact
+    return artifact
+
+
+def open_artifact(spec: JitSpec, path: Path):
+    """Load the file ``path`` built from ``spec``; RuntimeError when it cannot be loaded."""
+    if not spec.python_extension:
+        return KernelModule(path)
+    module_spec = importlib.util.spec_from_file_location(f"flashinfer_cake._{spec.uri}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except ImportError as e:
+        raise RuntimeError(f"flashinfer_cake: cannot load {path}: {e}") from e
     return module
 
 
-def _disabled_error(spec: VariantSpec, cache: Path) -> RuntimeError:
+def _find_or_build(spec: JitSpec):
+    for directory in env.aot_dirs():
+        path = find_published(directory, spec.module_prefix())
+        if path is not None:
+            try:
+                return open_artifact(spec, path)
+            except RuntimeError as e:  # e.g. built for another platform: the cache or JIT may do
+                logger.warning("flashinfer_cake: skipping prebuilt %s: %s", path, e)
+    return open_artifact(spec, _find_or_build_in_cache(spec))
+
+
+def _disabled_error(spec: JitSpec, cache: Path) -> RuntimeError:
     searched = [str(d) for d in env.aot_dirs()] + [str(cache)]
     return RuntimeError(
-        f"flashinfer_cake: module {spec.uri} is not prebuilt (searched {searched}) and "
-        f"FLASHINFER_CAKE_DISABLE_JIT is set. Prebuild it with `flashinfer-cake build` or "
-        f"`python scripts/aot_build.py --out DIR` and point FLASHINFER_CAKE_AOT_DIR at DIR, "
-        f"or unset FLASHINFER_CAKE_DISABLE_JIT."
+        f"flashinfer_cake: {spec.uri} is not prebuilt (searched {searched}) and FLASHINFER_CAKE_DISABLE_JIT "
+        f"is set. Prebuild it with `flashinfer-cake build` (into the JIT cache) or `python scripts/aot_build.py` "
+        f"(into the installed package), or unset FLASHINFER_CAKE_DISABLE_JIT."
     )
 
 
-def _find_or_build(spec: VariantSpec) -> CompiledModule:
-    prefix = spec.module_prefix()
-    for directory in env.aot_dirs():
-        path = find_published(directory, prefix)
-        if path is not None:
-            try:
-                return CompiledModule(path)
-            except RuntimeError as e:  # e.g. built for another platform: the cache or JIT may do
-                logger.warning("flashinfer_cake: skipping prebuilt %s: %s", path, e)
-    return CompiledModule(_find_or_build_in_cache(spec, prefix))
-
-
-def _find_or_build_in_cache(spec: VariantSpec, prefix: str) -> Path:
+def _find_or_build_in_cache(spec: JitSpec) -> Path:
     cache = env.cache_dir()
-    nvcc = env.nvcc_path()
-    if nvcc is None or env.jit_disabled():  # nothing will be compiled: any compiler's build will do
-        path = find_published(cache, prefix)
+    compiler = None if env.jit_disabled() else _compiler_if_any(spec)
+    if compiler is None:  # nothing will be compiled: any compiler's build will do
+        path = find_published(cache, spec.module_prefix())
         if path is not None:
             return path
         if env.jit_disabled():
             raise _disabled_error(spec, cache)
-        env.require_nvcc()  # raises, naming FLASHINFER_CAKE_NVCC / CUDA_HOME
-    name = spec.module_name(env.toolchain_digest(nvcc))
-    return build_once(cache, name, lambda build_dir: build_variants([spec], cache, build_dir, nvcc))
+        compiler = compiler_of(spec)  # raises, saying how to get one
+    item = BuildItem(spec, spec.module_name(env.toolchain_digest(compiler)), compiler)
+    return build_once(cache, item)
 
 
-def prebuild(specs: list[VariantSpec], out_dir: Path | None = None, *, jobs: int | None = None,
-             verbose: bool = False) -> dict[VariantSpec, Path]:
-    """Build every spec of ``specs`` not yet published in ``out_dir`` (default: the JIT cache)
-    in one parallel ninja run, and return where each module is. An AOT directory made this way
-    is what FLASHINFER_CAKE_AOT_DIR (or the package's own ``aot/``) points the loader at."""
-    nvcc = env.require_nvcc()
-    out_dir = env.cache_dir() if out_dir is None else Path(out_dir).absolute()
-    out_dir.mkdir(mode=0o755, parents=True, exist_ok=True)  # aot_dirs() refuses group-writable
-    toolchain = env.toolchain_digest(nvcc)
-    names = sorted(s.module_name(toolchain) for s in specs)
-    with contextlib.ExitStack() as locks:
-        # One prebuild at a time in this directory (they share build/prebuild), holding the same
-        # per-module locks as load(), in a fixed order: a concurrent first call waits for this
-        # build instead of compiling the module again.
-        locks.enter_context(filelock.FileLock(str(out_dir / "prebuild.lock")))
-        for name in names:
-            locks.enter_context(filelock.FileLock(str(out_dir / f"{name}.lock")))
-        done = {s: out_dir / f"{s.module_name(toolchain)}.so" for s in specs}
-        todo = [s for s, path in done.items() if not verified_module(path)]
-        if todo:
-            logger.info("flashinfer_cake: building %d module(s) into %s", len(todo), out_dir)
-            start = time.perf_counter()
-            build_dir = out_dir / "build" / "prebuild"
-            set_aside(build_dir)
-            done.update(build_variants(todo, out_dir, build_dir, nvcc, jobs=jobs, verbose=verbose))
-            logger.info("flashinfer_cake: built %d module(s) in %.1f s", len(todo), time.perf_counter() - start)
-    return done
-
-
-def published_modules(spec: VariantSpec) -> list[Path]:
-    """Every verified module of ``spec`` in the AOT directories and the JIT cache, any compiler."""
+def published(spec: JitSpec) -> list[Path]:
+    """Every verified build of ``spec`` in the AOT directories and the JIT cache, any compiler."""
     found = []
     for directory in [*env.aot_dirs(), env.cache_dir()]:
         path = find_published(directory, spec.module_prefix())
         if path is not None:
             found.append(path)
     return found
+
+
+def prebuild(specs: list[JitSpec], out_dir: Path | str | None = None, *, jobs: int | None = None,
+             progress: Callable[[str], None] | None = None) -> dict[JitSpec, Path]:
+    """Build every spec of ``specs`` not yet published in ``out_dir`` (default: the JIT cache) in
+    one parallel ninja run, and return where each is. ``progress`` gets one line per artifact
+    built. A directory that already holds everything is only read (it may be read-only)."""
+    out_dir = env.cache_dir() if out_dir is None else env.output_dir(Path(out_dir))
+    items = [BuildItem(s, s.module_name(env.toolchain_digest(c)), c) for s, c in ((s, compiler_of(s)) for s in specs)]
+    done = {item.spec: out_dir / f"{item.name}.so" for item in items}
+    if all(verified_module(path) for path in done.values()):
+        return done
+    with contextlib.ExitStack() as locks:
+        # One prebuild at a time in this directory (they share build/prebuild), holding the same
+        # per-artifact locks as load(), in a fixed order: a concurrent first call waits for this
+        # build instead of compiling the artifact again.
+        locks.enter_context(hold_lock(out_dir, "prebuild", "another prebuild"))
+        for item in sorted(items, key=lambda i: i.name):
+            locks.enter_context(hold_lock(out_dir, item.name, item.spec.uri))
+        todo = [item for item in items if not verified_module(done[item.spec])]
+        if todo:
+            start = time.perf_counter()
+            build_specs(todo, out_dir, out_dir / "build" / "prebuild", jobs=jobs, progress=progress)
+            if progress:
+                progress(f"built {len(todo)} module(s) into {out_dir} in {time.perf_counter() - start:.1f} s")
+    return done

@@ -1,16 +1,18 @@
 """Everything the JIT reads from the environment: directories, tools, arch list.
 
 Each function reads the environment when called (never at import), so a test or a user can set a
-variable before the first build. Nothing here creates directories or starts processes except
-:func:`cache_dir`, which creates the cache root the first time a module is looked up.
+variable before the first build. Nothing here starts processes; :func:`cache_dir` creates the
+cache root the first time a module is looked up, :func:`output_dir` a prebuild's output.
 
 Environment variables:
     FLASHINFER_CAKE_CACHE_DIR      JIT cache root (default ``~/.cache/flashinfer_cake/<version>``).
-    FLASHINFER_CAKE_AOT_DIR        a directory of prebuilt modules searched before the shipped one.
+    FLASHINFER_CAKE_AOT_DIR        a directory of prebuilt modules, searched before the package's aot/.
     FLASHINFER_CAKE_CUDA_ARCH_LIST archs that ``build`` / ``aot_build.py`` prebuild (default ``9.0a``).
     FLASHINFER_CAKE_NVCC           the nvcc to build with (else $CUDA_HOME/bin/nvcc, PATH, /usr/local/cuda).
     CXX                            the C++ compiler of the torch binding (else c++ / g++ on PATH).
-    FLASHINFER_CAKE_DISABLE_JIT    ``1``: never compile; a module that is not prebuilt is an error.
+    FLASHINFER_CAKE_DISABLE_JIT    ``1``: calls never compile; a module that is not prebuilt is an
+                                   error. Explicit prebuilds (``flashinfer-cake build``,
+                                   scripts/aot_build.py) still compile: that is what they are for.
     MAX_JOBS                       parallel compile jobs for ninja.
 """
 
@@ -37,7 +39,7 @@ ARCH_OF_CAPABILITY = {(9, 0): "sm_90a"}
 _ARCH_TOKENS = {"9.0": "sm_90a", "9.0a": "sm_90a", "90": "sm_90a", "90a": "sm_90a", "sm_90a": "sm_90a"}
 
 PACKAGE_DIR = Path(_version.__file__).resolve().parent  # the flashinfer_cake package
-SHIPPED_AOT_DIR = PACKAGE_DIR / "aot"
+PACKAGE_AOT_DIR = PACKAGE_DIR / "aot"  # where scripts/aot_build.py prebuilds by default
 
 
 @functools.cache
@@ -83,37 +85,67 @@ def arch_list() -> list[str]:
     return archs
 
 
-def _unsafe_dir(path: Path, *, package: bool = False) -> bool:
-    """Could another user have written code into this directory? The package's own directory is
-    as trusted as the Python files beside it: owned like the package, and group-writable is fine
-    (pip creates it so under a umask of 002); only world-writable is not."""
+def _unsafe_reason(path: Path, *, package: bool = False) -> str | None:
+    """Why another user could have written code into this directory, or None. The package's own
+    directory is as trusted as the Python files beside it: owned like the package, and
+    group-writable is fine (pip creates it so under a umask of 002); only world-writable is not."""
     st = path.stat()
-    owners = (os.getuid(), 0, PACKAGE_DIR.stat().st_uid) if package else (os.getuid(), 0)
+    owners = {os.getuid(), 0, PACKAGE_DIR.stat().st_uid} if package else {os.getuid(), 0}
+    if st.st_uid not in owners:
+        return f"owned by uid {st.st_uid}, not by you (uid {os.getuid()}) or root"
     unsafe = stat.S_IWOTH if package else stat.S_IWGRP | stat.S_IWOTH
-    return st.st_uid not in owners or bool(st.st_mode & unsafe)
+    if st.st_mode & unsafe:
+        who = "other users" if st.st_mode & stat.S_IWOTH else "its group"
+        return f"writable by {who} (mode {stat.filemode(st.st_mode)})"
+    return None
 
 
 def _check_private_dir(path: Path, what: str) -> None:
-    """Refuse a directory we would load code from if another user could have written to it."""
-    if _unsafe_dir(path):
-        st = path.stat()
-        raise RuntimeError(
-            f"{what} {path} is writable by other users or owned by uid {st.st_uid} "
-            f"(mode {stat.filemode(st.st_mode)}); refusing to load code from it. Use a directory "
-            f"owned by you with mode 0700, e.g. `chmod 700 {path}`."
-        )
+    """Refuse a directory we would load code from if another user could have written to it,
+    saying which check failed and a fix that is safe for that directory."""
+    reason = _unsafe_reason(path)
+    if reason is None:
+        return
+    st = path.stat()
+    if st.st_uid == os.getuid() and not st.st_mode & stat.S_ISVTX:
+        fix = f"make it private with `chmod go-w {path}` (or `chmod 700 {path}`)"
+    else:  # another user's, or a shared directory (sticky, e.g. /tmp): no chmod can make it safe
+        fix = f"point {what} at a directory of your own, e.g. {Path.home() / '.cache' / 'flashinfer_cake'}"
+    raise RuntimeError(f"flashinfer_cake: {what} {path} is {reason}; refusing to load code from it: {fix}")
+
+
+def _make_dir(path: Path, what: str, mode: int) -> Path:
+    """``path`` as an existing directory (created with ``mode`` when missing), or a RuntimeError
+    that says what is in the way."""
+    if path.is_symlink() and not path.exists():
+        raise RuntimeError(f"flashinfer_cake: {what} {path} is a symbolic link to {os.readlink(path)}, "
+                           f"which does not exist: create the target or choose another directory")
+    if path.exists() and not path.is_dir():
+        raise RuntimeError(f"flashinfer_cake: {what} {path} exists and is not a directory: remove it or choose "
+                           f"another directory")
+    if not path.exists():
+        try:
+            path.mkdir(mode=mode, parents=True, exist_ok=True)
+            os.chmod(path, mode)  # mkdir's mode is filtered by the umask
+        except OSError as e:
+            raise RuntimeError(f"flashinfer_cake: cannot create {what} {path}: {e.strerror or e}"
+                               + (f" ({e.filename})" if e.filename and str(e.filename) != str(path) else "")) from e
+    return path
 
 
 def cache_dir() -> Path:
     """The JIT cache root, created 0700 if missing and refused if others can write to it."""
     value = os.environ.get("FLASHINFER_CAKE_CACHE_DIR")
     root = Path(value) if value else Path.home() / ".cache" / "flashinfer_cake" / __version__
-    root = root.expanduser().absolute()
-    if not root.is_dir():
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(root, 0o700)  # mkdir's mode is filtered by the umask
+    root = _make_dir(root.expanduser().absolute(), "the JIT cache directory (FLASHINFER_CAKE_CACHE_DIR)", 0o700)
     _check_private_dir(root, "FLASHINFER_CAKE_CACHE_DIR")
     return root
+
+
+def output_dir(path: Path) -> Path:
+    """A prebuild's output directory (an AOT directory), created 0755 when missing: readable by
+    every user of an install, writable by its owner only."""
+    return _make_dir(path.expanduser().absolute(), "the output directory", 0o755)
 
 
 def aot_dirs() -> list[Path]:
@@ -121,17 +153,17 @@ def aot_dirs() -> list[Path]:
     dirs = []
     value = os.environ.get("FLASHINFER_CAKE_AOT_DIR")
     if value:
-        dirs.append(Path(value).expanduser().absolute())
-    for d in dirs:
-        if d.is_dir():
-            _check_private_dir(d, "FLASHINFER_CAKE_AOT_DIR")  # named by the user: an error
-    found = [d for d in dirs if d.is_dir()]
-    if SHIPPED_AOT_DIR.is_dir():
-        if _unsafe_dir(SHIPPED_AOT_DIR, package=True):  # a broken install: skip it, JIT still works
-            logger.warning("flashinfer_cake: ignoring %s: writable by other users", SHIPPED_AOT_DIR)
+        path = Path(value).expanduser().absolute()
+        if path.is_dir():
+            _check_private_dir(path, "FLASHINFER_CAKE_AOT_DIR")  # named by the user: an error
+            dirs.append(path)
+    if PACKAGE_AOT_DIR.is_dir():
+        reason = _unsafe_reason(PACKAGE_AOT_DIR, package=True)
+        if reason:  # a broken install: skip it, JIT still works
+            logger.warning("flashinfer_cake: ignoring %s: %s", PACKAGE_AOT_DIR, reason)
         else:
-            found.append(SHIPPED_AOT_DIR)
-    return found
+            dirs.append(PACKAGE_AOT_DIR)
+    return dirs
 
 
 def nvcc_path() -> Path | None:

@@ -3,15 +3,18 @@
 // Why it exists: a call must cost at most 10 µs of host time, and reading ~30 tensor properties
 // through Python plus a ctypes launch costs more than that. Here the metadata is read natively.
 //
-// forward(), backward() and autograd_forward() (cake_causal_conv1d's eager call, recording a C++
-// autograd node) take the public function's arguments as they came from the user,
-// apply every rule flashinfer_cake/_checks.py documents, allocate outputs and default workspaces
-// with torch's caching allocator and call the C entry of the kernel module of the call's (device,
-// weight dtype, bias dtype), which Python registers with register_module(). They return None,
-// having allocated and launched nothing, whenever they decline: an argument breaks a rule, or the
-// module is not registered yet. The Python layer then raises the precise error (the messages live
-// in one place, _checks.py), or loads and registers the module and calls again. A launch error
-// raises RuntimeError with the CUDA message.
+// try_forward(), try_backward() and try_autograd_forward() (cake_causal_conv1d's eager call,
+// recording a C++ autograd node) take the public function's arguments as they came from the user,
+// accept them only when every rule of flashinfer_cake/_checks.py holds, allocate outputs and
+// default buffers with torch's caching allocator and call the C entry of the kernel module of the
+// call's (device, weight dtype, bias dtype), which Python registers with register_kernel_module().
+// They return None, having allocated and launched nothing, whenever they decline: an argument
+// breaks a rule, or the module is not registered yet. The Python layer then raises the precise
+// error (the messages live in one place, _checks.py), or loads and registers the module and calls
+// again. A launch error raises RuntimeError with the CUDA message. The limits come from
+// causal_conv1d_contract.h and the backward's sizes from causal_conv1d_bwd_plan.h; that these
+// checks decline exactly what _checks.py rejects is tested on the GPU (every bad-argument case of
+// tests/test_*_validation.py goes through this file first, every valid call must not decline).
 //
 // Built once per torch build by flashinfer_cake.jit.binding (CPython API + ATen, no pybind11; no
 // CUDA header: the current stream comes through c10's device-generic interface). The Python
@@ -19,6 +22,7 @@
 // it, so this file's tables have a mutex of their own.
 
 #include <Python.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
@@ -35,6 +39,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <flashinfer_cake/causal_conv1d_bwd_plan.h>
+#include <flashinfer_cake/causal_conv1d_contract.h>
 
 #include <cstdint>
 #include <map>
@@ -49,46 +54,44 @@
 
 namespace {
 
-using flashinfer_cake::bwd_item_tokens;
-using flashinfer_cake::bwd_workspace_bytes;
-
-constexpr int kMaxDevices = 64;  // launch_common.cuh's kMaxDevices
-// The forward's workspace: two int32 token-chunk counters (kFwdWorkspaceCounters).
-constexpr int64_t kFwdWorkspaceInts = 2;
-// Index ranges of the kernels (_checks.MAX_S / MAX_ELEMENTS / MAX_C / MAX_CU_SEQLENS).
-constexpr int64_t kFwdMaxS = int64_t(1) << 31, kFwdMaxElements = int64_t(1) << 35;
-constexpr int64_t kBwdMaxS = int64_t(1) << 30, kBwdMaxElements = int64_t(1) << 34;
-constexpr int64_t kMaxC = int64_t(1) << 28, kMaxCuSeqlens = (int64_t(1) << 31) - 1;
-
-using Entry = int (*)(const void* packed_int64_args);
-using Capturing = int (*)(const void* stream);
-using Message = const char* (*)();
+using flashinfer_cake::BwdArgs;
+using flashinfer_cake::FwdArgs;
+using flashinfer_cake::kBwdMaxElements;
+using flashinfer_cake::kBwdMaxS;
+using flashinfer_cake::kFwdMaxElements;
+using flashinfer_cake::kFwdMaxS;
+using flashinfer_cake::kFwdWorkspaceCounters;
+using flashinfer_cake::kMaxC;
+using flashinfer_cake::kMaxCuSeqlens;
+using flashinfer_cake::kMaxDevices;
 
 // A kernel module's C entries (see flashinfer_cake.jit.variant._SOURCE).
-struct Module {
-  Entry fwd = nullptr;
-  Entry bwd = nullptr;
-  Capturing capturing = nullptr;
-  Message message = nullptr;
+struct KernelEntries {
+  int (*fwd)(const FwdArgs*) = nullptr;
+  int (*bwd)(const BwdArgs*) = nullptr;
+  int (*capturing)(const void* stream) = nullptr;
+  const char* (*message)() = nullptr;
 };
 
-// Guards g_modules and g_workspaces (the autograd node's backward reads them without the GIL).
+// The buffers a call without its own gets: kept per (kind, device, stream).
+enum BufferKind : int { kFwdWorkspace = 0, kBwdWorkspace = 1, kBwdCounters = 2 };
+
+// Guards g_modules and g_buffers (the autograd node's backward reads them without the GIL).
 std::mutex g_mutex;
 // [device][weight: fp32, bf16][bias: none, fp32, bf16]; a null entry = not registered.
-Module g_modules[kMaxDevices][2][3];
-// (0 forward | 1 backward, device, stream) -> the default workspace of calls without one. Never
-// destroyed: freeing CUDA memory from a static destructor at exit would race torch's teardown.
-auto* const g_workspaces = new std::map<std::tuple<int, int, intptr_t>, at::Tensor>();
+KernelEntries g_modules[kMaxDevices][2][3];
+// (kind, device, stream) -> the buffer of calls without one. Never destroyed: freeing CUDA memory
+// from a static destructor at exit would race torch's teardown.
+auto* const g_buffers = new std::map<std::tuple<int, int, intptr_t>, at::Tensor>();
 
-Module module_of(int device, int w, int b) {
+KernelEntries module_of(int device, int w, int b) {
   std::lock_guard<std::mutex> lock(g_mutex);
   return g_modules[device][w][b];
 }
 
-// Parameter dtype codes: weight 0 fp32 / 1 bf16; bias 0 none / 1 fp32 / 2 bf16; -1 otherwise.
-int param_code(const at::Tensor& t) {
-  return t.scalar_type() == at::kFloat ? 0 : t.scalar_type() == at::kBFloat16 ? 1 : -1;
-}
+// Parameter dtype codes, the indices of g_modules: weight 0 fp32 / 1 bf16; bias 0 none / 1 fp32 /
+// 2 bf16 (this code + 1); -1 for any other dtype.
+int param_code(at::ScalarType t) { return t == at::kFloat ? 0 : t == at::kBFloat16 ? 1 : -1; }
 
 // The tensor of a Python argument: false when it is neither a tensor nor (if allowed) None. The
 // type itself is checked (THPVariable_Check also takes objects that only claim the class, e.g.
@@ -131,7 +134,7 @@ bool check_x(const at::Tensor& x, int64_t max_s, int64_t max_elements, int64_t* 
 // contiguous on `device`. Sets the dtype codes.
 bool check_params(const at::Tensor& weight, const at::Tensor& cu_seqlens, const at::Tensor* bias, int64_t C,
                   int device, int* w, int* b) {
-  *w = param_code(weight);
+  *w = param_code(weight.scalar_type());
   if (*w < 0 || weight.dim() != 2 || weight.size(0) != C || weight.size(1) != 4 || !usable_on(weight, device)) {
     return false;
   }
@@ -141,7 +144,7 @@ bool check_params(const at::Tensor& weight, const at::Tensor& cu_seqlens, const 
   }
   *b = 0;
   if (bias) {
-    *b = param_code(*bias) + 1;
+    *b = param_code(bias->scalar_type()) + 1;
     if (*b < 1 || bias->dim() != 1 || bias->size(0) != C || !usable_on(*bias, device)) return false;
   }
   return true;
@@ -190,27 +193,29 @@ intptr_t current_stream(int device) {
   return reinterpret_cast<intptr_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(cuda).native_handle());
 }
 
-// The workspace of a call without one: kept per (kind, device, stream), replaced by a larger one
-// when a call needs more; a buffer of the call's own while the stream captures a CUDA graph (the
-// graph replays with it: never shared with eager calls or other graphs). A replaced buffer may
-// still be in use by the stream's queued work: the caching allocator hands its memory out again
-// only in the stream's order.
-at::Tensor default_workspace(const Module& m, int kind, int device, intptr_t stream, int64_t elements,
-                             const at::TensorOptions& options, const char* fn) {
+// The buffer of kind `kind` for a call without one: kept per (kind, device, stream), replaced by a
+// larger one when a call needs more; a buffer of the call's own while the stream captures a CUDA
+// graph (the graph replays with it: never shared with eager calls or other graphs). `zeroed`:
+// created zero (counters: every launch leaves them zero); else uninitialized. A replaced buffer
+// may still be in use by the stream's queued work: the caching allocator hands its memory out
+// again only in the stream's order.
+at::Tensor kept_buffer(const KernelEntries& m, BufferKind kind, int device, intptr_t stream, int64_t elements,
+                       const at::TensorOptions& options, bool zeroed, const char* fn) {
   const int status = m.capturing(reinterpret_cast<const void*>(stream));
   if (status < 0) throw std::runtime_error(std::string(fn) + ": cudaStreamIsCapturing failed: " + m.message());
-  if (status) return at::zeros({elements}, options);  // zero, as every launch leaves a workspace
+  const auto make = [&] { return zeroed ? at::zeros({elements}, options) : at::empty({elements}, options); };
+  if (status) return make();
   const std::tuple<int, int, intptr_t> key{kind, device, stream};
   {
     std::lock_guard<std::mutex> lock(g_mutex);
-    const auto it = g_workspaces->find(key);
-    if (it != g_workspaces->end() && it->second.numel() >= elements) return it->second;
+    const auto it = g_buffers->find(key);
+    if (it != g_buffers->end() && it->second.numel() >= elements) return it->second;
   }
   // Allocated and freed outside the mutex: the allocator may take the GIL (memory history, a
   // Python dispatch mode) while a Python thread holding it waits for the mutex.
-  at::Tensor fresh = at::zeros({elements}, options), replaced;
+  at::Tensor fresh = make(), replaced;
   std::lock_guard<std::mutex> lock(g_mutex);
-  at::Tensor& kept = (*g_workspaces)[key];
+  at::Tensor& kept = (*g_buffers)[key];
   if (kept.defined() && kept.numel() >= elements) return kept;  // another thread's, meanwhile
   replaced = std::exchange(kept, fresh);
   return fresh;
@@ -232,58 +237,45 @@ at::Tensor new_output(const at::Tensor& like) {
 // refuses a saved tensor that changed (and an inference tensor outside inference mode raises).
 void bump_version(const at::Tensor& t) { t.unsafeGetTensorImpl()->bump_version(); }
 
-void check_launch(const Module& m, const char* fn, int rc) {
+void check_launch(const KernelEntries& m, const char* fn, int rc) {
   if (rc) {
     throw std::runtime_error(std::string(fn) + ": launch failed with CUDA error " + std::to_string(rc) + ": " +
                              m.message());
   }
 }
 
-// register_module(device, weight code, bias code, fwd, bwd, capturing, message): the addresses of
-// a loaded kernel module's C entries.
-PyObject* register_module(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// The g_modules index of a dtype argument (a torch.dtype, or None for the bias); -1 otherwise.
+int dtype_code(PyObject* obj, bool bias) {
+  if (bias && obj == Py_None) return 0;
+  if (!THPDtype_Check(obj)) return -1;
+  const int code = param_code(reinterpret_cast<THPDtype*>(obj)->scalar_type);
+  return code < 0 ? -1 : code + (bias ? 1 : 0);
+}
+
+// register_kernel_module(device, weight dtype, bias dtype or None, fwd, bwd, capturing, message):
+// the addresses of a loaded kernel module's C entries (KernelModule.entry_addresses).
+PyObject* register_kernel_module(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 7) {
-    PyErr_SetString(PyExc_TypeError, "register_module takes 7 arguments");
+    PyErr_SetString(PyExc_TypeError, "register_kernel_module takes 7 arguments");
     return nullptr;
   }
-  long v[3];
-  for (int i = 0; i < 3; ++i) {
-    v[i] = PyLong_AsLong(args[i]);
-    if (PyErr_Occurred()) return nullptr;
-  }
+  const long device = PyLong_AsLong(args[0]);
+  if (PyErr_Occurred()) return nullptr;
+  const int w = dtype_code(args[1], false), b = dtype_code(args[2], true);
   void* p[4];
   for (int i = 0; i < 4; ++i) {
     p[i] = PyLong_AsVoidPtr(args[3 + i]);
     if (PyErr_Occurred()) return nullptr;
   }
-  if (v[0] < 0 || v[0] >= kMaxDevices || v[1] < 0 || v[1] > 1 || v[2] < 0 || v[2] > 2 || !p[0] || !p[1] || !p[2] ||
-      !p[3]) {
-    PyErr_SetString(PyExc_ValueError, "register_module: device, dtype code or entry address out of range");
+  if (device < 0 || device >= kMaxDevices || w < 0 || b < 0 || !p[0] || !p[1] || !p[2] || !p[3]) {
+    PyErr_SetString(PyExc_ValueError, "register_kernel_module: device, dtype or entry address out of range");
     return nullptr;
   }
   std::lock_guard<std::mutex> lock(g_mutex);
-  g_modules[v[0]][v[1]][v[2]] = {reinterpret_cast<Entry>(p[0]), reinterpret_cast<Entry>(p[1]),
-                                 reinterpret_cast<Capturing>(p[2]), reinterpret_cast<Message>(p[3])};
+  g_modules[device][w][b] = {reinterpret_cast<int (*)(const FwdArgs*)>(p[0]),
+                             reinterpret_cast<int (*)(const BwdArgs*)>(p[1]),
+                             reinterpret_cast<int (*)(const void*)>(p[2]), reinterpret_cast<const char* (*)()>(p[3])};
   Py_RETURN_NONE;
-}
-
-// backward_plan(S, C) -> (item_tokens, workspace bytes): the backward's token groups
-// (causal_conv1d_bwd_plan.h), for the Python workspace functions and the tools.
-PyObject* backward_plan(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "backward_plan takes 2 arguments");
-    return nullptr;
-  }
-  const long long S = PyLong_AsLongLong(args[0]);
-  if (PyErr_Occurred()) return nullptr;
-  const long long C = PyLong_AsLongLong(args[1]);
-  if (PyErr_Occurred()) return nullptr;
-  if (S < 0 || S >= kBwdMaxS || C <= 0 || C >= kMaxC || S * C >= kBwdMaxElements) {
-    PyErr_Format(PyExc_ValueError, "backward_plan: (S, C) = (%lld, %lld) is outside the backward's range", S, C);
-    return nullptr;
-  }
-  return Py_BuildValue("(LL)", static_cast<long long>(bwd_item_tokens(S, C)),
-                       static_cast<long long>(bwd_workspace_bytes(S, C)));
 }
 
 constexpr const char* kFwd = "cake_causal_conv1d_train_forward";
@@ -294,7 +286,7 @@ struct ForwardCall {
   const at::Tensor *x, *weight, *cu_seqlens, *bias, *out, *workspace;
   int64_t S = 0, C = 0;
   int device = 0;
-  Module m;
+  KernelEntries m;
 };
 
 // Applies the forward's rules with S < max_s and S * C < max_elements; false = declined.
@@ -303,7 +295,7 @@ bool check_forward(ForwardCall* c, int64_t max_s, int64_t max_elements) {
   if (!check_x(*c->x, max_s, max_elements, &c->S, &c->C, &c->device) ||
       !check_params(*c->weight, *c->cu_seqlens, c->bias, c->C, c->device, &w, &b) ||
       (c->out && !check_like(*c->out, *c->x, c->device)) ||
-      (c->workspace && !check_workspace(*c->workspace, at::kInt, 4 * kFwdWorkspaceInts, c->device))) {
+      (c->workspace && !check_workspace(*c->workspace, at::kInt, 4 * kFwdWorkspaceCounters, c->device))) {
     return false;
   }
   c->m = module_of(c->device, w, b);
@@ -325,14 +317,23 @@ at::Tensor run_forward(const ForwardCall& c) {
   y = c.out ? *c.out : new_output(*c.x);
   const intptr_t stream = current_stream(c.device);
   if (!c.workspace) {
-    ws = default_workspace(c.m, 0, c.device, stream, kFwdWorkspaceInts, c.x->options().dtype(at::kInt), kFwd);
+    ws = kept_buffer(c.m, kFwdWorkspace, c.device, stream, kFwdWorkspaceCounters, c.x->options().dtype(at::kInt),
+                     true, kFwd);
   }
   if (c.out) bump_version(y);  // as an in-place op does: autograd sees the write
-  // x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream
-  const int64_t packed[11] = {address(c.x), address(&y), w_ptr, b_ptr, address(c.cu_seqlens),
-                              address(c.workspace ? c.workspace : &ws), c.S, c.C, c.cu_seqlens->size(0) - 1,
-                              c.device, stream};
-  check_launch(c.m, kFwd, c.m.fwd(packed));
+  FwdArgs a{};
+  a.x = address(c.x);
+  a.y = address(&y);
+  a.weight = w_ptr;
+  a.bias = b_ptr;
+  a.cu_seqlens = address(c.cu_seqlens);
+  a.workspace = address(c.workspace ? c.workspace : &ws);
+  a.S = c.S;
+  a.C = c.C;
+  a.num_docs = c.cu_seqlens->size(0) - 1;
+  a.device = c.device;
+  a.stream = stream;
+  check_launch(c.m, kFwd, c.m.fwd(&a));
   return y;
 }
 
@@ -342,7 +343,7 @@ struct BackwardCall {
   int round_preact;
   int64_t S = 0, C = 0, need = 0;
   int device = 0;
-  Module m;
+  KernelEntries m;
 };
 
 // Applies the backward's rules; false = declined.
@@ -355,7 +356,7 @@ bool check_backward(BackwardCall* c) {
       (c->dbias && (!c->bias || !check_like(*c->dbias, *c->bias, c->device)))) {
     return false;
   }
-  c->need = bwd_workspace_bytes(c->S, c->C);
+  c->need = flashinfer_cake::bwd_workspace_bytes(c->S, c->C);
   if (c->workspace && !check_workspace(*c->workspace, at::kFloat, c->need, c->device)) return false;
   c->m = module_of(c->device, w, b);
   if (!c->m.bwd) return false;
@@ -389,21 +390,42 @@ Grads run_backward(const BackwardCall& c) {
   g.dweight = c.dweight ? *c.dweight : new_output(*c.weight);
   if (c.bias) g.dbias = c.dbias ? *c.dbias : new_output(*c.bias);
   const intptr_t stream = current_stream(c.device);
-  if (!c.workspace) {
-    ws = default_workspace(c.m, 1, c.device, stream, flashinfer_cake::ceil_div(c.need, 4),
-                           c.x->options().dtype(at::kFloat), kBwd);
+  const at::TensorOptions options = c.x->options();
+  if (!c.workspace) {  // partial rows: any content
+    ws = kept_buffer(c.m, kBwdWorkspace, c.device, stream, flashinfer_cake::ceil_div(c.need, 4),
+                     options.dtype(at::kFloat), false, kBwd);
   }
+  // The reduction tree's counters are never the caller's: zero is this file's invariant (every
+  // launch leaves them zero), so no workspace content can change a result.
+  const at::Tensor counters =
+      kept_buffer(c.m, kBwdCounters, c.device, stream,
+                  flashinfer_cake::ceil_div(flashinfer_cake::bwd_counter_bytes(c.S, c.C), 4), options.dtype(at::kInt),
+                  true, kBwd);
   for (const at::Tensor* t : {c.dx, c.dweight, c.dbias, c.workspace}) {  // as in-place ops do: autograd sees the writes
     if (t) bump_version(*t);
   }
   const at::Tensor* workspace = c.workspace ? c.workspace : &ws;
-  // x, dy, dx, weight, bias, cu_seqlens, workspace, workspace_bytes, dweight, dbias, S, C,
-  // num_docs, item_tokens, round_preact, device, stream
-  const int64_t packed[17] = {address(c.x), address(c.dy), address(&g.dx), w_ptr, b_ptr, address(c.cu_seqlens),
-                              address(workspace), nbytes(workspace), address(&g.dweight),
-                              c.bias ? address(&g.dbias) : 0, c.S, c.C, c.cu_seqlens->size(0) - 1,
-                              bwd_item_tokens(c.S, c.C), c.round_preact, c.device, stream};
-  check_launch(c.m, kBwd, c.m.bwd(packed));
+  BwdArgs a{};
+  a.x = address(c.x);
+  a.dy = address(c.dy);
+  a.dx = address(&g.dx);
+  a.weight = w_ptr;
+  a.bias = b_ptr;
+  a.cu_seqlens = address(c.cu_seqlens);
+  a.workspace = address(workspace);
+  a.workspace_bytes = nbytes(workspace);
+  a.counters = address(&counters);
+  a.counters_bytes = nbytes(&counters);
+  a.dweight = address(&g.dweight);
+  a.dbias = c.bias ? address(&g.dbias) : 0;
+  a.S = c.S;
+  a.C = c.C;
+  a.num_docs = c.cu_seqlens->size(0) - 1;
+  a.item_tokens = flashinfer_cake::bwd_item_tokens(c.S, c.C);
+  a.round_preact = c.round_preact;
+  a.device = c.device;
+  a.stream = stream;
+  check_launch(c.m, kBwd, c.m.bwd(&a));
   return g;
 }
 
@@ -415,11 +437,11 @@ int round_preact_of(PyObject* policy) {
   return -1;
 }
 
-// forward(x, weight, cu_seqlens, bias, out, workspace) -> y, or None when declined.
-PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// try_forward(x, weight, cu_seqlens, bias, out, workspace) -> y, or None when declined.
+PyObject* try_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 6) {
-    PyErr_SetString(PyExc_TypeError, "forward takes 6 arguments");
+    PyErr_SetString(PyExc_TypeError, "try_forward takes 6 arguments");
     return nullptr;
   }
   ForwardCall c{};
@@ -434,12 +456,12 @@ PyObject* forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight,
+// try_backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight,
 // dbias) -> (dx, dweight) or (dx, dweight, dbias), or None when declined.
-PyObject* backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+PyObject* try_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 10) {
-    PyErr_SetString(PyExc_TypeError, "backward takes 10 arguments");
+    PyErr_SetString(PyExc_TypeError, "try_backward takes 10 arguments");
     return nullptr;
   }
   BackwardCall c{};
@@ -570,13 +592,13 @@ struct CakeCausalConv1dBackward final : Node {
   }
 };
 
-// autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation) -> y, recorded for
+// try_autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation) -> y, recorded for
 // autograd when grad mode is on and x, weight or bias requires grad; None when declined (also
 // when x is outside the backward's range: the error comes now, not in the backward).
-PyObject* autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+PyObject* try_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 5) {
-    PyErr_SetString(PyExc_TypeError, "autograd_forward takes 5 arguments");
+    PyErr_SetString(PyExc_TypeError, "try_autograd_forward takes 5 arguments");
     return nullptr;
   }
   ForwardCall c{};
@@ -598,7 +620,7 @@ PyObject* autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     y = run_forward(c);
   }
   if (torch::autograd::compute_requires_grad(x, weight, bias)) {
-    // register_module() gives a module's forward and backward at once: the backward is there too.
+    // register_kernel_module() gives a module's forward and backward at once: the backward is there too.
     auto node = make_node<CakeCausalConv1dBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
     node->x = SavedVariable(x, false);
@@ -612,20 +634,20 @@ PyObject* autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+#define CAKE_METHOD(name, doc) \
+  { #name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(name)), METH_FASTCALL, doc }
+
 PyMethodDef g_methods[] = {
-    {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(forward)), METH_FASTCALL,
-     "forward(x, weight, cu_seqlens, bias, out, workspace) -> y, or None when declined"},
-    {"backward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(backward)), METH_FASTCALL,
-     "backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight, dbias) "
-     "-> (dx, dweight[, dbias]), or None when declined"},
-    {"autograd_forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(autograd_forward)),
-     METH_FASTCALL,
-     "autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation) -> y with cake_causal_conv1d's "
-     "autograd node, or None when declined"},
-    {"backward_plan", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(backward_plan)), METH_FASTCALL,
-     "backward_plan(S, C) -> (item_tokens, workspace bytes) of the backward"},
-    {"register_module", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(register_module)), METH_FASTCALL,
-     "register_module(device, weight_code, bias_code, fwd, bwd, capturing, message): a kernel module's entries"},
+    CAKE_METHOD(try_forward, "try_forward(x, weight, cu_seqlens, bias, out, workspace) -> y, or None when declined"),
+    CAKE_METHOD(try_backward,
+                "try_backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight, "
+                "dbias) -> (dx, dweight[, dbias]), or None when declined"),
+    CAKE_METHOD(try_autograd_forward,
+                "try_autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation) -> y with "
+                "cake_causal_conv1d's autograd node, or None when declined"),
+    CAKE_METHOD(register_kernel_module,
+                "register_kernel_module(device, weight_dtype, bias_dtype_or_None, fwd, bwd, capturing, message): "
+                "a kernel module's entries"),
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,20 +1,16 @@
-"""A variant of the compiled module: (weight dtype, bias dtype, arch), its generated source,
-its compiler flags and the names it is published under."""
+"""The kernel modules: one JitSpec per variant (weight dtype, bias dtype, arch), holding the
+forward and the backward of those dtypes behind framework-free C entries."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
 
 from . import env
+from .core import JitSpec
 
 WEIGHT_DTYPES = ("fp32", "bf16")
 BIAS_DTYPES = ("none", "fp32", "bf16")
 _CXX_TYPE = {"fp32": "float", "bf16": "__nv_bfloat16", "none": "flashinfer_cake::NoBias"}
-
-# Bumped when the exported C functions change; the loader refuses a module of another version.
-ABI_VERSION = 4
 
 _FLAGS = (
     "-O3",
@@ -35,9 +31,11 @@ _SOURCE = """\
 using WeightT = {weight_t};
 using BiasT = {bias_t};
 
-CAKE_EXPORT int cake_abi_version() {{ return {abi}; }}
-
 CAKE_EXPORT const char* cake_variant() {{ return "{uri}"; }}
+
+// The argument structs' field names in order (causal_conv1d_contract.h), for ctypes callers.
+CAKE_EXPORT const char* cake_fwd_arg_names() {{ return flashinfer_cake::kFwdArgNames; }}
+CAKE_EXPORT const char* cake_bwd_arg_names() {{ return flashinfer_cake::kBwdArgNames; }}
 
 CAKE_EXPORT const char* cake_last_error_message() {{
   return flashinfer_cake::last_error_buffer();
@@ -48,85 +46,41 @@ CAKE_EXPORT int cake_stream_is_capturing(const void* stream) {{
   return flashinfer_cake::stream_is_capturing(static_cast<cudaStream_t>(const_cast<void*>(stream)));
 }}
 
-// x, y, weight, bias, cu_seqlens, workspace, S, C, num_docs, device, stream (packed int64)
-CAKE_EXPORT int cake_causal_conv1d_fwd(const void* packed) {{
-  const flashinfer_cake::PackedArgs<11> a(packed);
-  return static_cast<int>(flashinfer_cake::causal_conv1d_fwd_entry<WeightT, BiasT>(
-      a.ptr<const void>(0), a.ptr<void>(1), a.ptr<const void>(2), a.ptr<const void>(3),
-      a.ptr<const int32_t>(4), a.ptr<int32_t>(5), a.v[6], a.v[7], a.v[8], a.v[9],
-      a.ptr<CUstream_st>(10)));
+CAKE_EXPORT int cake_causal_conv1d_fwd(const flashinfer_cake::FwdArgs* args) {{
+  return static_cast<int>(flashinfer_cake::causal_conv1d_fwd_entry<WeightT, BiasT>(*args));
 }}
 
-// x, dy, dx, weight, bias, cu_seqlens, workspace, workspace_bytes, dweight, dbias, S, C,
-// num_docs, item_tokens, round_preact, device, stream (packed int64)
-CAKE_EXPORT int cake_causal_conv1d_bwd(const void* packed) {{
-  const flashinfer_cake::PackedArgs<17> a(packed);
-  return static_cast<int>(flashinfer_cake::causal_conv1d_bwd_entry<WeightT, BiasT>(
-      a.ptr<const void>(0), a.ptr<const void>(1), a.ptr<void>(2), a.ptr<const void>(3),
-      a.ptr<const void>(4), a.ptr<const int32_t>(5), a.ptr<void>(6), a.v[7], a.ptr<void>(8),
-      a.ptr<void>(9), a.v[10], a.v[11], a.v[12], a.v[13], a.v[14], a.v[15], a.ptr<CUstream_st>(16)));
+CAKE_EXPORT int cake_causal_conv1d_bwd(const flashinfer_cake::BwdArgs* args) {{
+  return static_cast<int>(flashinfer_cake::causal_conv1d_bwd_entry<WeightT, BiasT>(*args));
 }}
 """
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class VariantSpec:
-    weight: str  # "fp32" | "bf16"
-    bias: str  # "none" | "fp32" | "bf16"
-    arch: str  # e.g. "sm_90a"
-
-    def __post_init__(self):
-        if self.weight not in WEIGHT_DTYPES:
-            raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {self.weight!r}")
-        if self.bias not in BIAS_DTYPES:
-            raise ValueError(f"bias dtype must be one of {BIAS_DTYPES}, got {self.bias!r}")
-        if self.arch not in env.ARCH_OF_CAPABILITY.values():
-            raise ValueError(
-                f"arch must be one of {sorted(set(env.ARCH_OF_CAPABILITY.values()))}, got {self.arch!r}"
-            )
-
-    @property
-    def uri(self) -> str:
-        """Human-readable identity, e.g. ``causal_conv1d_w_fp32_b_none_sm_90a``: the module holds
-        the forward and the backward of these dtypes."""
-        return f"causal_conv1d_w_{self.weight}_b_{self.bias}_{self.arch}"
-
-    def source(self) -> str:
-        return _SOURCE.format(
-            uri=self.uri, weight_t=_CXX_TYPE[self.weight], bias_t=_CXX_TYPE[self.bias], abi=ABI_VERSION
-        )
-
-    def nvcc_flags(self) -> list[str]:
-        digits = self.arch.removeprefix("sm_")
-        return [*_FLAGS, f"-gencode=arch=compute_{digits},code=sm_{digits}"]
-
-    def source_digest(self) -> str:
-        """Hash of every input of the binary but the compiler: templates, generated code, flags."""
-        h = hashlib.sha256()
-        h.update(templates_digest().encode())
-        h.update(self.source().encode())
-        h.update("\0".join(self.nvcc_flags()).encode())
-        return h.hexdigest()
-
-    def module_name(self, toolchain_digest: str) -> str:
-        """File stem of the built module: the uri, the source digest, the compiler's digest."""
-        return f"{self.uri}_{self.source_digest()[:16]}_{toolchain_digest[:8]}"
-
-    def module_prefix(self) -> str:
-        """What every build of this variant from these sources starts with, any compiler."""
-        return f"{self.uri}_{self.source_digest()[:16]}_"
+def variant_uri(weight: str, bias: str, arch: str) -> str:
+    """E.g. ``causal_conv1d_w_fp32_b_none_sm_90a``."""
+    return f"causal_conv1d_w_{weight}_b_{bias}_{arch}"
 
 
 @functools.cache
-def templates_digest() -> str:
-    """Digest of every file under include/ (path and bytes); read once per process."""
-    root = env.include_dir()
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
+def variant_spec(weight: str, bias: str, arch: str) -> JitSpec:
+    """The kernel module of weight dtype ``weight`` ("fp32" | "bf16"), bias dtype ``bias``
+    ("none" | "fp32" | "bf16") and ``arch`` (e.g. "sm_90a")."""
+    if weight not in WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {weight!r}")
+    if bias not in BIAS_DTYPES:
+        raise ValueError(f"bias dtype must be one of {BIAS_DTYPES}, got {bias!r}")
+    if arch not in env.ARCH_OF_CAPABILITY.values():
+        raise ValueError(f"arch must be one of {sorted(set(env.ARCH_OF_CAPABILITY.values()))}, got {arch!r}")
+    uri = variant_uri(weight, bias, arch)
+    digits = arch.removeprefix("sm_")
+    return JitSpec(
+        uri=uri,
+        source=_SOURCE.format(uri=uri, weight_t=_CXX_TYPE[weight], bias_t=_CXX_TYPE[bias]),
+        language="cuda",
+        cflags=(*_FLAGS, f"-gencode=arch=compute_{digits},code=sm_{digits}"),
+    )
 
 
-def all_variants(archs: list[str]) -> list[VariantSpec]:
+def all_variants(archs: list[str]) -> list[JitSpec]:
     """Every (weight, bias) variant for each arch."""
-    return [VariantSpec(w, b, a) for a in archs for w in WEIGHT_DTYPES for b in BIAS_DTYPES]
+    return [variant_spec(w, b, a) for a in archs for w in WEIGHT_DTYPES for b in BIAS_DTYPES]

@@ -16,40 +16,40 @@ a replayed CUDA graph. Every config must give bitwise the same result.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
+import dataclasses
 import json
-import subprocess
+import re
 import tempfile
 from pathlib import Path
 
 import torch
 
-from flashinfer_cake import jit
-from flashinfer_cake.jit import env
-from flashinfer_cake.jit.module import CompiledModule
-from flashinfer_cake.jit.variant import VariantSpec
+from flashinfer_cake import _plan, jit
 
 SHAPES = [(16384, 8192, 16), (65536, 2048, 32), (32768, 4096, 1024), (32768, 4096, 8192),
           (131072, 4096, 32), (1024, 8192, 4), (4096, 4096, 1), (8192, 2048, 512)]
 
 
-def build(op: str, cfg: str, variant: str, out: Path) -> Path:
+def config_spec(op: str, cfg: str, variant: str) -> jit.JitSpec:
+    """The variant's kernel module with the config's -D overrides (its own uri and digest)."""
     threads, strip, ring, min_ctas, *rest = cfg.split("/")
     m = f"-DCAKE_{op.upper()}_"
     extra = [f"{m}{kv}" for kv in rest if "=" in kv]
-    last = [v for v in rest if "=" not in v]
-    spec = VariantSpec(*variant.split("/"), "sm_90a")
-    src = out / f"tune_{op}_{cfg.replace('/', '_')}.cu"
-    src.write_text(spec.source())
-    so = src.with_suffix(".so")
-    cmd = [str(env.require_nvcc()), *spec.nvcc_flags(), f"-I{env.include_dir()}", "-shared", str(src), "-o", str(so),
-           f"{m}THREADS={threads}", f"{m}STRIP_LEN={strip}", f"{m}RING={ring}", f"{m}MIN_CTAS={min_ctas}",
-           *([f"{m}VEC={last[0]}"] if last else []), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{cfg}: {proc.stderr}")
-    regs = [line for line in proc.stderr.splitlines() if "Used" in line or "spill" in line]
-    return so, regs
+    vec = [f"{m}VEC={v}" for v in rest if "=" not in v]
+    spec = jit.variant_spec(*variant.split("/"), "sm_90a")
+    defines = (f"{m}THREADS={threads}", f"{m}STRIP_LEN={strip}", f"{m}RING={ring}", f"{m}MIN_CTAS={min_ctas}", *vec, *extra)
+    return dataclasses.replace(spec, uri=f"tune_{op}_{re.sub(r'[^0-9A-Za-z]+', '_', cfg)}", cflags=spec.cflags + defines)
+
+
+def resource_lines(build_log: str, uri: str) -> list[str]:
+    """ptxas's register / spill lines of one config's module, from the prebuild's log."""
+    lines, mine = [], False
+    for line in build_log.splitlines():
+        if line.startswith("["):
+            mine = f" {uri}_" in line
+        elif mine and ("Used" in line or "spill" in line):
+            lines.append(line)
+    return lines
 
 
 def median_ms(fn, reps: int) -> float:
@@ -89,10 +89,12 @@ def main() -> None:
     args = parser.parse_args()
     configs = args.configs.split(",")
     out = Path(tempfile.mkdtemp())
-    with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
-        builds = dict(zip(configs, pool.map(lambda c: build(args.op, c, args.variant, out), configs)))
-    mods = {c: CompiledModule(so) for c, (so, _) in builds.items()}
-    for c, (_, regs) in builds.items():
+    specs = {c: config_spec(args.op, c, args.variant) for c in configs}
+    built = jit.prebuild(list(specs.values()), out, progress=print)  # one parallel ninja run
+    mods = {c: jit.core.open_artifact(spec, built[spec]) for c, spec in specs.items()}
+    log = (out / "build" / "prebuild" / "build.log").read_text()
+    for c, spec in specs.items():
+        regs = resource_lines(log, spec.uri)
         used = sorted({r.split("Used ")[1].split(",")[0] for r in regs if "Used" in r})
         spills = sorted({r.strip() for r in regs if "spill" in r and " 0 bytes spill stores" not in r})
         print(c, used, "spills:", spills or "none")
@@ -104,8 +106,9 @@ def main() -> None:
         ys = [torch.empty_like(xs[0]) for _ in range(k)]
         dys = [torch.randn_like(xs[0]) for _ in range(k)] if args.op == "bwd" else None
         dw, db = torch.empty(C, 4, device="cuda"), torch.empty(C, device="cuda")
-        item_tokens, ws_bytes = jit.load_binding().backward_plan(S, C)
-        pws = torch.zeros(ws_bytes // 4 + 1, device="cuda")  # zero between launches
+        item_tokens = _plan.item_tokens(S, C)
+        pws = torch.empty(_plan.workspace_bytes(S, C) // 4 + 1, device="cuda")  # any content
+        counters = torch.zeros(_plan.counter_bytes(S, C) // 4 + 1, dtype=torch.int32, device="cuda")  # left zero
         wdt, bdt = (torch.bfloat16 if d == "bf16" else torch.float32 for d in args.variant.split("/"))
         w = torch.randn(C, 4, device="cuda", dtype=wdt)
         b = torch.randn(C, device="cuda", dtype=bdt)  # unused by a "none" variant
@@ -129,13 +132,16 @@ def main() -> None:
             def fwd(i, m=m):
                 stream = torch._C._cuda_getCurrentRawStream(dev)
                 if args.op == "fwd":
-                    rc = m.causal_conv1d_fwd(xs[i % k].data_ptr(), ys[i % k].data_ptr(), w.data_ptr(), b.data_ptr(),
-                                             cu.data_ptr(), ws.data_ptr(), S, C, docs, dev, stream)
+                    rc = m.causal_conv1d_fwd(x=xs[i % k].data_ptr(), y=ys[i % k].data_ptr(), weight=w.data_ptr(),
+                                             bias=b.data_ptr(), cu_seqlens=cu.data_ptr(), workspace=ws.data_ptr(),
+                                             S=S, C=C, num_docs=docs, device=dev, stream=stream)
                 else:
-                    rc = m.causal_conv1d_bwd(xs[i % k].data_ptr(), dys[i % k].data_ptr(), ys[i % k].data_ptr(),
-                                             w.data_ptr(), b.data_ptr(), cu.data_ptr(), pws.data_ptr(),
-                                             pws.shape[0] * 4, dw.data_ptr(), db.data_ptr(), S, C, docs,
-                                             item_tokens, 1, dev, stream)
+                    rc = m.causal_conv1d_bwd(x=xs[i % k].data_ptr(), dy=dys[i % k].data_ptr(), dx=ys[i % k].data_ptr(),
+                                             weight=w.data_ptr(), bias=b.data_ptr(), cu_seqlens=cu.data_ptr(),
+                                             workspace=pws.data_ptr(), workspace_bytes=pws.shape[0] * 4,
+                                             counters=counters.data_ptr(), counters_bytes=counters.shape[0] * 4,
+                                             dweight=dw.data_ptr(), dbias=db.data_ptr(), S=S, C=C, num_docs=docs,
+                                             item_tokens=item_tokens, round_preact=1, device=dev, stream=stream)
                 assert rc == 0, m.last_error_message()
             fwd(0)
             if ref is None:

@@ -1,7 +1,9 @@
 """CPU tests of the `flashinfer-cake` command (`python -m flashinfer_cake`).
 
-`build` compiles the six variants once into a module-scoped tmp cache; `env`, the default action
-and `clear-cache` (on a copy) reuse it. Cheap error cases call `cli.main` in-process.
+`build` compiles the six variants and the torch binding once into a module-scoped tmp cache;
+`env`, the default action and `clear-cache` (on a copy) reuse it. Cheap error cases call
+`cli.main` in-process; the first-hour cases (unusable cache directories, read-only caches,
+FLASHINFER_CAKE_DISABLE_JIT) run the command as a user would.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashinfer_cake import cli
+from flashinfer_cake import cli, jit
 from flashinfer_cake.jit import all_variants, build
 from flashinfer_cake.jit import env as jit_env
 
-URIS = [s.uri for s in all_variants(["sm_90a"])]
+URIS = [s.uri for s in all_variants(["sm_90a"])] + ["torch_binding"]
 ISOLATED_VARS = ("FLASHINFER_CAKE_CACHE_DIR", "FLASHINFER_CAKE_AOT_DIR", "FLASHINFER_CAKE_DISABLE_JIT",
                  "FLASHINFER_CAKE_CUDA_ARCH_LIST")
 
@@ -54,8 +56,11 @@ def test_build(built):
     assert sorted(modules) == sorted(URIS), r.stdout
     for uri, path in modules.items():
         assert path.name.startswith(uri + "_") and build.verified_module(path) == path
-    assert re.search(r"^\[12/12\] ", r.stdout, re.M), r.stdout  # ninja's progress: 6 compiles + 6 links
-    assert "building 6 module(s)" in r.stderr
+    # One progress line per module, not the compilers' output (that stays in the build log).
+    progress = re.findall(r"^built (\S+) \((\d)/7, \d+\.\d s\)$", r.stdout, re.M)
+    assert sorted(uri for uri, _ in progress) == sorted(URIS) and [n for _, n in progress] == list("1234567"), r.stdout
+    assert re.search(rf"^built 7 module\(s\) into {re.escape(str(cache))} in \d+\.\d s$", r.stdout, re.M), r.stdout
+    assert "ptxas" not in r.stdout + r.stderr and len(r.stdout.splitlines()) <= 20, r.stdout
 
 
 @pytest.mark.parametrize("state", ["built", "empty"])
@@ -67,7 +72,7 @@ def test_env(built, tmp_path, state):
     assert re.search(r"^arch list\s+sm_90a\s", r.stdout, re.M), r.stdout
     assert re.search(r"^nvcc\s+/\S*nvcc \(.*\d+\.\d", r.stdout, re.M), r.stdout  # path (version)
     if not torch.cuda.is_available():
-        assert re.search(r"^gpu\s+none", r.stdout, re.M)
+        assert re.search(r"^gpus\s+none", r.stdout, re.M)
     # A module prebuilt into the package's own aot/ (scripts/ci_gpu.sh makes them) is found first.
     shipped = {}
     for directory in jit_env.aot_dirs():
@@ -85,7 +90,7 @@ def test_default_action_without_gpu(built, tmp_path):
     assert first.returncode == 0
     r = flashinfer_cake(cache=cache, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "no CUDA GPU visible to torch: building the variants only" in r.stdout
+    assert "no CUDA GPU visible to torch: building the modules only" in r.stdout
     assert listed_modules(r.stdout, cache) == listed_modules(first.stdout, cache)
     assert "building" not in r.stderr  # the build of `test_build` is found, not redone
 
@@ -133,3 +138,116 @@ def test_errors_exit_1_with_message(argv, env, message, tmp_path, monkeypatch, c
     assert cli.main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith("flashinfer-cake: error: ") and message in err, err
+
+
+# ------------------------------------------------------------------- the first hour of a new user
+
+
+def _file(root: Path) -> Path:
+    (root / "afile").write_text("")
+    return root / "afile"
+
+
+def _dangling(root: Path) -> Path:
+    (root / "link").symlink_to(root / "missing")
+    return root / "link"
+
+
+def _under_a_file(root: Path) -> Path:
+    return _file(root) / "cache"
+
+
+def _shared_sticky(root: Path) -> Path:  # like /tmp: no chmod of ours can make it private
+    (root / "shared").mkdir()
+    (root / "shared").chmod(0o1777)
+    return root / "shared"
+
+
+def _group_writable(root: Path) -> Path:
+    (root / "mine").mkdir()
+    (root / "mine").chmod(0o770)
+    return root / "mine"
+
+
+@pytest.mark.parametrize("make, words", [
+    (_file, ["exists and is not a directory"]),
+    (_dangling, ["is a symbolic link to", "which does not exist"]),
+    (_under_a_file, ["cannot create", "Not a directory"]),
+    (_shared_sticky, ["writable by other users", "a directory of your own"]),
+    (_group_writable, ["writable by its group", "chmod go-w"]),
+], ids=["file", "dangling-symlink", "under-a-file", "shared-sticky-dir", "group-writable"])
+def test_unusable_cache_dir_is_one_line_and_env_reports_it(make, words, tmp_path):
+    cache = make(tmp_path)
+    r = flashinfer_cake(cache=cache, cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    error = [line for line in r.stderr.splitlines() if line.startswith("flashinfer-cake: error: ")]
+    assert len(error) == 1 and str(cache) in error[0] and all(w in error[0] for w in words), r.stderr
+    if make is _shared_sticky:
+        assert "chmod" not in error[0]  # never a chmod of a shared directory
+    r = flashinfer_cake("env", cache=cache, cwd=tmp_path)  # the diagnostic: every line, the problem on its own
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert re.search(rf"^cache dir\s+ERROR: .*{re.escape(str(cache))}", r.stdout, re.M), r.stdout
+    assert re.search(r"^jit\s+enabled", r.stdout, re.M) and re.search(r"^modules\s+not listed", r.stdout, re.M)
+    assert r.stderr.startswith("flashinfer-cake: error: ") and str(cache) in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default action runs the forward on a GPU")
+def test_read_only_cache(built, tmp_path, monkeypatch, capsys):
+    """A fully built cache is only read (no lock taken); a build into one that cannot be written
+    is one line saying so. (Root ignores file modes: a lock that cannot be created stands in.)"""
+    import filelock
+
+    def unwritable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(args[0]))
+
+    monkeypatch.setattr(filelock, "FileLock", unwritable)
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(built[0]))
+    assert cli.main([]) == 0, capsys.readouterr()
+    partial = shutil.copytree(built[0], tmp_path / "partial", symlinks=True)
+    next(partial.glob("causal_conv1d_w_bf16_b_none_*.json")).unlink()
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(partial))
+    assert cli.main([]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot build" in err and "Permission denied" in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default action runs the forward on a GPU")
+def test_disable_jit_default_action_builds_nothing(tmp_path):
+    r = flashinfer_cake(cache=tmp_path / "cache", cwd=tmp_path, FLASHINFER_CAKE_DISABLE_JIT="1")
+    assert r.returncode == 0, r.stderr
+    assert "FLASHINFER_CAKE_DISABLE_JIT is set: nothing to run, nothing built" in r.stdout
+    assert re.search(r"^jit\s+disabled", r.stdout, re.M) and not list((tmp_path / "cache").glob("*.so"))
+
+
+@pytest.mark.parametrize("argv, where", [(["build", "--aot"], "package"), (["build", "--out", "DIR"], "elsewhere")])
+def test_build_destination(argv, where, tmp_path, monkeypatch, capsys):
+    """--aot writes where the installed package looks; any other directory gets the export line."""
+    package_aot = tmp_path / "pkg" / "aot"
+    monkeypatch.setattr(jit_env, "PACKAGE_AOT_DIR", package_aot)
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    seen = {}
+
+    def fake_prebuild(specs, out, **kwargs):
+        seen["out"] = Path(out)
+        return {spec: Path(out) / f"{spec.uri}.so" for spec in specs}
+
+    monkeypatch.setattr(jit, "prebuild", fake_prebuild)
+    argv = [str(tmp_path / "dir") if a == "DIR" else a for a in argv]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    if where == "package":
+        assert seen["out"] == package_aot and "export" not in out
+    else:
+        assert f"export FLASHINFER_CAKE_AOT_DIR={tmp_path / 'dir'}" in out
+
+
+def test_aot_build_script_is_build_aot(monkeypatch):
+    script = Path(__file__).resolve().parent.parent / "scripts" / "aot_build.py"
+    calls = []
+    monkeypatch.setattr(cli, "main", lambda argv: calls.append(argv) or 0)
+    monkeypatch.setattr(sys, "argv", [str(script), "-j", "3"])
+    with pytest.raises(SystemExit) as e:
+        exec(compile(script.read_text(), str(script), "exec"), {"__name__": "__main__"})
+    assert e.value.code == 0 and calls == [["build", "--aot", "-j", "3"]]

@@ -7,6 +7,10 @@ checks the exact exception type and that the offending argument is named as a wo
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -143,10 +147,56 @@ def test_bad_cuda_input_is_rejected_naming_the_argument(override, exc, argname, 
 
 def test_not_supported_on_cpu():
     assert is_cake_causal_conv1d_train_supported(torch.device("cpu")) is False
+    assert is_cake_causal_conv1d_train_supported("cpu") is False
     if not torch.cuda.is_available():
-        # No CUDA device: the default (current CUDA device) is unsupported, and it never raises.
+        # No CUDA device: the default (current CUDA device), an index or a CUDA device name are
+        # unsupported, and it never raises (torch.device(0) alone raises on a CPU-only torch).
+        for device in (None, 0, 1, "cuda", "cuda:0", torch.device("cuda", 0)):
+            assert is_cake_causal_conv1d_train_supported(device) is False, device
         assert is_cake_causal_conv1d_train_supported() is False
-        assert is_cake_causal_conv1d_train_supported(None) is False
+
+
+_BAD_CALLS = """
+import torch, flashinfer_cake as f
+x = torch.randn(16, 32).to(torch.bfloat16)
+w = torch.randn(32, 4)
+cu = torch.tensor([0, 16], dtype=torch.int32)
+cases = [
+    (TypeError, "x", lambda: f.cake_causal_conv1d_train_forward(1, 2, 3)),
+    (ValueError, "x", lambda: f.cake_causal_conv1d_train_forward(x.float(), w, cu)),
+    (ValueError, "x", lambda: f.cake_causal_conv1d_train_forward(x, w, cu)),  # valid, but on the CPU
+    (TypeError, "dy", lambda: f.cake_causal_conv1d_train_backward(x, w, cu, None)),
+    (ValueError, "silu_grad_preactivation",
+     lambda: f.cake_causal_conv1d_train_backward(x, w, cu, x, silu_grad_preactivation="fp16")),
+    (ValueError, "workspace", lambda: f.cake_causal_conv1d_train_backward(x, w, cu, x, workspace=torch.zeros(1))),
+    (TypeError, "weight", lambda: f.cake_causal_conv1d(x, None, cu)),
+    (ValueError, "silu_grad_preactivation", lambda: f.cake_causal_conv1d(x, w, cu, silu_grad_preactivation="no")),
+]
+for exc, name, call in cases:
+    try:
+        call()
+    except exc as e:
+        assert name in str(e), (name, e)
+    else:
+        raise SystemExit(f"no {exc.__name__} for {name}")
+print(f.cake_causal_conv1d_train_backward_workspace_bytes(4096, 4096, "cpu"))
+"""
+
+
+@pytest.mark.parametrize("nothing_may_build", [{"FLASHINFER_CAKE_DISABLE_JIT": "1"},
+                                               {"CXX": "/nonexistent/c++", "FLASHINFER_CAKE_NVCC": "/nonexistent/nvcc"}],
+                         ids=["disable-jit", "no-compilers"])
+def test_bad_arguments_raise_before_anything_is_built(nothing_may_build, tmp_path):
+    """A bad call raises its documented TypeError / ValueError on a fresh machine without
+    loading or building anything (before, the binding was built first: ~15 s, or a RuntimeError
+    about it); the cache directory is not even looked up."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHINFER_CAKE_")}
+    env.update(FLASHINFER_CAKE_CACHE_DIR=str(tmp_path / "cache"), **nothing_may_build)
+    r = subprocess.run([sys.executable, "-c", _BAD_CALLS], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(20 * 4096 * 32)]  # 32 groups of 128 tokens, no build needed
+    assert not (tmp_path / "cache").exists()
 
 
 def test_workspace_bytes_is_positive_and_monotone_in_S():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -29,25 +30,25 @@ import torch
 
 from flashinfer_cake import jit
 from flashinfer_cake.jit import build, core, env, variant
-from flashinfer_cake.jit.variant import VariantSpec
 
-SPEC = VariantSpec("fp32", "none", "sm_90a")
+SPEC = jit.variant_spec("fp32", "none", "sm_90a")
+DTYPES = [(w, b) for w in variant.WEIGHT_DTYPES for b in variant.BIAS_DTYPES]
 ALL = jit.all_variants(["sm_90a"])
 CXX = {"fp32": "float", "bf16": "__nv_bfloat16", "none": "flashinfer_cake::NoBias"}
-ENTRY_POINTS = ("cake_abi_version", "cake_variant", "cake_last_error_message", "cake_stream_is_capturing",
-                "cake_causal_conv1d_fwd", "cake_causal_conv1d_bwd")
+ENTRY_POINTS = ("cake_variant", "cake_fwd_arg_names", "cake_bwd_arg_names", "cake_last_error_message",
+                "cake_stream_is_capturing", "cake_causal_conv1d_fwd", "cake_causal_conv1d_bwd")
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_INVALID_DEVICE = 101
 # Variables a test sets itself; FLASHINFER_CAKE_NVCC / CUDA_HOME (which compiler CI uses) are kept.
 ISOLATED_VARS = ("FLASHINFER_CAKE_CACHE_DIR", "FLASHINFER_CAKE_AOT_DIR", "FLASHINFER_CAKE_DISABLE_JIT",
                  "FLASHINFER_CAKE_CUDA_ARCH_LIST")
 # Subprocesses ignore a package-shipped aot/ a developer may have built in the checkout.
-PREAMBLE = "from flashinfer_cake.jit import env as _e; _e.SHIPPED_AOT_DIR = _e.Path('/nonexistent/aot')\n"
+PREAMBLE = "from flashinfer_cake.jit import env as _e; _e.PACKAGE_AOT_DIR = _e.Path('/nonexistent/aot')\n"
 LOAD_SCRIPT = """
 import logging
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 from flashinfer_cake import jit
-m = jit.load(jit.VariantSpec("fp32", "none", "sm_90a"))
+m = jit.load(jit.variant_spec("fp32", "none", "sm_90a"))
 print(m.path)
 print(m.variant)
 """
@@ -117,14 +118,21 @@ def isolated(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("MAX_JOBS", "2")
     monkeypatch.setattr(core, "_loaded", {})
-    monkeypatch.setattr(env, "SHIPPED_AOT_DIR", tmp_path / "no-shipped-aot")
+    monkeypatch.setattr(env, "PACKAGE_AOT_DIR", tmp_path / "no-package-aot")
+
+
+def fresh_spec():
+    """SPEC computed anew (its digest is cached on the instance, the templates' per process)."""
+    core.templates_digest.cache_clear()
+    variant.variant_spec.cache_clear()
+    return jit.variant_spec("fp32", "none", "sm_90a")
 
 
 @pytest.fixture
 def fresh_templates_digest():
-    variant.templates_digest.cache_clear()
+    fresh_spec()
     yield
-    variant.templates_digest.cache_clear()
+    fresh_spec()
 
 
 @pytest.fixture(scope="session")
@@ -188,14 +196,15 @@ def fresh_import(tmp_path_factory):
 # ------------------------------------------------------------------------- names, digests, source
 
 
-@pytest.mark.parametrize("spec", ALL, ids=lambda s: s.uri)
-def test_variant_naming(spec):
-    assert spec.uri == f"causal_conv1d_w_{spec.weight}_b_{spec.bias}_sm_90a"
+@pytest.mark.parametrize("weight, bias", DTYPES)
+def test_variant_naming(weight, bias):
+    spec = jit.variant_spec(weight, bias, "sm_90a")
+    assert spec.uri == f"causal_conv1d_w_{weight}_b_{bias}_sm_90a" and spec.language == "cuda"
     tc = toolchain()
     module_name = spec.module_name(tc)
     assert re.fullmatch(rf"{spec.uri}_[0-9a-f]{{16}}_{tc[:8]}", module_name)
     assert module_name.startswith(spec.module_prefix())
-    assert spec.module_prefix() == f"{spec.uri}_{spec.source_digest()[:16]}_"
+    assert spec.module_prefix() == f"{spec.uri}_{spec.digest[:16]}_"
     assert spec.module_name("f" * 64) != module_name and spec.module_name("f" * 64).startswith(spec.module_prefix())
 
 
@@ -205,14 +214,13 @@ def test_variant_naming(spec):
 def test_invalid_variant_rejected(kwargs):
     bad = next(k for k, v in kwargs.items() if v in ("fp16", "sm_80"))
     with pytest.raises(ValueError, match=bad):
-        VariantSpec(**kwargs)
+        jit.variant_spec(**kwargs)
 
 
 def test_digests_stable_and_distinct(tmp_path):
     here = {s.uri: s.module_name(toolchain()) for s in ALL}
-    assert here == {s.uri: VariantSpec(s.weight, s.bias, s.arch).module_name(toolchain()) for s in ALL}
     assert len(set(here.values())) == len(ALL) == 6
-    assert len({s.source_digest() for s in ALL}) == 6
+    assert len({s.digest for s in ALL}) == 6
     code = """
     import json
     from flashinfer_cake.jit import all_variants, env
@@ -225,11 +233,10 @@ def test_digests_stable_and_distinct(tmp_path):
 
 
 def test_digest_changes_when_a_template_byte_changes(tmp_path, monkeypatch, fresh_templates_digest):
-    real, real_prefix = SPEC.source_digest(), SPEC.module_prefix()
+    real, real_prefix = SPEC.digest, SPEC.module_prefix()
     copy = shutil.copytree(env.include_dir(), tmp_path / "include")
     monkeypatch.setattr(env, "include_dir", lambda: copy)
-    variant.templates_digest.cache_clear()
-    assert SPEC.source_digest() == real  # same bytes elsewhere: same digest
+    assert fresh_spec().digest == real  # same bytes elsewhere: same digest
     templates = sorted(p for p in copy.rglob("*") if p.is_file())
     assert templates
     for path in templates:
@@ -237,33 +244,40 @@ def test_digest_changes_when_a_template_byte_changes(tmp_path, monkeypatch, fres
         changed = bytearray(data)
         changed[len(data) // 2] ^= 1  # one bit of one byte
         path.write_bytes(bytes(changed))
-        variant.templates_digest.cache_clear()
-        assert SPEC.source_digest() != real, path
-        assert SPEC.module_prefix() != real_prefix  # a new module name: the old build is not reused
+        assert fresh_spec().digest != real, path
+        assert fresh_spec().module_prefix() != real_prefix  # a new module name: the old build is not reused
         path.write_bytes(data)
-        variant.templates_digest.cache_clear()
-        assert SPEC.source_digest() == real
+        assert fresh_spec().digest == real
     (copy / "flashinfer_cake" / "new.cuh").write_text("// new\n")
-    variant.templates_digest.cache_clear()
-    assert SPEC.source_digest() != real
+    assert fresh_spec().digest != real
 
 
-@pytest.mark.parametrize("spec", ALL, ids=lambda s: s.uri)
-def test_generated_source(spec):
-    src = spec.source()
+def test_binding_and_variants_share_one_pipeline():
+    """Both are JitSpecs: one digest rule (the templates, the source, the flags, the identity)."""
+    binding = jit.binding_spec()
+    assert isinstance(binding, jit.JitSpec) and binding.language == "c++" and binding.python_extension
+    assert torch.__version__ in binding.identity
+    assert not SPEC.python_extension and SPEC.identity == ()
+    assert dataclasses.replace(SPEC, cflags=SPEC.cflags + ("-DX",)).digest != SPEC.digest
+    assert dataclasses.replace(binding, identity=("other torch",)).digest != binding.digest
+
+
+@pytest.mark.parametrize("weight, bias", DTYPES)
+def test_generated_source(weight, bias):
+    spec = jit.variant_spec(weight, bias, "sm_90a")
+    src = spec.source
     assert "#include <flashinfer_cake/causal_conv1d_fwd_launcher.cuh>" in src
     assert (env.include_dir() / "flashinfer_cake" / "causal_conv1d_fwd_launcher.cuh").is_file()
     assert re.search(r'#define CAKE_EXPORT extern "C" __attribute__\(\(visibility\("default"\)\)\)', src)
     for fn in ENTRY_POINTS:
         assert re.search(rf"^CAKE_EXPORT (int|const char\*) {fn}\(", src, re.M), fn
-    assert f"using WeightT = {CXX[spec.weight]};" in src
-    assert f"using BiasT = {CXX[spec.bias]};" in src
+    assert f"using WeightT = {CXX[weight]};" in src
+    assert f"using BiasT = {CXX[bias]};" in src
     assert f'return "{spec.uri}";' in src
-    assert f"return {variant.ABI_VERSION};" in src
 
 
 def test_nvcc_flags():
-    flags = SPEC.nvcc_flags()
+    flags = SPEC.cflags
     assert "-gencode=arch=compute_90a,code=sm_90a" in flags
     assert not [f for f in flags if "fast_math" in f or "fast-math" in f]
     assert "-cudart=static" in flags
@@ -271,9 +285,9 @@ def test_nvcc_flags():
 
 def test_build_used_generated_source_and_flags(built_cache, name):
     build_dir = built_cache / "build" / name
-    assert (build_dir / f"{name}.cu").read_text() == SPEC.source()
+    assert (build_dir / f"{name}.cu").read_text() == SPEC.source
     ninja = (build_dir / "build.ninja").read_text()
-    assert f"  flags = {' '.join(SPEC.nvcc_flags())}" in ninja
+    assert f"  cflags = {' '.join(SPEC.cflags)} -I{env.include_dir()}" in ninja
     assert "-gencode=arch=compute_90a,code=sm_90a" in ninja and "fast_math" not in ninja
 
 
@@ -340,38 +354,39 @@ def test_import_creates_no_directories(fresh_import):
 # ----------------------------------------------------------------------------- real builds, load
 
 
-def test_built_module_abi(built_cache, name, monkeypatch):
+def test_built_module_entries(built_cache, name, monkeypatch):
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(built_cache))
     m = jit.load(SPEC)
     assert m.path == built_cache / f"{name}.so"
-    assert m._lib.cake_abi_version() == variant.ABI_VERSION
     assert m.variant == SPEC.uri
-    raw = ctypes.CDLL(str(m.path))  # the plain C ABI, without CompiledModule's declarations
+    raw = ctypes.CDLL(str(m.path))  # the plain C ABI, without KernelModule's declarations
     for fn in ENTRY_POINTS:
         assert hasattr(raw, fn), fn
-    fwd = m.causal_conv1d_fwd
     aligned = 1 << 20  # a fake but 16-byte aligned "device pointer": never dereferenced below
-    args = [aligned] * 6
-    assert fwd(*args, 64, 7, 1, 0, 0) == CUDA_ERROR_INVALID_VALUE
-    assert "C must be a positive multiple of 8, got 7" in m.last_error_message()
-    assert fwd(0, *args[1:], 64, 8, 1, 0, 0) == CUDA_ERROR_INVALID_VALUE
+
+    def fwd(**at):
+        args = dict(x=aligned, y=aligned, weight=aligned, bias=aligned, cu_seqlens=aligned, workspace=aligned, S=64,
+                    C=8, num_docs=1, device=0, stream=0)
+        return m.causal_conv1d_fwd(**{**args, **at})
+
+    assert fwd(C=7) == CUDA_ERROR_INVALID_VALUE
+    assert "C must be a positive multiple of 8 below 2^28, got 7" in m.last_error_message()
+    assert fwd(x=0) == CUDA_ERROR_INVALID_VALUE
     assert "x: expected a non-null 16-byte aligned pointer" in m.last_error_message()
-    assert fwd(*args, 0, 8, 0, 0, 0) == 0 and m.last_error_message() == ""  # S == 0: nothing to do
-    assert fwd(*args, 64, 8, 1, 2**32, 0) == CUDA_ERROR_INVALID_DEVICE  # no truncation to device 0
+    assert fwd(S=0) == 0 and m.last_error_message() == ""  # S == 0: nothing to do
+    assert fwd(device=2**32) == CUDA_ERROR_INVALID_DEVICE  # no truncation to device 0
+    assert fwd(S=2**31) == CUDA_ERROR_INVALID_VALUE and "S must be in [0, 2^31)" in m.last_error_message()
+    with pytest.raises(TypeError, match="takes exactly the fields"):
+        m.causal_conv1d_fwd(x=aligned)  # a missing field is never passed as 0
     if not torch.cuda.is_available():  # valid-looking args, no GPU: a CUDA error code, no crash
-        code = fwd(*args, 64, 8, 1, 0, 0)
-        assert code != 0 and m.last_error_message()
+        assert fwd() != 0 and m.last_error_message()
 
-    # The backward's entry: x, dy, dx, weight, bias, cu_seqlens, workspace, workspace_bytes,
-    # dweight, dbias, S, C, num_docs, item_tokens, round_preact, device, stream.
-    bwd = m.causal_conv1d_bwd
-    ptrs = [aligned] * 7
-
-    def bwd_call(S=128, C=8, item_tokens=64, round_preact=1, device=0, workspace_bytes=1 << 20, **at):
-        p = list(ptrs)
-        for i, v in at.items():
-            p[int(i[1:])] = v
-        return bwd(*p, workspace_bytes, aligned, aligned, S, C, 1, item_tokens, round_preact, device, 0)
+    def bwd(**at):
+        args = dict(x=aligned, dy=aligned, dx=aligned, weight=aligned, bias=aligned, cu_seqlens=aligned,
+                    workspace=aligned, workspace_bytes=1 << 20, counters=aligned, counters_bytes=1 << 20,
+                    dweight=aligned, dbias=aligned, S=128, C=8, num_docs=1, item_tokens=64, round_preact=1, device=0,
+                    stream=0)
+        return m.causal_conv1d_bwd(**{**args, **at})
 
     for kwargs, message in [
         ({"S": 2**30}, "S must be in [0, 2^30) for the backward"),
@@ -379,13 +394,15 @@ def test_built_module_abi(built_cache, name, monkeypatch):
         ({"item_tokens": 96}, "item_tokens must be a positive multiple of 64"),
         ({"item_tokens": 1088}, "item_tokens must be a positive multiple of 64 up to 1024"),
         ({"round_preact": 2**32 + 1}, "round_preact must be 0 or 1"),
-        ({"workspace_bytes": 16 + 5 * 8 * 4 * 2 - 4}, "workspace: expected at least 336 bytes"),  # counters + 2 groups
-        ({"p1": aligned + 8}, "dy: expected a non-null 16-byte aligned pointer"),
-        ({"p5": aligned + 2}, "cu_seqlens: expected a non-null 4-byte aligned pointer"),
+        ({"workspace_bytes": 5 * 8 * 4 * 2 - 4}, "workspace: expected at least 320 bytes"),  # 2 groups' rows
+        ({"counters_bytes": 4}, "counters: expected at least 8 bytes"),  # 1 tile: 1 chunk + 1
+        ({"dy": aligned + 8}, "dy: expected a non-null 16-byte aligned pointer"),
+        ({"cu_seqlens": aligned + 2}, "cu_seqlens: expected a non-null 4-byte aligned pointer"),
+        ({"counters": 0}, "counters: expected a non-null 4-byte aligned pointer"),
     ]:
-        assert bwd_call(**kwargs) == CUDA_ERROR_INVALID_VALUE, kwargs
+        assert bwd(**kwargs) == CUDA_ERROR_INVALID_VALUE, kwargs
         assert message in m.last_error_message(), (kwargs, m.last_error_message())
-    assert bwd_call(device=2**32) == CUDA_ERROR_INVALID_DEVICE
+    assert bwd(device=2**32) == CUDA_ERROR_INVALID_DEVICE
 
 
 def test_warm_load_starts_no_process(built_cache, name, monkeypatch):
@@ -403,21 +420,31 @@ def test_concurrent_first_load_compiles_once(concurrent_build, name):
     assert [rc for rc, _, _ in results] == [0] * 8, [err[-3000:] for rc, _, err in results if rc]
     assert {out for _, out, _ in results} == {f"{cache / name}.so\n{SPEC.uri}\n"}
     stderr = "".join(err for _, _, err in results)
-    assert len(re.findall(rf"^flashinfer_cake: building {name}$", stderr, re.M)) == 1, stderr
+    assert len(re.findall(rf"^flashinfer_cake: building {name} \(first use; ", stderr, re.M)) == 1, stderr
     assert len(re.findall(rf"^flashinfer_cake: built {name} in ", stderr, re.M)) == 1, stderr
+    # The others say why they wait (the build takes seconds): one line each at most.
+    waiting = re.findall(r"^flashinfer_cake: waiting for another process to finish building causal_conv1d_w_fp32_b_none_"
+                         r"sm_90a \(lock .*\.lock\)$", stderr, re.M)
+    assert 1 <= len(waiting) <= 7, stderr
     ninja_log = (cache / "build" / name / ".ninja_log").read_text()
     assert len(re.findall(rf"\t{name}\.o\t", ninja_log)) == 1, ninja_log  # nvcc compiled once
     assert build.verified_module(cache / f"{name}.so")
 
 
-def test_build_logs_at_info(built_cache, name, tmp_path, monkeypatch, caplog):
+def test_build_logs_at_info_and_cleans_stale_temporaries(built_cache, name, tmp_path, monkeypatch, caplog):
     cache = copy_cache(built_cache, tmp_path / "cache")  # with ninja's build dir: republish only
     (cache / f"{name}.so").unlink()
     (cache / f"{name}.json").unlink()
+    stale = [cache / f".{name}.k1ll3d.so", cache / f".{name}.k1ll3d.json"]  # a publish killed midway
+    for path in stale:
+        path.write_bytes(b"half")
+    other = cache / ".causal_conv1d_w_bf16_b_none_sm_90a_0123.x.so"  # another module's: not this lock's
+    other.write_bytes(b"")
     caplog.set_level(logging.INFO, logger="flashinfer_cake.jit")
     assert jit.load(SPEC).path == cache / f"{name}.so"
+    assert not any(p.exists() for p in stale) and other.exists()
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert infos[0] == f"flashinfer_cake: building {name}"
+    assert infos[0] == f"flashinfer_cake: building {name} (first use; later calls and processes load it from {cache})"
     assert re.fullmatch(rf"flashinfer_cake: built {name} in \d+\.\d s", infos[1])
     caplog.clear()
     monkeypatch.setattr(core, "_loaded", {})
@@ -446,7 +473,7 @@ def test_killed_build_leaves_nothing_loadable(tmp_path, name, caplog):
     assert p.returncode == -signal.SIGKILL
     caplog.set_level(logging.INFO, logger="flashinfer_cake.jit")
     m = jit.load(SPEC)  # a later call builds and works
-    assert f"flashinfer_cake: building {name}" in caplog.messages
+    assert any(m.startswith(f"flashinfer_cake: building {name} ") for m in caplog.messages)
     assert m.path == cache / f"{name}.so" and m.variant == SPEC.uri
     assert build.verified_module(m.path)
 
@@ -495,7 +522,7 @@ def test_aot_dir_used_before_cache(built_cache, name, tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(built_cache))
     forbid_processes(monkeypatch)
     assert jit.prebuild([SPEC], aot) == built  # already there: no build
-    assert jit.published_modules(SPEC) == [aot / f"{name}.so", built_cache / f"{name}.so"]
+    assert jit.published(SPEC) == [aot / f"{name}.so", built_cache / f"{name}.so"]
     m = jit.load(SPEC)
     assert m.path == aot / f"{name}.so" and m.variant == SPEC.uri
     # The AOT module serves a process that may not compile, with an empty cache.
@@ -527,7 +554,7 @@ def test_shipped_aot_dir_may_be_group_writable(built_cache, name, tmp_path, monk
     for ext in (".so", ".json"):
         shutil.copy2(built_cache / f"{name}{ext}", shipped)
     shipped.chmod(mode)
-    monkeypatch.setattr(env, "SHIPPED_AOT_DIR", shipped)
+    monkeypatch.setattr(env, "PACKAGE_AOT_DIR", shipped)
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")
     forbid_processes(monkeypatch)
@@ -579,9 +606,20 @@ def _world_writable_aot(cache, aot):
     return aot
 
 
-@pytest.mark.parametrize("unsafe", [_world_writable_cache, _group_writable_cache, _cache_of_other_user, _world_writable_aot],
-                         ids=["cache-0777", "cache-0770", "cache-other-uid", "aot-0777"])
-def test_unsafe_directory_refused(built_cache, tmp_path, monkeypatch, unsafe):
+def _shared_sticky_cache(cache, aot):  # like /tmp
+    cache.chmod(0o1777)
+    return cache
+
+
+@pytest.mark.parametrize("unsafe, reason, fix", [
+    (_world_writable_cache, "writable by other users (mode drwxrwxrwx)", "chmod go-w"),
+    (_group_writable_cache, "writable by its group (mode drwxrwx---)", "chmod go-w"),
+    (_cache_of_other_user, "owned by uid 4242, not by you", "a directory of your own"),
+    (_shared_sticky_cache, "writable by other users (mode drwxrwxrwt)", "a directory of your own"),
+    (_world_writable_aot, "writable by other users (mode drwxrwxrwx)", "chmod go-w"),
+], ids=["cache-0777", "cache-0770", "cache-other-uid", "cache-1777", "aot-0777"])
+def test_unsafe_directory_refused(built_cache, tmp_path, monkeypatch, unsafe, reason, fix):
+    """Refused, saying which check failed and only a fix that is safe for that directory."""
     cache = copy_cache(built_cache, tmp_path / "cache")  # holds a valid module
     bad = unsafe(cache, tmp_path / "aot")
     monkeypatch.setenv("FLASHINFER_CAKE_AOT_DIR", str(tmp_path / "aot"))
@@ -589,7 +627,10 @@ def test_unsafe_directory_refused(built_cache, tmp_path, monkeypatch, unsafe):
     monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: pytest.fail(f"loaded code: {a}"))
     with pytest.raises(RuntimeError, match="refusing to load code from it") as e:
         jit.load(SPEC)
-    assert str(bad) in str(e.value)
+    message = str(e.value)
+    assert f"{bad} is {reason}" in message and fix in message, message
+    assert ("chmod" in message) == (fix == "chmod go-w"), message  # never a chmod that cannot help
+    assert "or owned by uid" not in message  # the old message named a uid whatever the failed check
     assert core._loaded == {}
 
 
@@ -622,9 +663,8 @@ def test_nvcc_that_cannot_target_the_arch(tmp_path, monkeypatch):
 
 
 def test_compile_error_carries_compiler_output(tmp_path, monkeypatch):
-    broken = 'extern "C" int cake_abi_version() { return cake_undefined_symbol; }\n'
-    monkeypatch.setattr(VariantSpec, "source", lambda self: broken)
+    broken = 'extern "C" int cake_variant() { return cake_undefined_symbol; }\n'
     with pytest.raises(RuntimeError) as e:
-        jit.load(SPEC)
+        jit.load(dataclasses.replace(SPEC, source=broken))
     assert re.search(r'error: identifier "cake_undefined_symbol" is undefined', str(e.value)), str(e.value)
     assert published(tmp_path / "cache") == []

@@ -18,9 +18,10 @@
 // workspace: partials[item's token group][5][C]. Integer counters then pick, per channel tile,
 // the last CTA of each chunk of 8 groups to add the chunk's rows in group order, and the last
 // chunk to add the chunk sums in chunk order: a fixed tree, so dweight and dbias are bitwise
-// identical run to run whatever the scheduling (no float atomics anywhere). Rows and counters
-// are left zero for the next launch. One launch, where a separate reduction kernel cost a
-// second one (~4 µs of host time).
+// identical run to run whatever the scheduling (no float atomics anywhere). Every row is written
+// before it is read, so the workspace may hold anything on entry; the counters (a buffer of
+// their own, kept by the caller of the C entry) are zero on entry and left zero for the next
+// launch. One launch, where a separate reduction kernel cost a second one (~4 µs of host time).
 //
 // Document positions: min(position in document, 3) of the item's tokens and the 3 after it, one
 // byte each in shared memory, found once per item by scan_positions (a CTA-wide pivot search,
@@ -41,8 +42,8 @@ struct CausalConv1dBwdParams {
   const void* weight;       // [C, 4], WeightT
   const void* bias;         // [C], BiasT (unused for NoBias)
   const int32_t* cu_seqlens;  // [num_docs + 1]
-  float* partials;          // workspace: [groups][kBwdPartialRows][C], zero between launches
-  int32_t* counters;        // workspace: per channel tile, one per chunk + one, zero between launches
+  float* partials;          // workspace: [groups][kBwdPartialRows][C], any content on entry
+  int32_t* counters;        // per channel tile, one per chunk + one: zero on entry, left zero
   void* dweight;            // [C, 4], WeightT
   void* dbias;              // [C], BiasT (unused for NoBias)
   int32_t S;
@@ -106,8 +107,8 @@ __device__ __forceinline__ void store_param<__nv_bfloat16>(void* base, int i, fl
 }
 
 // Sums, for each (row q, channel c) of channel tile tile_c, the partial rows of `count` groups
-// first, first + step, ... in that order, and zeroes every row it read; the sum goes back into
-// group `first`'s row (into_first) or to sink(q, c, sum). The rows were written by other SMs:
+// first, first + step, ... in that order; the sum goes back into group `first`'s row
+// (into_first) or to sink(q, c, sum). The rows were written by other SMs:
 // read through L2 (.cg), several in flight per thread.
 template <int kThreads, int kTileChannels, class Sink>
 __device__ __forceinline__ void sum_partial_rows(const CausalConv1dBwdParams& p, int tile_c, int first, int step,
@@ -142,10 +143,7 @@ __device__ __forceinline__ void sum_partial_rows(const CausalConv1dBwdParams& p,
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
       for (int e = 0; e < kElems; ++e) {
-        if (ok[e] && r0 + r < count) {
-          sum[e] += v[r][e];
-          if (!into_first || r0 + r > 0) __stcg(base[e] + (r0 + r) * row_step, 0.0f);
-        }
+        if (ok[e] && r0 + r < count) sum[e] += v[r][e];
       }
     }
   }
@@ -374,7 +372,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // dweight / dbias: a fixed two-level tree over the token groups, summed by whichever CTAs
   // finish last. The last CTA of each chunk of kBwdChunk groups (per channel tile) adds the
   // chunk's rows in group order into its first group's row; the last chunk to finish adds those
-  // in chunk order into dweight / dbias. Every row read, and every counter, is left zero.
+  // in chunk order into dweight / dbias. Every counter is left zero.
   const int chunks = (p.groups + kBwdChunk - 1) / kBwdChunk;
   const int chunk = group / kBwdChunk;
   int32_t* const counters = p.counters + static_cast<size_t>(tile_c) * (chunks + 1);

@@ -81,62 +81,64 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
   return launch_causal_conv1d_bwd_route<BwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, stream);
 }
 
-// The C entry point's body: re-checks what the Python layer validated (the binary may be called
-// directly), selects the device, launches the kernel. Returns a cudaError_t code; on failure the
-// message is in last_error_buffer().
+// The C entry point's body: re-checks what the binding validated (the module may be called
+// directly, e.g. with ctypes), selects the device, launches the kernel. Returns a cudaError_t
+// code; on failure the message is in last_error_buffer().
 template <class WeightT, class BiasT>
-cudaError_t causal_conv1d_bwd_entry(const void* x, const void* dy, void* dx, const void* weight,
-                                    const void* bias, const int32_t* cu_seqlens, void* workspace,
-                                    int64_t workspace_bytes, void* dweight, void* dbias, int64_t S,
-                                    int64_t C, int64_t num_docs, int64_t item_tokens,
-                                    int64_t round_preact, int64_t device, cudaStream_t stream) {
+cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
   last_error_buffer()[0] = '\0';
-  // Token indices of a group, its sub-tiles and their 3-token lookahead stay below 2^31.
-  if (S < 0 || S >= (int64_t(1) << 30)) return fail(cudaErrorInvalidValue, "x: S must be in [0, 2^30) for the backward, got %lld", (long long)S);
-  if (C <= 0 || C % 8 != 0 || C > INT32_MAX / 8) return fail(cudaErrorInvalidValue, "x: C must be a positive multiple of 8, got %lld", (long long)C);
-  if (num_docs < 0 || num_docs >= INT32_MAX) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 1), got %lld", (long long)num_docs);
-  if (item_tokens <= 0 || item_tokens % kBwdStripLen != 0 || item_tokens > kBwdMaxItemTokens) {
-    return fail(cudaErrorInvalidValue, "item_tokens must be a positive multiple of %d up to %d, got %lld", kBwdStripLen, kBwdMaxItemTokens, (long long)item_tokens);
+  if (a.S < 0 || a.S >= kBwdMaxS) return fail(cudaErrorInvalidValue, "x: S must be in [0, 2^30) for the backward, got %lld", (long long)a.S);
+  if (a.C <= 0 || a.C % 8 != 0 || a.C >= kMaxC) return fail(cudaErrorInvalidValue, "x: C must be a positive multiple of 8 below 2^28, got %lld", (long long)a.C);
+  if (a.S * a.C >= kBwdMaxElements) return fail(cudaErrorInvalidValue, "x: S * C must be below 2^34 for the backward, got %lld", (long long)(a.S * a.C));
+  if (a.num_docs < 0 || a.num_docs + 1 > kMaxCuSeqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 2], got %lld", (long long)a.num_docs);
+  if (a.item_tokens <= 0 || a.item_tokens % kBwdStripLen != 0 || a.item_tokens > kBwdMaxItemTokens) {
+    return fail(cudaErrorInvalidValue, "item_tokens must be a positive multiple of %d up to %d, got %lld", kBwdStripLen, kBwdMaxItemTokens, (long long)a.item_tokens);
   }
-  if (round_preact != 0 && round_preact != 1) return fail(cudaErrorInvalidValue, "round_preact must be 0 or 1, got %lld", (long long)round_preact);
-  if (device < 0 || device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)device);
-  const int64_t need = bwd_workspace_bytes(S, C, item_tokens);
-  if (workspace_bytes < need) {
-    return fail(cudaErrorInvalidValue, "workspace: expected at least %lld bytes, got %lld", (long long)need, (long long)workspace_bytes);
+  if (a.round_preact != 0 && a.round_preact != 1) return fail(cudaErrorInvalidValue, "round_preact must be 0 or 1, got %lld", (long long)a.round_preact);
+  if (a.device < 0 || a.device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)a.device);
+  const int64_t need = bwd_workspace_bytes(a.S, a.C, a.item_tokens);
+  if (a.workspace_bytes < need) {
+    return fail(cudaErrorInvalidValue, "workspace: expected at least %lld bytes, got %lld", (long long)need, (long long)a.workspace_bytes);
   }
+  const int64_t need_counters = bwd_counter_bytes(a.S, a.C, a.item_tokens);
+  if (a.counters_bytes < need_counters) {
+    return fail(cudaErrorInvalidValue, "counters: expected at least %lld bytes, got %lld", (long long)need_counters, (long long)a.counters_bytes);
+  }
+  void* const dweight = as_ptr<void>(a.dweight);
+  void* const dbias = as_ptr<void>(a.dbias);
   if (!dweight || !aligned_to(dweight, sizeof(WeightT))) return fail(cudaErrorInvalidValue, "dweight: expected a non-null pointer aligned to its dtype");
   if constexpr (detail::kHasBias<BiasT>) {
     if (!dbias || !aligned_to(dbias, sizeof(BiasT))) return fail(cudaErrorInvalidValue, "dbias: expected a non-null pointer aligned to its dtype");
   }
-  if (S > 0) {
-    if (!x || !aligned16(x)) return fail(cudaErrorInvalidValue, "x: expected a non-null 16-byte aligned pointer");
-    if (!dy || !aligned16(dy)) return fail(cudaErrorInvalidValue, "dy: expected a non-null 16-byte aligned pointer");
-    if (!dx || !aligned16(dx)) return fail(cudaErrorInvalidValue, "dx: expected a non-null 16-byte aligned pointer");
-    if (!weight || !aligned16(weight)) return fail(cudaErrorInvalidValue, "weight: expected a non-null 16-byte aligned pointer");
-    if (detail::kHasBias<BiasT> && (!bias || !aligned16(bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
-    if (!cu_seqlens || !aligned_to(cu_seqlens, 4)) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null 4-byte aligned pointer");
-    if (!workspace || !aligned_to(workspace, 4)) return fail(cudaErrorInvalidValue, "workspace: expected a non-null 4-byte aligned pointer");
-  }
   CausalConv1dBwdParams p{};
-  p.x = static_cast<const __nv_bfloat16*>(x);
-  p.dy = static_cast<const __nv_bfloat16*>(dy);
-  p.dx = static_cast<__nv_bfloat16*>(dx);
-  p.weight = weight;
-  p.bias = bias;
-  p.cu_seqlens = cu_seqlens;
+  p.x = as_ptr<const __nv_bfloat16>(a.x);
+  p.dy = as_ptr<const __nv_bfloat16>(a.dy);
+  p.dx = as_ptr<__nv_bfloat16>(a.dx);
+  p.weight = as_ptr<const void>(a.weight);
+  p.bias = as_ptr<const void>(a.bias);
+  p.cu_seqlens = as_ptr<const int32_t>(a.cu_seqlens);
+  p.partials = as_ptr<float>(a.workspace);
+  p.counters = as_ptr<int32_t>(a.counters);
+  if (a.S > 0) {
+    if (!p.x || !aligned16(p.x)) return fail(cudaErrorInvalidValue, "x: expected a non-null 16-byte aligned pointer");
+    if (!p.dy || !aligned16(p.dy)) return fail(cudaErrorInvalidValue, "dy: expected a non-null 16-byte aligned pointer");
+    if (!p.dx || !aligned16(p.dx)) return fail(cudaErrorInvalidValue, "dx: expected a non-null 16-byte aligned pointer");
+    if (!p.weight || !aligned16(p.weight)) return fail(cudaErrorInvalidValue, "weight: expected a non-null 16-byte aligned pointer");
+    if (detail::kHasBias<BiasT> && (!p.bias || !aligned16(p.bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
+    if (!p.cu_seqlens || !aligned_to(p.cu_seqlens, 4)) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null 4-byte aligned pointer");
+    if (!p.partials || !aligned_to(p.partials, 4)) return fail(cudaErrorInvalidValue, "workspace: expected a non-null 4-byte aligned pointer");
+    if (!p.counters || !aligned_to(p.counters, 4)) return fail(cudaErrorInvalidValue, "counters: expected a non-null 4-byte aligned pointer");
+  }
   p.dweight = dweight;
   p.dbias = dbias;
-  p.S = static_cast<int32_t>(S);
-  p.C = static_cast<int32_t>(C);
-  p.num_docs = static_cast<int32_t>(num_docs);
-  p.item_tokens = static_cast<int32_t>(item_tokens);
-  p.groups = static_cast<int32_t>((S + item_tokens - 1) / item_tokens);
-  if (S > 0) {  // the counters, then the partial rows (see bwd_counter_bytes)
-    p.counters = static_cast<int32_t*>(workspace);
-    p.partials = reinterpret_cast<float*>(static_cast<char*>(workspace) + bwd_counter_bytes(C, p.groups));
-  }
-  p.round_preact = static_cast<int32_t>(round_preact);
-  return on_device(static_cast<int>(device), [&] { return launch_causal_conv1d_bwd<WeightT, BiasT>(p, stream); });
+  p.S = static_cast<int32_t>(a.S);
+  p.C = static_cast<int32_t>(a.C);
+  p.num_docs = static_cast<int32_t>(a.num_docs);
+  p.item_tokens = static_cast<int32_t>(a.item_tokens);
+  p.groups = static_cast<int32_t>(ceil_div(a.S, a.item_tokens));
+  p.round_preact = static_cast<int32_t>(a.round_preact);
+  return on_device(static_cast<int>(a.device),
+                   [&] { return launch_causal_conv1d_bwd<WeightT, BiasT>(p, as_ptr<CUstream_st>(a.stream)); });
 }
 
 }  // namespace flashinfer_cake

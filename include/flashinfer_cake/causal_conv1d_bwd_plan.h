@@ -1,6 +1,7 @@
-// The backward's token groups and workspace size: plain C++ (no CUDA, no torch), shared by the
-// kernels' launcher and the torch binding, so the sizes the binding allocates and the sizes the
-// launcher checks come from one place.
+// The backward's token groups, workspace and counter sizes: plain C++ (no CUDA, no torch), shared
+// by the kernels' launcher and the torch binding, so the sizes the binding allocates and the sizes
+// the launcher checks come from one place (flashinfer_cake/_plan.py mirrors it for the Python
+// layer, which must size a workspace before anything is built; tests/test_contract.py compares).
 #pragma once
 
 #include <stdint.h>
@@ -19,8 +20,8 @@ constexpr int kBwdMaxItemTokens = 1024;
 // Token groups are whole multiples of this many tokens (the shipped strip, CAKE_BWD_STRIP_LEN).
 constexpr int kBwdPlanStripLen = 64;
 
-// The narrowest channel tile of any route (8 lanes x 4 channels): the workspace holds counters
-// for tiles of at least this many channels.
+// The narrowest channel tile of any route (8 lanes x 4 channels): there are counters for tiles of
+// at least this many channels.
 constexpr int kBwdMinTileChannels = 32;
 
 // Token groups per chunk of the reduction tree (the kernel adds a chunk's rows, then the chunk
@@ -46,24 +47,31 @@ inline int64_t bwd_item_tokens(int64_t S, int64_t C) {
   return std::max<int64_t>(ceil_div(S, kBwdPlanStripLen * groups) * kBwdPlanStripLen, kBwdPlanStripLen);
 }
 
-// The workspace: int32 counters (per channel tile: one per chunk of kBwdChunk groups, and one),
-// then (16-byte aligned) FP32 partial rows [groups][5][C]; zero before the first launch, and
-// every launch leaves it zero.
-inline int64_t bwd_counter_bytes(int64_t C, int64_t groups) {
-  return ceil_div(ceil_div(C, kBwdMinTileChannels) * (ceil_div(groups, kBwdChunk) + 1) * 4, 16) * 16;
-}
-
+// The workspace: FP32 partial rows [groups][kBwdPartialRows][C]. Any content: every row a launch
+// reads was written by the same launch first.
 inline int64_t bwd_workspace_bytes_for_groups(int64_t C, int64_t groups) {
-  return groups == 0 ? 0 : bwd_counter_bytes(C, groups) + groups * kBwdPartialRows * C * int64_t(sizeof(float));
+  return groups * kBwdPartialRows * C * int64_t(sizeof(float));
 }
 
-// Workspace bytes a backward of S tokens x C channels in token groups of item_tokens tokens uses.
+// The reduction tree's int32 counters: per channel tile of kBwdMinTileChannels channels, one per
+// chunk of kBwdChunk groups and one for the chunk sums. Zero before every launch, and every launch
+// leaves them zero (the torch binding keeps them; a caller's workspace never holds them).
+inline int64_t bwd_counter_bytes_for_groups(int64_t C, int64_t groups) {
+  return groups == 0 ? 0 : ceil_div(C, kBwdMinTileChannels) * (ceil_div(groups, kBwdChunk) + 1) * int64_t(sizeof(int32_t));
+}
+
+// Workspace and counter bytes a backward of S tokens x C channels in token groups of item_tokens
+// tokens uses.
 inline int64_t bwd_workspace_bytes(int64_t S, int64_t C, int64_t item_tokens) {
   return bwd_workspace_bytes_for_groups(C, ceil_div(S, item_tokens));
 }
+inline int64_t bwd_counter_bytes(int64_t S, int64_t C, int64_t item_tokens) {
+  return bwd_counter_bytes_for_groups(C, ceil_div(S, item_tokens));
+}
 
-// Workspace bytes the caller provides: enough for every token group of bwd_groups(S, C); 0 when
-// S == 0. Non-decreasing in S, as bwd_groups is.
+// What the caller provides: enough for every token group of bwd_groups(S, C); 0 when S == 0.
+// Non-decreasing in S, as bwd_groups is, so a buffer for the largest S serves every smaller one.
 inline int64_t bwd_workspace_bytes(int64_t S, int64_t C) { return bwd_workspace_bytes_for_groups(C, bwd_groups(S, C)); }
+inline int64_t bwd_counter_bytes(int64_t S, int64_t C) { return bwd_counter_bytes_for_groups(C, bwd_groups(S, C)); }
 
 }  // namespace flashinfer_cake

@@ -34,10 +34,6 @@ struct CausalConv1dFwdParams {
   int32_t tiles_c;  // channel tiles per token tile
 };
 
-// Number of int32 counters the workspace holds. No route uses them today: they are kept in the
-// API (zero on entry, left zero) for routes with a persistent grid.
-constexpr int kFwdWorkspaceCounters = 2;
-
 template <int kVec_, int kLanesC_, int kThreads_, int kStripLen_, int kRing_, int kMinCtasPerSm_>
 struct FwdTraits {
   static constexpr int kVec = kVec_;          // channels per thread: 8 (16-byte rows)

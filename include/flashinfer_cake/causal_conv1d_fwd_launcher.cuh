@@ -54,36 +54,40 @@ cudaError_t launch_causal_conv1d_fwd(CausalConv1dFwdParams p, cudaStream_t strea
   return launch_causal_conv1d_fwd_route<Narrow, WeightT, BiasT>(p, stream);
 }
 
-// The C entry point's body: re-checks what the Python layer validated (the binary may be called
-// directly), selects the device, launches. Returns a cudaError_t code; on failure the message is
-// in last_error_buffer().
+// The C entry point's body: re-checks what the binding validated (the module may be called
+// directly, e.g. with ctypes), selects the device, launches. Returns a cudaError_t code; on
+// failure the message is in last_error_buffer().
 template <class WeightT, class BiasT>
-cudaError_t causal_conv1d_fwd_entry(const void* x, void* y, const void* weight, const void* bias,
-                                    const int32_t* cu_seqlens, int32_t* workspace, int64_t S,
-                                    int64_t C, int64_t num_docs, int64_t device, cudaStream_t stream) {
+cudaError_t causal_conv1d_fwd_entry(const FwdArgs& a) {
   last_error_buffer()[0] = '\0';
-  if (S < 0 || S > INT32_MAX) return fail(cudaErrorInvalidValue, "x: S must be in [0, 2^31), got %lld", (long long)S);
-  if (C <= 0 || C % 8 != 0 || C > INT32_MAX / 8) return fail(cudaErrorInvalidValue, "x: C must be a positive multiple of 8, got %lld", (long long)C);
-  if (num_docs < 0 || num_docs >= INT32_MAX) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 1), got %lld", (long long)num_docs);
-  if (device < 0 || device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)device);
-  if (S == 0) return cudaSuccess;
+  if (a.S < 0 || a.S >= kFwdMaxS) return fail(cudaErrorInvalidValue, "x: S must be in [0, 2^31), got %lld", (long long)a.S);
+  if (a.C <= 0 || a.C % 8 != 0 || a.C >= kMaxC) return fail(cudaErrorInvalidValue, "x: C must be a positive multiple of 8 below 2^28, got %lld", (long long)a.C);
+  if (a.S * a.C >= kFwdMaxElements) return fail(cudaErrorInvalidValue, "x: S * C must be below 2^35, got %lld", (long long)(a.S * a.C));
+  if (a.num_docs < 0 || a.num_docs + 1 > kMaxCuSeqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 2], got %lld", (long long)a.num_docs);
+  if (a.device < 0 || a.device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)a.device);
+  if (a.S == 0) return cudaSuccess;
+  const void* const x = as_ptr<const void>(a.x);
+  void* const y = as_ptr<void>(a.y);
+  const void* const weight = as_ptr<const void>(a.weight);
+  const void* const bias = as_ptr<const void>(a.bias);
+  const int32_t* const cu_seqlens = as_ptr<const int32_t>(a.cu_seqlens);
   if (!x || !aligned16(x)) return fail(cudaErrorInvalidValue, "x: expected a non-null 16-byte aligned pointer");
   if (!y || !aligned16(y)) return fail(cudaErrorInvalidValue, "out: expected a non-null 16-byte aligned pointer");
   if (!weight || !aligned16(weight)) return fail(cudaErrorInvalidValue, "weight: expected a non-null 16-byte aligned pointer");
   if (detail::kHasBias<BiasT> && (!bias || !aligned16(bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
   if (!cu_seqlens || !aligned_to(cu_seqlens, 4)) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null 4-byte aligned pointer");
-  if (!workspace || !aligned_to(workspace, 4)) return fail(cudaErrorInvalidValue, "workspace: expected a non-null 4-byte aligned pointer");
+  if (!a.workspace || a.workspace % 4) return fail(cudaErrorInvalidValue, "workspace: expected a non-null 4-byte aligned pointer");
   CausalConv1dFwdParams p{};
   p.x = static_cast<const __nv_bfloat16*>(x);
   p.y = static_cast<__nv_bfloat16*>(y);
   p.weight = weight;
   p.bias = bias;
   p.cu_seqlens = cu_seqlens;
-  p.S = static_cast<int32_t>(S);
-  p.C = static_cast<int32_t>(C);
-  p.num_docs = static_cast<int32_t>(num_docs);
-  const int dev = static_cast<int>(device);
-  return on_device(dev, [&] { return launch_causal_conv1d_fwd<WeightT, BiasT>(p, stream); });
+  p.S = static_cast<int32_t>(a.S);
+  p.C = static_cast<int32_t>(a.C);
+  p.num_docs = static_cast<int32_t>(a.num_docs);
+  return on_device(static_cast<int>(a.device),
+                   [&] { return launch_causal_conv1d_fwd<WeightT, BiasT>(p, as_ptr<CUstream_st>(a.stream)); });
 }
 
 }  // namespace flashinfer_cake

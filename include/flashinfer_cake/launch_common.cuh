@@ -1,16 +1,15 @@
-// Host helpers shared by the launchers: the error message of the last failed call, the packed
-// launch arguments, pointer alignment, and launching on a given device.
+// Host helpers shared by the launchers: the error message of the last failed call, argument
+// addresses, pointer alignment, and launching on a given device.
 #pragma once
 
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include <cstdio>
-#include <cstring>
+
+#include "causal_conv1d_contract.h"
 
 namespace flashinfer_cake {
-
-constexpr int kMaxDevices = 64;
 
 // Message of the last failed call on this thread ("" after a success).
 inline char* last_error_buffer() {
@@ -28,16 +27,11 @@ inline cudaError_t fail(cudaError_t code, const char* fmt, Args... args) {
   return code;
 }
 
-// The C entries take their arguments as one packed array of int64 (one ctypes argument instead
-// of 11 or 17: the eager host budget), read with memcpy (no alignment assumed). Pointers and the
-// stream are addresses; the order is the entry's parameter order.
-template <int N>
-struct PackedArgs {
-  int64_t v[N];
-  explicit PackedArgs(const void* raw) { std::memcpy(v, raw, sizeof v); }
-  template <class T>
-  T* ptr(int i) const { return reinterpret_cast<T*>(static_cast<intptr_t>(v[i])); }
-};
+// An address field of an argument struct (causal_conv1d_contract.h) as a typed pointer.
+template <class T>
+T* as_ptr(int64_t address) {
+  return reinterpret_cast<T*>(static_cast<intptr_t>(address));
+}
 
 inline bool aligned_to(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 inline bool aligned16(const void* ptr) { return aligned_to(ptr, 16); }

@@ -1,0 +1,39 @@
+"""The backward's token groups and buffer sizes, as include/flashinfer_cake/causal_conv1d_bwd_plan.h
+defines them (the launcher and the torch binding use the header). The Python layer must size a
+workspace before anything is built, so it computes the same rule here; tests/test_contract.py
+compiles the header and fails when the two drift."""
+
+from __future__ import annotations
+
+PARTIAL_ROWS = 5  # kBwdPartialRows: the four taps' g*x sums, then the sum of g
+MAX_ITEM_TOKENS = 1024  # kBwdMaxItemTokens
+STRIP_LEN = 64  # kBwdPlanStripLen
+MIN_TILE_CHANNELS = 32  # kBwdMinTileChannels
+CHUNK = 8  # kBwdChunk
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def groups(S: int, C: int) -> int:
+    """bwd_groups: token groups of a backward of S tokens x C channels."""
+    for_items = _ceil_div(1024, _ceil_div(C, 128))
+    return min(_ceil_div(S, 128), max(_ceil_div(S, MAX_ITEM_TOKENS), for_items))
+
+
+def item_tokens(S: int, C: int) -> int:
+    """bwd_item_tokens: tokens per group, whole strips."""
+    n = max(groups(S, C), 1)
+    return max(_ceil_div(S, STRIP_LEN * n) * STRIP_LEN, STRIP_LEN)
+
+
+def workspace_bytes(S: int, C: int) -> int:
+    """bwd_workspace_bytes: the FP32 partial rows of every token group."""
+    return groups(S, C) * PARTIAL_ROWS * C * 4
+
+
+def counter_bytes(S: int, C: int) -> int:
+    """bwd_counter_bytes: the reduction tree's int32 counters (kept by the torch binding)."""
+    n = groups(S, C)
+    return 0 if n == 0 else _ceil_div(C, MIN_TILE_CHANNELS) * (_ceil_div(n, CHUNK) + 1) * 4

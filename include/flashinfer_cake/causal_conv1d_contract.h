@@ -1,0 +1,58 @@
+// The contract of the kernel modules' C entries, in one place: the index ranges the kernels
+// accept, the forward's workspace size, and the argument struct of each entry. Plain C++ (no
+// CUDA, no torch): the launchers, the generated module source and the torch binding include it.
+// The Python layer mirrors the numbers (flashinfer_cake/_checks.py) and reads the argument names
+// from the loaded module (cake_arg_names); tests/test_contract.py compiles this header and fails
+// when the Python side drifts from it.
+#pragma once
+
+#include <stdint.h>
+
+namespace flashinfer_cake {
+
+// Device indices the C entries and the binding accept.
+constexpr int64_t kMaxDevices = 64;
+
+// Index ranges (exclusive bounds). The forward addresses 16-byte vectors of 8 channels with 32-bit
+// offsets (S * C / 8 < 2^32); the backward 8-byte vectors of 4 channels (S * C / 4 < 2^32) and
+// keeps the token indices of a token group, its sub-tiles and their 3-token lookahead in int32.
+constexpr int64_t kFwdMaxS = int64_t(1) << 31;
+constexpr int64_t kFwdMaxElements = int64_t(1) << 35;
+constexpr int64_t kBwdMaxS = int64_t(1) << 30;
+constexpr int64_t kBwdMaxElements = int64_t(1) << 34;
+// Both kernels keep C (C / 8 vectors per row) and the entries of cu_seqlens in int32.
+constexpr int64_t kMaxC = int64_t(1) << 28;
+constexpr int64_t kMaxCuSeqlens = (int64_t(1) << 31) - 1;  // inclusive: num_docs + 1 entries at most
+
+// The forward's workspace: int32 token-chunk counters for routes with a persistent grid (zero on
+// entry, left zero). No route of today reads or writes them.
+constexpr int64_t kFwdWorkspaceCounters = 2;
+
+// The C entries take one struct of int64 fields (device addresses, sizes, flags, the stream):
+// one ctypes argument instead of 11 or 19 (the eager host budget), filled by name in the binding.
+//   forward:  x, y, weight, bias, cu_seqlens, workspace (the counters above), S, C, num_docs,
+//             device, stream
+//   backward: x, dy, dx, weight, bias, cu_seqlens, workspace (FP32 partial rows, any content) and
+//             its size in bytes, counters (int32, zero on entry, left zero) and their size in
+//             bytes, dweight, dbias, S, C, num_docs, item_tokens (causal_conv1d_bwd_plan.h),
+//             round_preact (1: SiLU' at the BF16-rounded pre-activation), device, stream
+#define CAKE_FWD_ARGS(X) X(x) X(y) X(weight) X(bias) X(cu_seqlens) X(workspace) X(S) X(C) X(num_docs) X(device) X(stream)
+#define CAKE_BWD_ARGS(X)                                                                                            \
+  X(x) X(dy) X(dx) X(weight) X(bias) X(cu_seqlens) X(workspace) X(workspace_bytes) X(counters) X(counters_bytes)   \
+  X(dweight) X(dbias) X(S) X(C) X(num_docs) X(item_tokens) X(round_preact) X(device) X(stream)
+
+#define CAKE_ARG_FIELD(name) int64_t name;
+#define CAKE_ARG_NAME(name) #name " "
+
+struct FwdArgs {
+  CAKE_FWD_ARGS(CAKE_ARG_FIELD)
+};
+struct BwdArgs {
+  CAKE_BWD_ARGS(CAKE_ARG_FIELD)
+};
+
+// The field names in order, space-separated: what the module exports for its ctypes callers.
+constexpr const char kFwdArgNames[] = CAKE_FWD_ARGS(CAKE_ARG_NAME);
+constexpr const char kBwdArgNames[] = CAKE_BWD_ARGS(CAKE_ARG_NAME);
+
+}  // namespace flashinfer_cake

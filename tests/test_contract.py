@@ -1,0 +1,98 @@
+"""CPU tests: the Python layer agrees with the C++ contract it mirrors.
+
+The limits of include/flashinfer_cake/causal_conv1d_contract.h and the backward's plan of
+causal_conv1d_bwd_plan.h are what the launchers and the torch binding compile in; the Python layer
+(flashinfer_cake._checks, flashinfer_cake._plan) must apply the same numbers before anything is
+built. A small program compiled here against the headers prints theirs; any drift fails.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from flashinfer_cake import _checks, _plan
+from flashinfer_cake.jit import env
+
+SIZES = [(S, C) for C in (8, 40, 128, 136, 2048, 8192, 65536)
+         for S in (0, 1, 63, 64, 65, 127, 128, 129, 1000, 1024, 4096, 16383, 16384, 131072, 2**29 + 5, 2**30 - 1)
+         if S * C < 2**34]
+
+PROBE = r"""
+#include <cstdio>
+#include <flashinfer_cake/causal_conv1d_bwd_plan.h>
+#include <flashinfer_cake/causal_conv1d_contract.h>
+using namespace flashinfer_cake;
+int main() {
+  std::printf("{\"limits\": {\"max_devices\": %lld, \"fwd_max_s\": %lld, \"fwd_max_elements\": %lld, "
+              "\"bwd_max_s\": %lld, \"bwd_max_elements\": %lld, \"max_c\": %lld, \"max_cu_seqlens\": %lld, "
+              "\"fwd_workspace_counters\": %lld},\n",
+              (long long)kMaxDevices, (long long)kFwdMaxS, (long long)kFwdMaxElements, (long long)kBwdMaxS,
+              (long long)kBwdMaxElements, (long long)kMaxC, (long long)kMaxCuSeqlens, (long long)kFwdWorkspaceCounters);
+  std::printf("\"fwd_args\": \"%s\", \"bwd_args\": \"%s\", \"plan\": [", kFwdArgNames, kBwdArgNames);
+  long long S, C;
+  const char* sep = "";
+  while (std::scanf("%lld %lld", &S, &C) == 2) {
+    std::printf("%s[%lld, %lld, %lld, %lld, %lld, %lld]", sep, S, C, (long long)bwd_groups(S, C),
+                (long long)bwd_item_tokens(S, C), (long long)bwd_workspace_bytes(S, C),
+                (long long)bwd_counter_bytes(S, C));
+    sep = ", ";
+  }
+  std::printf("]}\n");
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def header(tmp_path_factory):
+    """What the headers say, from a program compiled against them."""
+    d = tmp_path_factory.mktemp("contract")
+    (d / "probe.cpp").write_text(PROBE)
+    cxx = env.cxx_path()
+    subprocess.run([str(cxx), "-std=c++17", f"-I{env.include_dir()}", str(d / "probe.cpp"), "-o", str(d / "probe")],
+                   check=True, capture_output=True, text=True)
+    sizes = "".join(f"{S} {C}\n" for S, C in SIZES)
+    out = subprocess.run([str(d / "probe")], input=sizes, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def test_limits_match(header):
+    assert header["limits"] == {
+        "max_devices": _checks.MAX_DEVICES,
+        "fwd_max_s": _checks.MAX_S["forward"],
+        "fwd_max_elements": _checks.MAX_ELEMENTS["forward"],
+        "bwd_max_s": _checks.MAX_S["backward"],
+        "bwd_max_elements": _checks.MAX_ELEMENTS["backward"],
+        "max_c": _checks.MAX_C,
+        "max_cu_seqlens": _checks.MAX_CU_SEQLENS,
+        "fwd_workspace_counters": _checks.FWD_WORKSPACE_COUNTERS,
+    }
+
+
+def test_argument_structs_hold_what_the_binding_and_tools_pass(header):
+    """The field names the module exports (KernelModule builds its ctypes structs from them)."""
+    assert header["fwd_args"].split() == ["x", "y", "weight", "bias", "cu_seqlens", "workspace", "S", "C",
+                                          "num_docs", "device", "stream"]
+    assert header["bwd_args"].split() == ["x", "dy", "dx", "weight", "bias", "cu_seqlens", "workspace",
+                                          "workspace_bytes", "counters", "counters_bytes", "dweight", "dbias", "S",
+                                          "C", "num_docs", "item_tokens", "round_preact", "device", "stream"]
+
+
+def test_backward_plan_matches(header):
+    for S, C, groups, item_tokens, ws_bytes, counter_bytes in header["plan"]:
+        python = (_plan.groups(S, C), _plan.item_tokens(S, C), _plan.workspace_bytes(S, C), _plan.counter_bytes(S, C))
+        assert python == (groups, item_tokens, ws_bytes, counter_bytes), (S, C)
+
+
+@pytest.mark.parametrize("C", sorted({C for _, C in SIZES}))
+def test_backward_plan_properties(C):
+    previous = (0, 0)
+    for S in sorted(S for S, c in SIZES if c == C):
+        item_tokens, ws_bytes, counter_bytes = _plan.item_tokens(S, C), _plan.workspace_bytes(S, C), _plan.counter_bytes(S, C)
+        assert item_tokens % 64 == 0 and 64 <= item_tokens <= 1024, (S, C, item_tokens)
+        assert ws_bytes >= -(-S // item_tokens) * 5 * C * 4, (S, C)  # a partial row set per group
+        # A buffer for the largest S serves every smaller one.
+        assert (ws_bytes, counter_bytes) >= previous and counter_bytes >= previous[1], (S, C)
+        previous = (ws_bytes, counter_bytes)
