@@ -102,6 +102,7 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
         )
     if not cu_seqlens.is_contiguous():
         raise ValueError(f"{fn}: cu_seqlens must be contiguous, got strides {cu_seqlens.stride()}")
+    check_not_lazy(fn, "cu_seqlens", cu_seqlens)
 
 
 def check_like(fn: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape, shape_text: str) -> None:
@@ -124,6 +125,7 @@ def check_workspace(fn: str, workspace: torch.Tensor, dtype: torch.dtype, need: 
             f"{fn}: workspace must be a contiguous 1-D tensor, got shape {tuple(workspace.shape)} "
             f"strides {workspace.stride()}"
         )
+    check_not_lazy(fn, "workspace", workspace)
     have = workspace.shape[0] * workspace.element_size()
     if have < need:
         raise ValueError(f"{fn}: workspace must hold at least {need} bytes ({bytes_fn}), got {have}")

@@ -204,10 +204,11 @@ def cake_causal_conv1d_train_backward(
         RuntimeError: x's device is not supported, the module cannot be built or loaded, or the
             launch fails (with the CUDA error string).
     """
-    args = (x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight, dbias)
     binding = _dispatch.binding
-    grads = None if binding is None else binding.try_backward(*args)
+    grads = None if binding is None else binding.try_backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation,
+                                                              workspace, dx, dweight, dbias)
     if grads is None:  # a bad argument (raised here, before anything is built), or a first call
+        args = (x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight, dbias)
         device = _checks.check_backward_args(_BWD, *args)
         grads = _dispatch.binding_for(device, weight, bias).try_backward(*args)
         if grads is None:

@@ -17,6 +17,7 @@ Errors are one line on stderr and exit status 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import platform
 import shutil
@@ -87,7 +88,10 @@ def cmd_build(args) -> int:
         print(f"{spec.uri:44s} {path}")
     where = next(iter(built.values())).parent
     print(f"all {len(built)} modules are in {where} ({time.perf_counter() - start:.1f} s)")
-    if where != env.PACKAGE_AOT_DIR and where not in [env.cache_dir(), *env.aot_dirs()]:
+    searched = [env.PACKAGE_AOT_DIR, *env.aot_dirs()]
+    with contextlib.suppress(RuntimeError):
+        searched.append(env.cache_dir())
+    if where not in searched:
         print(f"this installation does not search {where}: export FLASHINFER_CAKE_AOT_DIR={where}")
     return 0
 

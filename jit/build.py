@@ -41,8 +41,8 @@ logger = logging.getLogger("flashinfer_cake.jit")
 
 def notice(message: str) -> None:
     """A line the user should see once (a build starting, a wait on another process's build):
-    logged at INFO where logging is configured, else written to stderr."""
-    if logger.hasHandlers():
+    logged at INFO where logging shows INFO, else written to stderr (a build takes seconds)."""
+    if logger.hasHandlers() and logger.isEnabledFor(logging.INFO):
         logger.info(message)
     else:
         print(message, file=sys.stderr, flush=True)
@@ -89,35 +89,24 @@ def write_if_different(path: Path, content: str) -> None:
 
 
 def _ninja_file(items: list[BuildItem]) -> str:
-    """One ninja file for any mix of CUDA and C++ specs: a compile and a link edge each."""
+    """One ninja file for any mix of CUDA and C++ specs: one edge per artifact (its translation
+    unit compiled and linked by one call of its compiler, nvcc or the C++ compiler alike), so
+    ninja reports each artifact as it is done."""
     lines = [
         "ninja_required_version = 1.3",
-        "rule cuda_compile",
-        "  command = $compiler $cflags -MD -MF $out.d -c $in -o $out",
+        "rule shared",
+        "  command = $compiler $cflags -shared -MD -MF $out.d $in -o $out $ldflags",
         "  depfile = $out.d",
         "  deps = gcc",
-        "  description = compile $out",
-        "rule cuda_link",
-        "  command = $compiler $cflags -shared $in -o $out $ldflags",
-        "  description = link $out",
-        "rule cxx_compile",
-        "  command = $compiler $cflags -MD -MF $out.d -c $in -o $out",
-        "  depfile = $out.d",
-        "  deps = gcc",
-        "  description = compile $out",
-        "rule cxx_link",
-        "  command = $compiler -shared $in -o $out $ldflags",
-        "  description = link $out",
+        "  description = build $out",
     ]
     for item in items:
         spec = item.spec
-        rule = "cuda" if spec.language == "cuda" else "cxx"
         includes = [str(env.include_dir()), *spec.include_dirs]
-        variables = [f"  compiler = {shlex.quote(str(item.compiler))}",
-                     f"  cflags = {' '.join(map(shlex.quote, [*spec.cflags, *(f'-I{d}' for d in includes)]))}",
-                     f"  ldflags = {' '.join(map(shlex.quote, spec.ldflags))}"]
-        lines += [f"build {item.name}.o: {rule}_compile {item.name}{spec.suffix}", *variables,
-                  f"build {item.name}.so: {rule}_link {item.name}.o", *variables]
+        lines += [f"build {item.name}.so: shared {item.name}{spec.suffix}",
+                  f"  compiler = {shlex.quote(str(item.compiler))}",
+                  f"  cflags = {' '.join(map(shlex.quote, [*spec.cflags, *(f'-I{d}' for d in includes)]))}",
+                  f"  ldflags = {' '.join(map(shlex.quote, spec.ldflags))}"]
     return "\n".join(lines) + "\n"
 
 
@@ -167,7 +156,7 @@ def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs:
     write_if_different(build_dir / "build.ninja", _ninja_file(items))
     uris = {item.name: item.spec.uri for item in items}
     seconds = run_ninja(build_dir, ", ".join(uris.values()), jobs=jobs, progress=progress and (
-        lambda stem, done, start: progress(f"built {uris[stem]} ({done}/{len(items)}, {time.perf_counter() - start:.1f} s)")))
+        lambda stem, done, start: progress(f"compiled {uris[stem]} ({done}/{len(items)}, {time.perf_counter() - start:.1f} s)")))
     versions = {c: compiler_version(c) for c in {item.compiler for item in items}}
     published = {}
     for item in items:
@@ -177,25 +166,25 @@ def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs:
     return published
 
 
-_LINKED = re.compile(r"^\[\d+/\d+\] link (\S+)\.so$")
+_BUILT = re.compile(r"^\[\d+/\d+\] build (\S+)\.so$")
 
 
 def run_ninja(build_dir: Path, what: str, *, jobs: int | None = None,
               progress: Callable[[str, int, float], None] | None = None) -> float:
     """Run ninja in ``build_dir`` (its build.ninja written); the seconds it took. Keeps the whole
-    output in build.log, calls ``progress(stem, artifacts linked so far, start time)`` as each
-    artifact is linked, and raises RuntimeError with the compiler's output when the build fails."""
+    output in build.log, calls ``progress(stem, artifacts done so far, start time)`` as each
+    artifact is compiled, and raises RuntimeError with the compiler's output when the build fails."""
     (build_dir / "build.log").unlink(missing_ok=True)  # present again only once ninja has ended
     start = time.perf_counter()
     cmd = [env.ninja_path(), "-C", str(build_dir), "-j", str(jobs or env.max_jobs())]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, linked = [], 0
+    lines, done = [], 0
     for line in proc.stdout:
         lines.append(line)
-        match = _LINKED.match(line.strip())
+        match = _BUILT.match(line.strip())
         if match and progress:
-            linked += 1
-            progress(match.group(1), linked, start)
+            done += 1
+            progress(match.group(1), done, start)
     returncode = proc.wait()
     log = "".join(lines)
     (build_dir / "build.log").write_text(log)

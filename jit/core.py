@@ -11,7 +11,8 @@ imported binding module), trying in order
   2. the AOT directories (``FLASHINFER_CAKE_AOT_DIR``, then the package's own ``aot/``), any
      compiler's build,
   3. the JIT cache (``FLASHINFER_CAKE_CACHE_DIR``): this compiler's build, or any compiler's when
-     nothing will be compiled (``FLASHINFER_CAKE_DISABLE_JIT``, or no compiler),
+     nothing can be compiled there (``FLASHINFER_CAKE_DISABLE_JIT``, no compiler, or a cache
+     this process cannot write),
   4. a build into the JIT cache, unless ``FLASHINFER_CAKE_DISABLE_JIT`` is set.
 Steps 1-3 start no process. Step 4 holds the artifact's file lock and checks the cache again
 under it, so concurrent first calls from many processes compile once. A file is loaded only when
@@ -27,6 +28,7 @@ import functools
 import hashlib
 import importlib.util
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -155,8 +157,8 @@ def _disabled_error(spec: JitSpec, cache: Path) -> RuntimeError:
 
 def _find_or_build_in_cache(spec: JitSpec) -> Path:
     cache = env.cache_dir()
-    compiler = None if env.jit_disabled() else _compiler_if_any(spec)
-    if compiler is None:  # nothing will be compiled: any compiler's build will do
+    compiler = None if env.jit_disabled() or not os.access(cache, os.W_OK) else _compiler_if_any(spec)
+    if compiler is None:  # nothing can be compiled: any compiler's build will do
         path = find_published(cache, spec.module_prefix())
         if path is not None:
             return path
@@ -183,7 +185,14 @@ def prebuild(specs: list[JitSpec], out_dir: Path | str | None = None, *, jobs: i
     one parallel ninja run, and return where each is. ``progress`` gets one line per artifact
     built. A directory that already holds everything is only read (it may be read-only)."""
     out_dir = env.cache_dir() if out_dir is None else env.output_dir(Path(out_dir))
-    items = [BuildItem(s, s.module_name(env.toolchain_digest(c)), c) for s, c in ((s, compiler_of(s)) for s in specs)]
+    try:
+        compilers = [compiler_of(s) for s in specs]
+    except RuntimeError:  # no compiler: enough when every spec is built (by any compiler) already
+        found = {s: find_published(out_dir, s.module_prefix()) for s in specs}
+        if all(found.values()):
+            return found
+        raise
+    items = [BuildItem(s, s.module_name(env.toolchain_digest(c)), c) for s, c in zip(specs, compilers)]
     done = {item.spec: out_dir / f"{item.name}.so" for item in items}
     if all(verified_module(path) for path in done.values()):
         return done

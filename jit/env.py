@@ -144,8 +144,14 @@ def cache_dir() -> Path:
 
 def output_dir(path: Path) -> Path:
     """A prebuild's output directory (an AOT directory), created 0755 when missing: readable by
-    every user of an install, writable by its owner only."""
-    return _make_dir(path.expanduser().absolute(), "the output directory", 0o755)
+    every user of an install, writable by its owner only. One the loader would refuse is refused
+    now (the package's own aot/ by the package's rule)."""
+    path = _make_dir(path.expanduser().absolute(), "the output directory", 0o755)
+    if path != PACKAGE_AOT_DIR:
+        _check_private_dir(path, "the output directory")
+    elif reason := _unsafe_reason(path, package=True):
+        raise RuntimeError(f"flashinfer_cake: {path} is {reason}; the loader would skip it")
+    return path
 
 
 def aot_dirs() -> list[Path]:

@@ -73,16 +73,24 @@ struct KernelEntries {
   const char* (*message)() = nullptr;
 };
 
-// The buffers a call without its own gets: kept per (kind, device, stream).
-enum BufferKind : int { kFwdWorkspace = 0, kBwdWorkspace = 1, kBwdCounters = 2 };
+// The buffers the binding keeps per (kind, device, stream): the forward's workspace (its int32
+// counters) of calls without one; the backward's int32 counters and FP32 partial rows, for calls
+// without a workspace; the backward's counters alone, for calls with one.
+enum BufferKind : int { kFwdWorkspace = 0, kBwdCountersAndWorkspace = 1, kBwdCounters = 2 };
+
+// Kept buffers: int32 counters, zero (zeroed when made; every launch leaves them zero), and FP32
+// scratch of any content (undefined when a kind has none).
+struct KeptBuffers {
+  at::Tensor counters, scratch;
+};
 
 // Guards g_modules and g_buffers (the autograd node's backward reads them without the GIL).
 std::mutex g_mutex;
 // [device][weight: fp32, bf16][bias: none, fp32, bf16]; a null entry = not registered.
 KernelEntries g_modules[kMaxDevices][2][3];
-// (kind, device, stream) -> the buffer of calls without one. Never destroyed: freeing CUDA memory
-// from a static destructor at exit would race torch's teardown.
-auto* const g_buffers = new std::map<std::tuple<int, int, intptr_t>, at::Tensor>();
+// (kind, device, stream) -> the kept buffers. Never destroyed: freeing CUDA memory from a static
+// destructor at exit would race torch's teardown.
+auto* const g_buffers = new std::map<std::tuple<int, int, intptr_t>, KeptBuffers>();
 
 KernelEntries module_of(int device, int w, int b) {
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -161,9 +169,10 @@ bool check_workspace(const at::Tensor& ws, at::ScalarType dtype, int64_t need, i
          usable_on(ws, device);
 }
 
-intptr_t address(const at::Tensor* t) { return t ? reinterpret_cast<intptr_t>(t->data_ptr()) : 0; }
+// Address and size of an optional tensor (null or undefined: 0).
+intptr_t address(const at::Tensor* t) { return t && t->defined() ? reinterpret_cast<intptr_t>(t->data_ptr()) : 0; }
 
-int64_t nbytes(const at::Tensor* t) { return t ? t->numel() * int64_t(t->element_size()) : 0; }
+int64_t nbytes(const at::Tensor* t) { return t && t->defined() ? t->numel() * int64_t(t->element_size()) : 0; }
 
 bool overlaps(const at::Tensor* a, const at::Tensor* b) {
   const int64_t na = nbytes(a), nb = nbytes(b);
@@ -193,45 +202,58 @@ intptr_t current_stream(int device) {
   return reinterpret_cast<intptr_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(cuda).native_handle());
 }
 
-// The buffer of kind `kind` for a call without one: kept per (kind, device, stream), replaced by a
-// larger one when a call needs more; a buffer of the call's own while the stream captures a CUDA
-// graph (the graph replays with it: never shared with eager calls or other graphs). `zeroed`:
-// created zero (counters: every launch leaves them zero); else uninitialized. A replaced buffer
-// may still be in use by the stream's queued work: the caching allocator hands its memory out
-// again only in the stream's order.
-at::Tensor kept_buffer(const KernelEntries& m, BufferKind kind, int device, intptr_t stream, int64_t elements,
-                       const at::TensorOptions& options, bool zeroed, const char* fn) {
+// The kept buffers of `kind` with at least `ints` counters and `floats` scratch elements: kept per
+// (kind, device, stream), both replaced when a call needs more of either; buffers of the call's
+// own while the stream captures a CUDA graph (the graph replays with them: never shared with eager
+// calls or other graphs). A replaced buffer may still be in use by the stream's queued work: the
+// caching allocator hands its memory out again only in the stream's order.
+KeptBuffers kept_buffers(const KernelEntries& m, BufferKind kind, int device, intptr_t stream, int64_t ints,
+                         int64_t floats, const at::TensorOptions& options, const char* fn) {
   const int status = m.capturing(reinterpret_cast<const void*>(stream));
   if (status < 0) throw std::runtime_error(std::string(fn) + ": cudaStreamIsCapturing failed: " + m.message());
-  const auto make = [&] { return zeroed ? at::zeros({elements}, options) : at::empty({elements}, options); };
+  const auto enough = [&](const KeptBuffers& b) {
+    return b.counters.defined() && b.counters.numel() >= ints && (!floats || b.scratch.numel() >= floats);
+  };
+  const auto make = [&] {
+    return KeptBuffers{at::zeros({ints}, options.dtype(at::kInt)),
+                       floats ? at::empty({floats}, options.dtype(at::kFloat)) : at::Tensor()};
+  };
   if (status) return make();
   const std::tuple<int, int, intptr_t> key{kind, device, stream};
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     const auto it = g_buffers->find(key);
-    if (it != g_buffers->end() && it->second.numel() >= elements) return it->second;
+    if (it != g_buffers->end() && enough(it->second)) return it->second;
   }
   // Allocated and freed outside the mutex: the allocator may take the GIL (memory history, a
   // Python dispatch mode) while a Python thread holding it waits for the mutex.
-  at::Tensor fresh = make(), replaced;
+  KeptBuffers fresh = make(), replaced;
   std::lock_guard<std::mutex> lock(g_mutex);
-  at::Tensor& kept = (*g_buffers)[key];
-  if (kept.defined() && kept.numel() >= elements) return kept;  // another thread's, meanwhile
+  KeptBuffers& kept = (*g_buffers)[key];
+  if (enough(kept)) return kept;  // another thread's, meanwhile
   replaced = std::exchange(kept, fresh);
   return fresh;
 }
 
-// A new output like `like` (dtype, shape, device), which the kernel writes in full: uninitialized
-// memory of torch's CUDA caching allocator (graph pools and memory statistics as usual) without
-// the dispatcher, ~0.3-0.5 us less per tensor than at::empty, and no NaN fill under
-// torch.use_deterministic_algorithms (no element is left unwritten for it to expose).
-at::Tensor new_output(const at::Tensor& like) {
-  const c10::DeviceGuard guard(like.device());  // the allocator allocates on the current device
-  // at::empty's allocator (a pluggable one when set by torch.cuda.memory.change_current_allocator)
-  c10::Allocator* const allocator = at::detail::getCUDAHooks().getCUDADeviceAllocator();
-  return at::detail::empty_generic(like.sizes(), allocator, c10::DispatchKeySet(c10::DispatchKey::CUDA),
-                                   like.scalar_type(), std::nullopt);
-}
+// New outputs on one device, which the kernel writes in full: uninitialized memory of torch's CUDA
+// caching allocator (graph pools and memory statistics as usual) without the dispatcher, ~0.3-0.5
+// us less per tensor than at::empty, and no NaN fill under torch.use_deterministic_algorithms (no
+// element is left unwritten for it to expose). The device is current while it lives (the
+// allocator allocates on the current device; the launch then needs no device switch).
+class Outputs {
+ public:
+  explicit Outputs(c10::Device device)
+      : guard_(device), allocator_(at::detail::getCUDAHooks().getCUDADeviceAllocator()) {}  // at::empty's allocator
+
+  at::Tensor like(const at::Tensor& t) const {
+    return at::detail::empty_generic(t.sizes(), allocator_, c10::DispatchKeySet(c10::DispatchKey::CUDA),
+                                     t.scalar_type(), std::nullopt);
+  }
+
+ private:
+  const c10::DeviceGuard guard_;
+  c10::Allocator* const allocator_;  // a pluggable one when set by torch.cuda.memory.change_current_allocator
+};
 
 // A caller's tensor the kernel writes: its version moves, as with an in-place op, so autograd
 // refuses a saved tensor that changed (and an inference tensor outside inference mode raises).
@@ -309,16 +331,18 @@ bool check_forward(ForwardCall* c, int64_t max_s, int64_t max_elements) {
 
 // Runs a checked forward; returns y (*out when given).
 at::Tensor run_forward(const ForwardCall& c) {
-  if (c.S == 0) return c.out ? *c.out : new_output(*c.x);
+  if (c.out && c.S == 0) return *c.out;
+  std::optional<Outputs> outputs;
+  if (!c.out) outputs.emplace(c.x->device());
+  if (c.S == 0) return outputs->like(*c.x);
   at::Tensor weight_copy, bias_copy, y, ws;
   const intptr_t w_ptr = aligned_param(c.weight, &weight_copy);
   const intptr_t b_ptr = aligned_param(c.bias, &bias_copy);
   // the allocator's blocks are 512-byte aligned
-  y = c.out ? *c.out : new_output(*c.x);
+  y = c.out ? *c.out : outputs->like(*c.x);
   const intptr_t stream = current_stream(c.device);
   if (!c.workspace) {
-    ws = kept_buffer(c.m, kFwdWorkspace, c.device, stream, kFwdWorkspaceCounters, c.x->options().dtype(at::kInt),
-                     true, kFwd);
+    ws = kept_buffers(c.m, kFwdWorkspace, c.device, stream, kFwdWorkspaceCounters, 0, c.x->options(), kFwd).counters;
   }
   if (c.out) bump_version(y);  // as an in-place op does: autograd sees the write
   FwdArgs a{};
@@ -382,29 +406,26 @@ struct Grads {
 
 // Runs a checked backward; given outputs are written and returned.
 Grads run_backward(const BackwardCall& c) {
-  at::Tensor weight_copy, bias_copy, ws;
+  at::Tensor weight_copy, bias_copy;
   const intptr_t w_ptr = aligned_param(c.weight, &weight_copy);
   const intptr_t b_ptr = aligned_param(c.bias, &bias_copy);
   Grads g;
-  g.dx = c.dx ? *c.dx : new_output(*c.x);
-  g.dweight = c.dweight ? *c.dweight : new_output(*c.weight);
-  if (c.bias) g.dbias = c.dbias ? *c.dbias : new_output(*c.bias);
+  std::optional<Outputs> outputs;
+  if (!c.dx || !c.dweight || (c.bias && !c.dbias)) outputs.emplace(c.x->device());
+  g.dx = c.dx ? *c.dx : outputs->like(*c.x);
+  g.dweight = c.dweight ? *c.dweight : outputs->like(*c.weight);
+  if (c.bias) g.dbias = c.dbias ? *c.dbias : outputs->like(*c.bias);
   const intptr_t stream = current_stream(c.device);
-  const at::TensorOptions options = c.x->options();
-  if (!c.workspace) {  // partial rows: any content
-    ws = kept_buffer(c.m, kBwdWorkspace, c.device, stream, flashinfer_cake::ceil_div(c.need, 4),
-                     options.dtype(at::kFloat), false, kBwd);
-  }
   // The reduction tree's counters are never the caller's: zero is this file's invariant (every
   // launch leaves them zero), so no workspace content can change a result.
-  const at::Tensor counters =
-      kept_buffer(c.m, kBwdCounters, c.device, stream,
-                  flashinfer_cake::ceil_div(flashinfer_cake::bwd_counter_bytes(c.S, c.C), 4), options.dtype(at::kInt),
-                  true, kBwd);
+  const KeptBuffers kept =
+      kept_buffers(c.m, c.workspace ? kBwdCounters : kBwdCountersAndWorkspace, c.device, stream,
+                   flashinfer_cake::ceil_div(flashinfer_cake::bwd_counter_bytes(c.S, c.C), 4),
+                   c.workspace ? 0 : flashinfer_cake::ceil_div(c.need, 4), c.x->options(), kBwd);
   for (const at::Tensor* t : {c.dx, c.dweight, c.dbias, c.workspace}) {  // as in-place ops do: autograd sees the writes
     if (t) bump_version(*t);
   }
-  const at::Tensor* workspace = c.workspace ? c.workspace : &ws;
+  const at::Tensor* workspace = c.workspace ? c.workspace : &kept.scratch;
   BwdArgs a{};
   a.x = address(c.x);
   a.dy = address(c.dy);
@@ -414,8 +435,8 @@ Grads run_backward(const BackwardCall& c) {
   a.cu_seqlens = address(c.cu_seqlens);
   a.workspace = address(workspace);
   a.workspace_bytes = nbytes(workspace);
-  a.counters = address(&counters);
-  a.counters_bytes = nbytes(&counters);
+  a.counters = address(&kept.counters);
+  a.counters_bytes = nbytes(&kept.counters);
   a.dweight = address(&g.dweight);
   a.dbias = c.bias ? address(&g.dbias) : 0;
   a.S = c.S;

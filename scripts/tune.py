@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench_harness import Dev, measure, measure_graph
 from flashinfer_cake import _plan, jit
 
 SHAPES = [(16384, 8192, 16), (65536, 2048, 32), (32768, 4096, 1024), (32768, 4096, 8192),
@@ -52,32 +53,17 @@ def resource_lines(build_log: str, uri: str) -> list[str]:
     return lines
 
 
-def median_ms(fn, reps: int) -> float:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(3):
-        fn(i)
-    torch.cuda.synchronize()
-    for i in range(reps):
-        starts[i].record()
-        fn(i)
-        ends[i].record()
-    torch.cuda.synchronize()
-    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[reps // 2]
+# Timing is the benchmarks' (bench_harness): CUDA-event medians, graph replays of 20 calls.
+TIMING = argparse.Namespace(target_ms=40.0, min_reps=20, max_reps=200, graph_calls=20)
+DEV = Dev(smoke_cpu=False)
 
 
-def graph_ms(fn, calls: int = 20, reps: int = 20) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(3):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    return median_ms(lambda i: g.replay(), reps) / calls
+def median_ms(fn, k: int) -> float:
+    return measure(DEV, fn, k, TIMING)["ms"]
+
+
+def graph_ms(fn, k: int) -> float:
+    return measure_graph(DEV, fn, k, TIMING)[0]["ms"]
 
 
 def main() -> None:
@@ -124,9 +110,9 @@ def main() -> None:
             src = [torch.empty(3 * S * C // 2, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
             dst = [torch.empty_like(t) for t in src]
             copy = lambda i: dst[i % k].copy_(src[i % k])  # noqa: E731
-        row["copy"] = median_ms(copy, 50)
+        row["copy"] = median_ms(copy, k)
         if small:
-            row["copy_graph"] = graph_ms(copy)
+            row["copy_graph"] = graph_ms(copy, k)
         ref = None
         for c, m in mods.items():
             def fwd(i, m=m):
@@ -147,9 +133,9 @@ def main() -> None:
             if ref is None:
                 ref = ys[0].clone()
             assert torch.equal(ys[0], ref), f"{c} differs from {configs[0]}"
-            row[c] = median_ms(fwd, 50)
+            row[c] = median_ms(fwd, k)
             if small:
-                row[c + " graph"] = graph_ms(fwd)
+                row[c + " graph"] = graph_ms(fwd, k)
         results.append(row)
         gb = (4 if args.op == "fwd" else 6) * S * C / 1e6
         cells = " ".join(f"{c}:{row[c] * 1e3:.1f}us({row['copy'] / row[c] * 100:.0f}%)" for c in configs)

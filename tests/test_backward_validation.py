@@ -113,6 +113,7 @@ BAD_INPUTS = [
     case("cu-int64", ValueError, "cu_seqlens", cu_seqlens=lambda: torch.tensor([0, 5, S])),
     case("cu-2d", ValueError, "cu_seqlens", cu_seqlens=lambda: torch.tensor([[0, 5, S]], dtype=I32)),
     case("cu-empty", ValueError, "cu_seqlens", cu_seqlens=lambda: torch.empty(0, dtype=I32)),
+    case("cu-neg-view", ValueError, "cu_seqlens", cu_seqlens=lambda: torch._neg_view(torch.tensor([0, -5, -S], dtype=I32))),
     case("cu-noncontig", ValueError, "cu_seqlens",
          cu_seqlens=lambda: torch.tensor([0, 9, 5, 9, S, 9], dtype=I32)[::2]),
     case("cu-list", TypeError, "cu_seqlens", cu_seqlens=lambda: [0, 5, S]),
@@ -173,6 +174,7 @@ BAD_INPUTS = [
          workspace=lambda: torch.zeros(workspace_bytes(S, C, "cpu") // 4 - 1)),
     case("ws-2d", ValueError, "workspace", workspace=lambda: torch.zeros(256, 256)),
     case("ws-noncontig", ValueError, "workspace", workspace=lambda: torch.zeros(1 << 17)[::2]),
+    case("ws-neg-view", ValueError, "workspace", workspace=lambda: torch._neg_view(torch.zeros(1 << 16))),
     case("ws-list", TypeError, "workspace", workspace=lambda: [0.0] * 1024),
     # device: every argument is well-formed, but x is not on a CUDA device
     case("x-on-cpu", ValueError, "x"),

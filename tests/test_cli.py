@@ -57,7 +57,7 @@ def test_build(built):
     for uri, path in modules.items():
         assert path.name.startswith(uri + "_") and build.verified_module(path) == path
     # One progress line per module, not the compilers' output (that stays in the build log).
-    progress = re.findall(r"^built (\S+) \((\d)/7, \d+\.\d s\)$", r.stdout, re.M)
+    progress = re.findall(r"^compiled (\S+) \((\d)/7, \d+\.\d s\)$", r.stdout, re.M)
     assert sorted(uri for uri, _ in progress) == sorted(URIS) and [n for _, n in progress] == list("1234567"), r.stdout
     assert re.search(rf"^built 7 module\(s\) into {re.escape(str(cache))} in \d+\.\d s$", r.stdout, re.M), r.stdout
     assert "ptxas" not in r.stdout + r.stderr and len(r.stdout.splitlines()) <= 20, r.stdout
@@ -177,8 +177,10 @@ def _group_writable(root: Path) -> Path:
     (_group_writable, ["writable by its group", "chmod go-w"]),
 ], ids=["file", "dangling-symlink", "under-a-file", "shared-sticky-dir", "group-writable"])
 def test_unusable_cache_dir_is_one_line_and_env_reports_it(make, words, tmp_path):
+    """`build` (the default action without a GPU; with one, prebuilt modules may make the cache
+    unnecessary) stops with one line; `env` lists everything and the problem."""
     cache = make(tmp_path)
-    r = flashinfer_cake(cache=cache, cwd=tmp_path)
+    r = flashinfer_cake("build", cache=cache, cwd=tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     error = [line for line in r.stderr.splitlines() if line.startswith("flashinfer-cake: error: ")]
     assert len(error) == 1 and str(cache) in error[0] and all(w in error[0] for w in words), r.stderr

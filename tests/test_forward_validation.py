@@ -104,6 +104,8 @@ BAD_INPUTS = [
     case("cu-2^31-entries", ValueError, "cu_seqlens",
          cu_seqlens=lambda: torch.empty(2**31, dtype=I32, device="meta")),
     case("cu-list", TypeError, "cu_seqlens", cu_seqlens=lambda: [0, 5, S]),
+    case("cu-neg-view", ValueError, "cu_seqlens",
+         cu_seqlens=lambda: torch._neg_view(torch.tensor([0, -5, -S], dtype=I32))),
     # out
     case("out-fp32", ValueError, "out", out=lambda: torch.empty(S, C)),
     case("out-fp16", ValueError, "out", out=lambda: torch.empty(S, C, dtype=torch.half)),
@@ -123,6 +125,7 @@ BAD_INPUTS = [
     case("ws-noncontig", ValueError, "workspace",
          workspace=lambda: torch.zeros(1 << 17, dtype=I32)[::2]),
     case("ws-list", TypeError, "workspace", workspace=lambda: [0] * 1024),
+    case("ws-neg-view", ValueError, "workspace", workspace=lambda: torch._neg_view(torch.zeros(1 << 16, dtype=I32))),
     # device: every argument is well-formed, but x is not on a CUDA device
     case("x-on-cpu", ValueError, "x"),
 ]

@@ -427,7 +427,7 @@ def test_concurrent_first_load_compiles_once(concurrent_build, name):
                          r"sm_90a \(lock .*\.lock\)$", stderr, re.M)
     assert 1 <= len(waiting) <= 7, stderr
     ninja_log = (cache / "build" / name / ".ninja_log").read_text()
-    assert len(re.findall(rf"\t{name}\.o\t", ninja_log)) == 1, ninja_log  # nvcc compiled once
+    assert len(re.findall(rf"\t{name}\.so\t", ninja_log)) == 1, ninja_log  # nvcc ran once
     assert build.verified_module(cache / f"{name}.so")
 
 
@@ -450,6 +450,42 @@ def test_build_logs_at_info_and_cleans_stale_temporaries(built_cache, name, tmp_
     monkeypatch.setattr(core, "_loaded", {})
     jit.load(SPEC)  # warm: no log line
     assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
+
+
+def test_first_build_notice_shows_under_warning_logging(built_cache, name, tmp_path, capsys):
+    """An application that set up logging at WARNING still sees the one line of a first build
+    (it takes seconds), on stderr."""
+    cache = copy_cache(built_cache, tmp_path / "cache")
+    (cache / f"{name}.json").unlink()  # republish: a "build" from ninja's directory
+    root = logging.getLogger()
+    handler, level = logging.StreamHandler(), root.level
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    try:
+        os.environ["FLASHINFER_CAKE_CACHE_DIR"] = str(cache)
+        jit.load(SPEC)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    assert f"flashinfer_cake: building {name} (first use; " in capsys.readouterr().err
+
+
+def test_prebuilt_everything_needs_no_compiler(built_cache, name, tmp_path, monkeypatch):
+    """`flashinfer-cake build` on a directory that holds every module works without nvcc (and a
+    cache this process cannot write serves any compiler's build)."""
+    monkeypatch.setenv("FLASHINFER_CAKE_NVCC", str(tmp_path / "no-nvcc"))
+    forbid_processes(monkeypatch)
+    assert jit.prebuild([SPEC], built_cache) == {SPEC: built_cache / f"{name}.so"}
+    with pytest.raises(RuntimeError, match="FLASHINFER_CAKE_NVCC"):
+        jit.prebuild([jit.variant_spec("bf16", "none", "sm_90a")], built_cache)
+    monkeypatch.delenv("FLASHINFER_CAKE_NVCC")
+    cache = copy_cache(built_cache, tmp_path / "cache")
+    other = SPEC.module_prefix() + "0" * 8  # another compiler's build of the same sources
+    for ext in (".so", ".json"):
+        (cache / f"{name}{ext}").rename(cache / f"{other}{ext}")
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
+    monkeypatch.setattr(os, "access", lambda path, mode: mode != os.W_OK and os.path.exists(path))
+    assert jit.load(SPEC).path == cache / f"{other}.so"
 
 
 def test_killed_build_leaves_nothing_loadable(tmp_path, name, caplog):

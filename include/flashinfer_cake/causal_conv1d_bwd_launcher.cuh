@@ -90,7 +90,7 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
   if (a.S < 0 || a.S >= kBwdMaxS) return fail(cudaErrorInvalidValue, "x: S must be in [0, 2^30) for the backward, got %lld", (long long)a.S);
   if (a.C <= 0 || a.C % 8 != 0 || a.C >= kMaxC) return fail(cudaErrorInvalidValue, "x: C must be a positive multiple of 8 below 2^28, got %lld", (long long)a.C);
   if (a.S * a.C >= kBwdMaxElements) return fail(cudaErrorInvalidValue, "x: S * C must be below 2^34 for the backward, got %lld", (long long)(a.S * a.C));
-  if (a.num_docs < 0 || a.num_docs + 1 > kMaxCuSeqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 2], got %lld", (long long)a.num_docs);
+  if (a.num_docs < 0 || a.num_docs >= kMaxCuSeqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 2], got %lld", (long long)a.num_docs);
   if (a.item_tokens <= 0 || a.item_tokens % kBwdStripLen != 0 || a.item_tokens > kBwdMaxItemTokens) {
     return fail(cudaErrorInvalidValue, "item_tokens must be a positive multiple of %d up to %d, got %lld", kBwdStripLen, kBwdMaxItemTokens, (long long)a.item_tokens);
   }

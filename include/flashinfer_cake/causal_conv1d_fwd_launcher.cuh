@@ -63,7 +63,7 @@ cudaError_t causal_conv1d_fwd_entry(const FwdArgs& a) {
   if (a.S < 0 || a.S >= kFwdMaxS) return fail(cudaErrorInvalidValue, "x: S must be in [0, 2^31), got %lld", (long long)a.S);
   if (a.C <= 0 || a.C % 8 != 0 || a.C >= kMaxC) return fail(cudaErrorInvalidValue, "x: C must be a positive multiple of 8 below 2^28, got %lld", (long long)a.C);
   if (a.S * a.C >= kFwdMaxElements) return fail(cudaErrorInvalidValue, "x: S * C must be below 2^35, got %lld", (long long)(a.S * a.C));
-  if (a.num_docs < 0 || a.num_docs + 1 > kMaxCuSeqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 2], got %lld", (long long)a.num_docs);
+  if (a.num_docs < 0 || a.num_docs >= kMaxCuSeqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 2], got %lld", (long long)a.num_docs);
   if (a.device < 0 || a.device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)a.device);
   if (a.S == 0) return cudaSuccess;
   const void* const x = as_ptr<const void>(a.x);

@@ -1,0 +1,41 @@
+"""The benchmark scripts' plumbing on a CPU: ``--smoke-cpu`` runs every path of the harness (tiny
+shapes, host timers, the reference standing in for our kernels) and must end with its tables."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.mark.parametrize("script", ["bench_fwd.py", "bench_bwd.py"])
+def test_smoke_cpu_prints_its_tables(script, tmp_path):
+    out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / script), "--smoke-cpu", "--json", str(out_json),
+                           "--md", str(out_md)], capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    name = script[:-3]
+    assert f"## {name} " in out and "| S×C | docs | copy GB/s | ours ms | ours % | graph % |" in out, out[-3000:]
+    # the stand-in ran on every combo and the checks against the FP64 reference passed
+    assert re.search(r"correct: PASS [1-9]\d* checked, 0 mismatched, 0 errors", out), out[-3000:]
+    assert out.rstrip().splitlines()[-1].startswith("total ")
+    res = json.loads(out_json.read_text())
+    assert res["ours_is_standin"] and res["rows"] and all(r["ours"]["ms"] > 0 for r in res["rows"])
+    assert res["host_overhead"]["results"]["x.clone()"]["median_us"] > 0
+    assert f"## {name} " in out_md.read_text()
+
+
+@pytest.mark.parametrize("script", ["bench_fwd.py", "bench_bwd.py"])
+def test_help_lists_the_ci_options(script):
+    proc = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--quick", "--no-peers", "--json", "--md", "--shapes", "--mixes", "--variants", "--peers"):
+        assert option in proc.stdout
