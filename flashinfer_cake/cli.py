@@ -91,8 +91,12 @@ def cmd_build(args) -> int:
     searched = [env.PACKAGE_AOT_DIR, *env.aot_dirs()]
     with contextlib.suppress(RuntimeError):
         searched.append(env.cache_dir())
+    installed = env.installed_package_dir()
     if where not in searched:
         print(f"this installation does not search {where}: export FLASHINFER_CAKE_AOT_DIR={where}")
+    elif where == env.PACKAGE_AOT_DIR and installed not in (None, env.PACKAGE_DIR):
+        print(f"note: this ran the flashinfer_cake of {env.PACKAGE_DIR}, not the installed one ({installed}), which "
+              f"does not search {where}: run it from another directory, or export FLASHINFER_CAKE_AOT_DIR={where}")
     return 0
 
 

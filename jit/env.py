@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
 import re
@@ -152,6 +153,17 @@ def output_dir(path: Path) -> Path:
     elif reason := _unsafe_reason(path, package=True):
         raise RuntimeError(f"flashinfer_cake: {path} is {reason}; the loader would skip it")
     return path
+
+
+def installed_package_dir() -> Path | None:
+    """Where pip installed flashinfer_cake (not editable), or None: a process running a checkout's
+    sources (python -m from the checkout root) may be another copy than the installed one."""
+    try:
+        dist = importlib.metadata.distribution("flashinfer_cake")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    init = Path(dist.locate_file("flashinfer_cake/__init__.py"))
+    return init.parent.resolve() if init.is_file() else None
 
 
 def aot_dirs() -> list[Path]:

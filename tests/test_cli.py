@@ -241,6 +241,11 @@ def test_build_destination(argv, where, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     if where == "package":
         assert seen["out"] == package_aot and "export" not in out
+        # Run from a checkout whose sources shadow the installed package: say where it went.
+        monkeypatch.setattr(jit_env, "installed_package_dir", lambda: tmp_path / "site-packages" / "flashinfer_cake")
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        assert "not the installed one" in out and f"export FLASHINFER_CAKE_AOT_DIR={package_aot}" in out, out
     else:
         assert f"export FLASHINFER_CAKE_AOT_DIR={tmp_path / 'dir'}" in out
 
