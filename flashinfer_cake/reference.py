@@ -1,5 +1,12 @@
-"""Pure-PyTorch references of the packed causal conv1d + SiLU: the forward, its pre-activation
-and the backward (tests, CLI check)."""
+"""Pure-PyTorch references of the packed causal conv1d + SiLU: the forward, its pre-activation,
+the documents' final conv states and the backward (tests, benchmarks, CLI check).
+
+Per-document conv states: ``initial_states`` ``[num_docs, 3, C]`` holds each document's history
+(row 2 the token right before its first token, row 0 three before): a tap before a document's
+first token reads it instead of nothing. The final state of a document is the last 3 rows of its
+history after its tokens (its initial rows, or zeros without them, followed by its tokens), so a
+sequence cut into chunks, each chunk's final states fed as the next chunk's initial states, gives
+the y of the uncut sequence."""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import torch
 
 __all__ = [
     "causal_conv1d_backward_reference",
+    "causal_conv1d_final_states_reference",
     "causal_conv1d_preactivation_reference",
     "causal_conv1d_reference",
 ]
@@ -14,14 +22,14 @@ __all__ = [
 _SILU_GRAD_POLICIES = ("bf16", "fp32")
 
 
-def _positions(cu_seqlens: torch.Tensor, S: int, device: torch.device) -> torch.Tensor:
-    """Position of every token inside its document (int64 ``[S]``), from the last entry of
-    ``cu_seqlens`` that is ``<= t`` (negative when there is none: then no tap is valid)."""
+def _documents(cu_seqlens: torch.Tensor, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(doc, pos) of every token (int64 ``[S]`` each): the index of the last entry of
+    ``cu_seqlens`` that is ``<= t`` (-1 when there is none) and the position ``t - cu[doc]``
+    (negative when there is none: then the token has no history at all)."""
     cu = cu_seqlens.to(device=device, dtype=torch.long)
     t = torch.arange(S, device=device)
     doc = torch.searchsorted(cu, t, right=True) - 1
-    start = cu[doc.clamp(min=0)]
-    return t - start
+    return doc, t - cu[doc.clamp(min=0)]
 
 
 def _shifted(v: torch.Tensor, back: int) -> torch.Tensor:
@@ -32,16 +40,48 @@ def _shifted(v: torch.Tensor, back: int) -> torch.Tensor:
     return out
 
 
-def _preactivation(x2: torch.Tensor, w: torch.Tensor, pos: torch.Tensor, bias, dtype) -> torch.Tensor:
-    """``sum_k w[:, k] * x2[t - 3 + k] + bias`` over the taps inside t's document, in ``dtype``."""
+def _state_taps(doc: torch.Tensor, pos: torch.Tensor, num_docs: int, back: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tap ``back`` (1-3 tokens back): which tokens read their document's initial state
+    (those less than ``back`` tokens into a document 0 <= doc < num_docs; bool ``[S]``) and
+    which row ``3 - back + pos`` they read (clamped where they read none)."""
+    reads = (pos >= 0) & (pos < back) & (doc >= 0) & (doc < num_docs)
+    return reads, (3 - back + pos).clamp(0, 2)
+
+
+def _preactivation(x2, w, doc, pos, bias, init, dtype) -> torch.Tensor:
+    """``sum_k w[:, k] * (what tap k reads) + bias`` in ``dtype``: x inside t's document, the
+    document's initial state before its first token when ``init`` is given, else nothing."""
     zero = torch.zeros((), dtype=dtype, device=x2.device)
     acc = x2 * w[:, 3]
     for back in (1, 2, 3):
         keep = (pos >= back).unsqueeze(1)  # a tap outside the document is skipped, not multiplied by 0
         acc = acc + torch.where(keep, _shifted(x2, back) * w[:, 3 - back], zero)
+        if init is not None:
+            reads, row = _state_taps(doc, pos, init.shape[0], back)
+            state = init[doc.clamp(0, max(init.shape[0] - 1, 0)), row] if init.shape[0] else torch.zeros_like(x2)
+            acc = acc + torch.where(reads.unsqueeze(1), state * w[:, 3 - back], zero)
     if bias is not None:
         acc = acc + bias.to(device=x2.device, dtype=dtype)
     return acc
+
+
+def _final_rows(cu_seqlens: torch.Tensor, S: int, device: torch.device):
+    """For every document d and row r of its final state: the token it is (``end - 3 + r``) when
+    the document has at least ``3 - r`` tokens, else the row ``L + r`` of its initial state (L its
+    token count). Returns (from_token bool ``[num_docs, 3]``, token index, initial-state row), the
+    indices clamped where unused. A document's tokens are [cu[d], cu[d + 1]) clamped to [0, S]
+    (none when out of order)."""
+    cu = cu_seqlens.to(device=device, dtype=torch.long).clamp(0, S)
+    start, end = cu[:-1], torch.maximum(cu[1:], cu[:-1])
+    length = (end - start).unsqueeze(1)
+    r = torch.arange(3, device=device)
+    from_token = length + r >= 3
+    return from_token, (end.unsqueeze(1) - 3 + r).clamp(0, max(S - 1, 0)), (length + r).clamp(max=2)
+
+
+def _check_states(name: str, states, num_docs: int, C: int) -> None:
+    if states is not None and tuple(states.shape) != (num_docs, 3, C):
+        raise ValueError(f"{name} must have shape [num_docs, 3, C] = [{num_docs}, 3, {C}], got {tuple(states.shape)}")
 
 
 def causal_conv1d_preactivation_reference(
@@ -50,15 +90,42 @@ def causal_conv1d_preactivation_reference(
     cu_seqlens: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    initial_states: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """The pre-activation ``a = sum_k weight[:, k] * x[t - 3 + k] + bias`` of
     :func:`causal_conv1d_reference` (the value SiLU is applied to), in ``dtype``, x's shape;
-    arguments as there. A tap before the first token of the token's document is zero."""
+    arguments as there. A tap before the first token of the token's document reads the
+    document's initial state when given, else nothing."""
     x2 = x.reshape(-1, x.shape[-1]).to(dtype)
     w = weight.to(device=x2.device, dtype=dtype)
-    pos = _positions(cu_seqlens, x2.shape[0], x2.device)
-    return _preactivation(x2, w, pos, bias, dtype).reshape(x.shape)
+    doc, pos = _documents(cu_seqlens, x2.shape[0], x2.device)
+    _check_states("initial_states", initial_states, cu_seqlens.shape[0] - 1, x2.shape[1])
+    init = None if initial_states is None else initial_states.to(device=x2.device, dtype=dtype)
+    return _preactivation(x2, w, doc, pos, bias, init, dtype).reshape(x.shape)
+
+
+def causal_conv1d_final_states_reference(
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_states: torch.Tensor | None = None,
+    *,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """``[num_docs, 3, C]``: the last 3 rows of each document's history after its tokens (its
+    last 3 tokens; for a shorter or empty document, the tail of its initial rows, zeros without
+    them, followed by its tokens), in ``dtype``. Fed as the next chunk's ``initial_states``, the
+    document continues as if uncut."""
+    x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+    S, C = x2.shape
+    num_docs = cu_seqlens.shape[0] - 1
+    _check_states("initial_states", initial_states, num_docs, C)
+    from_token, token, row = _final_rows(cu_seqlens, S, x2.device)
+    init = torch.zeros(num_docs, 3, C, dtype=dtype, device=x2.device) if initial_states is None else \
+        initial_states.to(device=x2.device, dtype=dtype)
+    tokens = x2[token] if S else torch.zeros(num_docs, 3, C, dtype=dtype, device=x2.device)
+    states = init[torch.arange(num_docs, device=x2.device).unsqueeze(1), row]
+    return torch.where(from_token.unsqueeze(2), tokens, states)
 
 
 def causal_conv1d_reference(
@@ -67,8 +134,10 @@ def causal_conv1d_reference(
     cu_seqlens: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    initial_states: torch.Tensor | None = None,
+    return_final_states: bool = False,
     dtype: torch.dtype = torch.float64,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Reference of ``cake_causal_conv1d_train_forward`` computed in ``dtype``.
 
     Args:
@@ -78,14 +147,23 @@ def causal_conv1d_reference(
         cu_seqlens: ``[num_docs + 1]`` integer prefix sums of the document lengths, on any
             device (this function may copy it to the host; it is a reference, not a kernel).
         bias: optional ``[C]`` per-channel bias added after the taps, before SiLU.
+        initial_states: optional ``[num_docs, 3, C]`` history of each document (row 2 the token
+            right before its first token): what a tap before the first token reads. Tokens
+            before ``cu_seqlens[0]`` or from ``cu_seqlens[-1]`` on belong to no document and
+            read no state.
+        return_final_states: also return :func:`causal_conv1d_final_states_reference`.
         dtype: the precision of the whole computation and of the result.
 
     Returns:
         ``silu(sum_k weight[:, k] * x[t - 3 + k] + bias)`` in ``dtype``, x's shape, not rounded
-        to BF16. A tap before the first token of the token's document is zero.
+        to BF16, with the taps before a document's first token reading its initial state (none
+        without them); and the final states ``[num_docs, 3, C]`` when asked for.
     """
-    a = causal_conv1d_preactivation_reference(x, weight, cu_seqlens, bias, dtype=dtype)
-    return torch.nn.functional.silu(a)
+    a = causal_conv1d_preactivation_reference(x, weight, cu_seqlens, bias, initial_states=initial_states, dtype=dtype)
+    y = torch.nn.functional.silu(a)
+    if not return_final_states:
+        return y
+    return y, causal_conv1d_final_states_reference(x, cu_seqlens, initial_states, dtype=dtype)
 
 
 def causal_conv1d_backward_reference(
@@ -95,9 +173,11 @@ def causal_conv1d_backward_reference(
     dy: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    initial_states: torch.Tensor | None = None,
+    dfinal_states: torch.Tensor | None = None,
     silu_grad_preactivation: str = "bf16",
     dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, ...]:
     """Reference of ``cake_causal_conv1d_train_backward`` computed in ``dtype`` (no autograd).
 
     With ``a`` the pre-activation of :func:`causal_conv1d_reference` and ``a'`` either ``a``
@@ -106,21 +186,26 @@ def causal_conv1d_backward_reference(
     ``s = sigmoid(a)``, and::
 
         dx[s]         = sum_k weight[:, k] * g[s + 3 - k]   (the taps token s + 3 - k read)
-        dweight[:, k] = sum_t g[t] * x[t - 3 + k]           (the taps inside t's document)
+        dweight[:, k] = sum_t g[t] * (what tap k of t read)
         dbias         = sum_t g[t]
+        dinitial_states[d, r] = sum of weight[:, k] * g[t] over the taps that read row r of
+                                document d's initial state
 
-    A tap the forward skips (before the first token of the reading token's document) carries
-    no gradient, so nothing crosses a document boundary.
+    plus ``dfinal_states`` (the gradient of the final states, ``[num_docs, 3, C]``) added to the
+    dx rows or initial-state rows the final states came from. A tap the forward skips carries no
+    gradient, so nothing crosses a document boundary.
 
     Args:
-        x, weight, cu_seqlens, bias: as in :func:`causal_conv1d_reference`.
+        x, weight, cu_seqlens, bias, initial_states: as in :func:`causal_conv1d_reference`.
         dy: the gradient of ``y``, x's shape (any float dtype).
+        dfinal_states: optional gradient of the final states.
         silu_grad_preactivation: ``"bf16"`` or ``"fp32"``, where ``silu'`` is evaluated.
         dtype: the precision of the whole computation and of the results.
 
     Returns:
-        ``(dx, dweight, dbias)`` in ``dtype``, not rounded: dx of x's shape, dweight
-        ``[C, 4]``, dbias ``[C]`` or None when ``bias`` is None; on x's device.
+        ``(dx, dweight, dbias)`` in ``dtype``, not rounded: dx of x's shape, dweight ``[C, 4]``,
+        dbias ``[C]`` or None when ``bias`` is None; then ``dinitial_states`` ``[num_docs, 3, C]``
+        when ``initial_states`` is given. On x's device.
     """
     if not isinstance(silu_grad_preactivation, str) or silu_grad_preactivation not in _SILU_GRAD_POLICIES:
         raise ValueError(
@@ -132,10 +217,13 @@ def causal_conv1d_backward_reference(
     x2 = x.reshape(-1, C).to(dtype)
     dy2 = dy.reshape(-1, C).to(device=x2.device, dtype=dtype)
     w = weight.to(device=x2.device, dtype=dtype)
-    S = x2.shape[0]
-    pos = _positions(cu_seqlens, S, x2.device)
+    S, num_docs = x2.shape[0], cu_seqlens.shape[0] - 1
+    _check_states("initial_states", initial_states, num_docs, C)
+    _check_states("dfinal_states", dfinal_states, num_docs, C)
+    init = None if initial_states is None else initial_states.to(device=x2.device, dtype=dtype)
+    doc, pos = _documents(cu_seqlens, S, x2.device)
 
-    a = _preactivation(x2, w, pos, bias, dtype)
+    a = _preactivation(x2, w, doc, pos, bias, init, dtype)
     if silu_grad_preactivation == "bf16":
         a = a.to(torch.bfloat16).to(dtype)
     s = torch.sigmoid(a)
@@ -144,6 +232,7 @@ def causal_conv1d_backward_reference(
     dx = g * w[:, 3]
     dweight = torch.zeros(C, 4, dtype=dtype, device=x2.device)
     dweight[:, 3] = (g * x2).sum(0)
+    dinit = None if init is None else torch.zeros_like(init)
     zero = torch.zeros((), dtype=dtype, device=x2.device)
     for back in (1, 2, 3):
         # Token t reads x[t - back] through tap 3 - back iff its position is >= back.
@@ -151,5 +240,19 @@ def causal_conv1d_backward_reference(
         if back < S:
             dx[:-back] += g_tap[back:] * w[:, 3 - back]
         dweight[:, 3 - back] = (g_tap * _shifted(x2, back)).sum(0)
+        if init is not None:  # ... and its document's initial state before its first token
+            reads, row = _state_taps(doc, pos, num_docs, back)
+            t = reads.nonzero().squeeze(1)
+            dinit.index_put_((doc[t], row[t]), g[t] * w[:, 3 - back], accumulate=True)
+            dweight[:, 3 - back] += (g[t] * init[doc[t], row[t]]).sum(0)
+    if dfinal_states is not None:  # each final row came from a token or an initial-state row
+        dfinal = dfinal_states.to(device=x2.device, dtype=dtype)
+        from_token, token, row = _final_rows(cu_seqlens, S, x2.device)
+        d, r = from_token.nonzero(as_tuple=True)
+        dx.index_put_((token[d, r],), dfinal[d, r], accumulate=True)
+        if dinit is not None:
+            d, r = (~from_token).nonzero(as_tuple=True)
+            dinit.index_put_((d, row[d, r]), dfinal[d, r], accumulate=True)
     dbias = None if bias is None else g.sum(0)
-    return dx.reshape(x.shape), dweight, dbias
+    grads = (dx.reshape(x.shape), dweight, dbias)
+    return grads if dinit is None else (*grads, dinit)
