@@ -42,8 +42,8 @@ FWD_WORKSPACE_COUNTERS = 2
 
 
 def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
-    """x: BF16 [S, C] or [1, S, C], contiguous, C a multiple of 8, within the index range of
-    ``op``'s kernel ("forward", or "backward": both kernels of a training step). Returns (S, C)."""
+    """x: BF16 [S, C] or [1, S, C] of rows (check_rows), C a multiple of 8, within the index range
+    of ``op``'s kernel ("forward", or "backward": both kernels of a training step). Returns (S, C)."""
     shape = x.shape
     if x.dtype != torch.bfloat16:
         raise ValueError(f"{fn}: x must have dtype torch.bfloat16, got {x.dtype}")
@@ -62,10 +62,66 @@ def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
             f"{fn}: x must have S < 2^{max_s.bit_length() - 1} and S * C < 2^{max_elements.bit_length() - 1} "
             f"elements{whose}, got S={S}, C={C}"
         )
-    if not x.is_contiguous():
-        raise ValueError(f"{fn}: x must be contiguous, got strides {x.stride()}")
+    check_rows(fn, "x", x, op)
     check_not_lazy(fn, "x", x)
     return S, C
+
+
+def _row_problem(t: torch.Tensor, op: str) -> str | None:
+    """Which row rule of check_rows ``t`` breaks ("channels", "stride", "range"), None when none."""
+    S, C = t.shape[-2], t.shape[-1]
+    if t.stride(-1) != 1:
+        return "channels"
+    if S <= 1:
+        return None
+    stride = t.stride(-2)
+    if stride < C or stride % 8:
+        return "stride"
+    return "range" if S * stride >= MAX_ELEMENTS[op] else None
+
+
+def rows_accepted(t: torch.Tensor, op: str) -> bool:
+    """check_rows's rule as a predicate: whether ``op``'s kernel reads t's rows in place."""
+    return _row_problem(t, op) is None
+
+
+def check_rows(fn: str, name: str, t: torch.Tensor, op: str) -> None:
+    """An [S, C] / [1, S, C] tensor the kernels read or write in place, row by row: contiguous
+    channels (stride(-1) == 1) and, for S > 1, a row stride stride(-2) of at least C elements, a
+    multiple of 8 (16 bytes, the kernels' vectors), with S * stride(-2) within ``op``'s range (a
+    column slice of a wider tensor, e.g. of a fused projection, is taken without a copy)."""
+    problem = _row_problem(t, op)
+    if problem == "channels":
+        raise ValueError(f"{fn}: {name} must have contiguous channels (stride(-1) == 1; rows may be strided), "
+                         f"got strides {t.stride()}")
+    if problem == "stride":
+        raise ValueError(f"{fn}: {name}'s row stride stride(-2) must be at least C = {t.shape[-1]} and a multiple "
+                         f"of 8 elements (16 bytes), got strides {t.stride()}")
+    if problem == "range":
+        raise ValueError(f"{fn}: {name} must have S * stride(-2) < 2^{MAX_ELEMENTS[op].bit_length() - 1} elements "
+                         f"(the {op}'s range), got S={t.shape[-2]}, stride(-2)={t.stride(-2)}")
+
+
+def check_rows_like(fn: str, name: str, t: torch.Tensor, x: torch.Tensor, op: str) -> None:
+    """t: BF16 of x's shape, rows as check_rows accepts."""
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"{fn}: {name} must have dtype torch.bfloat16, got {t.dtype}")
+    if t.shape != x.shape:
+        raise ValueError(f"{fn}: {name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
+    check_rows(fn, name, t, op)
+    check_not_lazy(fn, name, t)
+
+
+def check_states(fn: str, name: str, t: torch.Tensor, num_docs: int, C: int) -> None:
+    """Per-document conv states: BF16 [num_docs, 3, C], contiguous."""
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"{fn}: {name} must have dtype torch.bfloat16, got {t.dtype}")
+    if t.shape != (num_docs, 3, C):
+        raise ValueError(f"{fn}: {name} must have shape [num_docs, 3, C] = [{num_docs}, 3, {C}] (num_docs from "
+                         f"cu_seqlens, C from x), got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{fn}: {name} must be contiguous, got strides {t.stride()}")
+    check_not_lazy(fn, name, t)
 
 
 def check_not_lazy(fn: str, name: str, t: torch.Tensor) -> None:
@@ -157,10 +213,18 @@ def arch_of(device_index: int) -> str | None:
     return ARCH_OF_CAPABILITY.get(torch.cuda.get_device_capability(device_index))
 
 
+def span_bytes(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to its last: its numel for a contiguous tensor, with
+    the gaps between the rows of a row-strided view; 0 when empty."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
 def check_no_overlap(fn: str, tensors, written) -> None:
-    """No tensor named in ``written`` shares a byte with any tensor before it in ``tensors``
-    ((name, tensor or None) pairs, in the order of the message's "other")."""
-    spans = [(n, t.data_ptr(), t.numel() * t.element_size()) for n, t in tensors if t is not None]
+    """No tensor named in ``written`` shares a byte of its span (span_bytes) with any tensor before
+    it in ``tensors`` ((name, tensor or None) pairs, in the order of the message's "other")."""
+    spans = [(n, t.data_ptr(), span_bytes(t)) for n, t in tensors if t is not None]
     for i, (name, ptr, size) in enumerate(spans):
         if name not in written or not size:
             continue
@@ -190,46 +254,63 @@ def check_policy(fn: str, silu_grad_preactivation) -> None:
 
 
 def _check_aligned(fn: str, named_tensors) -> None:
-    """Each (name, tensor or None) starts at a 16-byte aligned address (the kernels' vectors)."""
+    """Each non-empty (name, tensor or None) starts at a 16-byte aligned address (the kernels'
+    vectors)."""
     for name, t in named_tensors:
-        if t is not None and t.data_ptr() & 15:
+        if t is not None and t.numel() and t.data_ptr() & 15:
             raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address, got {t.data_ptr():#x}")
 
 
-def check_forward_args(fn: str, x, weight, cu_seqlens, bias, out, workspace, op: str = "forward") -> int:
+def check_forward_args(fn: str, x, weight, cu_seqlens, bias, initial_states, final_states_out, out, workspace,
+                       op: str = "forward") -> int:
     """Raises the error of the first forward rule the arguments break (x within ``op``'s range);
     returns x's device index."""
     check_types(fn, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens)),
-                (("bias", bias), ("out", out), ("workspace", workspace)))
+                (("bias", bias), ("initial_states", initial_states), ("final_states_out", final_states_out),
+                 ("out", out), ("workspace", workspace)))
     S, C = check_x(fn, x, op)
     check_params(fn, weight, cu_seqlens, bias, C)
+    for name, t in (("initial_states", initial_states), ("final_states_out", final_states_out)):
+        if t is not None:
+            check_states(fn, name, t, cu_seqlens.shape[0] - 1, C)
     if out is not None:
-        check_like(fn, "out", out, torch.bfloat16, x.shape, "x's shape")
+        check_rows_like(fn, "out", out, x, op)
     if workspace is not None:
         check_workspace(fn, workspace, torch.int32, 4 * FWD_WORKSPACE_COUNTERS,
                         "cake_causal_conv1d_train_forward_workspace_bytes")
-    device = check_devices(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias), ("out", out),
-                                   ("workspace", workspace)))
-    if S:
-        # out is written while x, the parameters and cu_seqlens are read (the workspace, too,
-        # must stay as it is).
-        check_no_overlap(fn, (("x", x), ("weight", weight), ("bias", bias), ("cu_seqlens", cu_seqlens),
-                              ("workspace", workspace), ("out", out)), ("out",))
-        _check_aligned(fn, (("x", x), ("out", out)))
+    device = check_devices(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
+                                   ("initial_states", initial_states), ("final_states_out", final_states_out),
+                                   ("out", out), ("workspace", workspace)))
+    _check_aligned(fn, (("x", x), ("out", out), ("initial_states", initial_states),
+                        ("final_states_out", final_states_out)))
+    # out and the final states are written while x, the parameters, cu_seqlens and the initial
+    # states are read (the workspace, too, must stay as it is).
+    check_no_overlap(fn, (("x", x), ("weight", weight), ("bias", bias), ("cu_seqlens", cu_seqlens),
+                          ("workspace", workspace), ("initial_states", initial_states),
+                          ("final_states_out", final_states_out), ("out", out)), ("final_states_out", "out"))
     return device
 
 
-def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight,
-                        dbias) -> int:
+def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states,
+                        silu_grad_preactivation, workspace, dx, dweight, dbias, dinitial_states) -> int:
     """Raises the error of the first backward rule the arguments break; returns x's device index."""
     check_types(fn, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy)),
-                (("bias", bias), ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias)))
+                (("bias", bias), ("initial_states", initial_states), ("dfinal_states", dfinal_states),
+                 ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias),
+                 ("dinitial_states", dinitial_states)))
     check_policy(fn, silu_grad_preactivation)
     S, C = check_x(fn, x, "backward")
     check_params(fn, weight, cu_seqlens, bias, C)
-    check_like(fn, "dy", dy, torch.bfloat16, x.shape, "x's shape")
+    check_rows_like(fn, "dy", dy, x, "backward")
+    if dinitial_states is not None and initial_states is None:
+        raise ValueError(f"{fn}: dinitial_states must be None when initial_states is None, got a tensor of shape "
+                         f"{tuple(dinitial_states.shape)}")
+    for name, t in (("initial_states", initial_states), ("dfinal_states", dfinal_states),
+                    ("dinitial_states", dinitial_states)):
+        if t is not None:
+            check_states(fn, name, t, cu_seqlens.shape[0] - 1, C)
     if dx is not None:
-        check_like(fn, "dx", dx, torch.bfloat16, x.shape, "x's shape")
+        check_rows_like(fn, "dx", dx, x, "backward")
     if dweight is not None:
         check_like(fn, "dweight", dweight, weight.dtype, weight.shape, "weight's dtype and shape")
     if dbias is not None:
@@ -240,21 +321,29 @@ def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, silu_grad_prea
         check_workspace(fn, workspace, torch.float32, _plan.workspace_bytes(S, C),
                         "cake_causal_conv1d_train_backward_workspace_bytes")
     device = check_devices(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy), ("bias", bias),
-                                   ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias)))
-    if S:
-        _check_aligned(fn, (("x", x), ("dy", dy), ("dx", dx)))  # 8-byte vectors; 16 keeps the forward's rule
-    # What the kernel writes (dx, the workspace's partial rows, dweight, dbias) may overlap nothing
-    # else: it reads x, dy, weight, bias and cu_seqlens while writing dx and the partial rows, and
-    # reads the partial rows while writing dweight/dbias.
+                                   ("initial_states", initial_states), ("dfinal_states", dfinal_states),
+                                   ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias),
+                                   ("dinitial_states", dinitial_states)))
+    # 8-byte vectors for x, dy, dx; 16 keeps the forward's rule
+    _check_aligned(fn, (("x", x), ("dy", dy), ("dx", dx), ("initial_states", initial_states),
+                        ("dfinal_states", dfinal_states), ("dinitial_states", dinitial_states)))
+    # What the kernel writes (the workspace's partial rows, dx, dweight, dbias, dinitial_states)
+    # may overlap nothing else: it reads x, dy, the parameters, cu_seqlens and the states while
+    # writing dx, dinitial_states and the partial rows, and reads the partial rows while writing
+    # dweight/dbias.
     check_no_overlap(fn, (("x", x), ("dy", dy), ("weight", weight), ("bias", bias), ("cu_seqlens", cu_seqlens),
-                          ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias)),
-                     ("workspace", "dx", "dweight", "dbias"))
+                          ("initial_states", initial_states), ("dfinal_states", dfinal_states),
+                          ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias),
+                          ("dinitial_states", dinitial_states)),
+                     ("workspace", "dx", "dweight", "dbias", "dinitial_states"))
     return device
 
 
-def check_autograd_early(fn: str, x, silu_grad_preactivation) -> None:
+def check_autograd_early(fn: str, x, return_final_states, silu_grad_preactivation) -> None:
     """What cake_causal_conv1d checks before its forward runs, also under torch.compile: the
-    policy, and x within the backward's range (an error now, not in the backward)."""
+    flag and the policy, and x within the backward's range (an error now, not in the backward)."""
+    if not isinstance(return_final_states, bool):
+        raise TypeError(f"{fn}: return_final_states must be a bool, got {type(return_final_states).__name__}")
     check_policy(fn, silu_grad_preactivation)
     if isinstance(x, torch.Tensor) and x.dim() in (2, 3):
         S, C = x.shape[-2], x.shape[-1]
@@ -262,8 +351,9 @@ def check_autograd_early(fn: str, x, silu_grad_preactivation) -> None:
             check_x(fn, x, "backward")
 
 
-def check_autograd_args(fn: str, x, weight, cu_seqlens, bias, silu_grad_preactivation) -> int:
+def check_autograd_args(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,
+                        silu_grad_preactivation) -> int:
     """cake_causal_conv1d's rules: check_autograd_early's, then the forward's. Returns x's device
     index."""
-    check_autograd_early(fn, x, silu_grad_preactivation)
-    return check_forward_args(fn, x, weight, cu_seqlens, bias, None, None)
+    check_autograd_early(fn, x, return_final_states, silu_grad_preactivation)
+    return check_forward_args(fn, x, weight, cu_seqlens, bias, initial_states, None, None, None, op="backward")

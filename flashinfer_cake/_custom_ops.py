@@ -8,38 +8,62 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import rows_accepted
 from .cake_causal_conv1d_train import cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
 
 
+def empty_states(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """New BF16 [num_docs, 3, C] conv states of x's batch (uninitialized: the forward writes them)."""
+    return x.new_empty(cu_seqlens.shape[0] - 1, 3, x.shape[-1])
+
+
 @torch.library.custom_op("flashinfer_cake::causal_conv1d_fwd", mutates_args=(), device_types="cuda")
-def causal_conv1d_fwd_op(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
-                         bias: torch.Tensor | None) -> torch.Tensor:
-    return cake_causal_conv1d_train_forward(x, weight, cu_seqlens, bias=bias)
+def causal_conv1d_fwd_op(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias: torch.Tensor | None,
+                         initial_states: torch.Tensor | None, return_final_states: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    # A custom op returns tensors only: no final states -> an empty tensor, dropped by the caller.
+    final_states = empty_states(x, cu_seqlens) if return_final_states else x.new_empty(0)
+    y = cake_causal_conv1d_train_forward(x, weight, cu_seqlens, bias=bias, initial_states=initial_states,
+                                         final_states_out=final_states if return_final_states else None)
+    return y, final_states
 
 
 @causal_conv1d_fwd_op.register_fake
-def _(x, weight, cu_seqlens, bias):
-    return torch.empty_like(x)
+def _(x, weight, cu_seqlens, bias, initial_states, return_final_states):
+    y = x.new_empty(x.shape)  # contiguous, whatever x's row stride
+    return y, empty_states(x, cu_seqlens) if return_final_states else x.new_empty(0)
 
 
 @torch.library.custom_op("flashinfer_cake::causal_conv1d_bwd", mutates_args=(), device_types="cuda")
 def causal_conv1d_bwd_op(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, dy: torch.Tensor,
-                         bias: torch.Tensor | None, silu_grad_preactivation: str
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dweight, *dbias = backward_of_any_dy(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation)
-    # A custom op returns tensors only: no bias -> an empty dbias, turned back into None by the caller.
-    return dx, dweight, dbias[0] if dbias else x.new_empty(0)
+                         bias: torch.Tensor | None, initial_states: torch.Tensor | None,
+                         dfinal_states: torch.Tensor | None, silu_grad_preactivation: str
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dweight, *rest = backward_of_any_grads(x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states,
+                                               silu_grad_preactivation)
+    # No bias / no initial states -> empty tensors, turned back into None by the caller.
+    dbias = rest.pop(0) if bias is not None else x.new_empty(0)
+    dinit = rest.pop(0) if initial_states is not None else x.new_empty(0)
+    return dx, dweight, dbias, dinit
 
 
 @causal_conv1d_bwd_op.register_fake
-def _(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation):
-    return torch.empty_like(x), torch.empty_like(weight), x.new_empty(0) if bias is None else torch.empty_like(bias)
+def _(x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, silu_grad_preactivation):
+    return (x.new_empty(x.shape), torch.empty_like(weight), x.new_empty(0) if bias is None else torch.empty_like(bias),
+            x.new_empty(0) if initial_states is None else torch.empty_like(initial_states))
 
 
-def backward_of_any_dy(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation):
-    """The backward with an incoming gradient of any dtype and layout, materialized once as a
-    BF16 contiguous 16-byte aligned tensor when it is not one (as the binding's autograd node)."""
-    if dy.dtype != torch.bfloat16 or not dy.is_contiguous() or dy.is_neg() or dy.data_ptr() & 15:
-        dy = torch.empty_like(x).copy_(dy)
-    return cake_causal_conv1d_train_backward(x, weight, cu_seqlens, dy, bias=bias,
+def backward_of_any_grads(x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, silu_grad_preactivation):
+    """The backward with incoming gradients of any dtype and layout: ``dy`` passed through when
+    the kernel reads it as it is (BF16 rows, contiguous or row-strided, 16-byte aligned), else
+    materialized once as a contiguous BF16 tensor (as the binding's autograd node does); the
+    final states' gradient likewise (contiguous)."""
+    if dy.dtype != torch.bfloat16 or dy.is_neg() or dy.data_ptr() & 15 or not rows_accepted(dy, "backward"):
+        dy = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(dy)
+    if dfinal_states is not None and (dfinal_states.dtype != torch.bfloat16 or not dfinal_states.is_contiguous()
+                                      or dfinal_states.is_neg() or dfinal_states.data_ptr() & 15):
+        dfinal_states = torch.empty(dfinal_states.shape, dtype=torch.bfloat16, device=dfinal_states.device
+                                    ).copy_(dfinal_states)
+    return cake_causal_conv1d_train_backward(x, weight, cu_seqlens, dy, bias=bias, initial_states=initial_states,
+                                             dfinal_states=dfinal_states,
                                              silu_grad_preactivation=silu_grad_preactivation)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks, _dispatch
-from ._custom_ops import backward_of_any_dy
+from ._custom_ops import backward_of_any_grads, empty_states
 from .cake_causal_conv1d_train import cake_causal_conv1d_train_forward
 
 __all__ = ["CakeCausalConv1dFunction", "cake_causal_conv1d"]
@@ -14,32 +14,44 @@ _AUTOGRAD = "cake_causal_conv1d"
 
 
 class CakeCausalConv1dFunction(torch.autograd.Function):
-    """Autograd of :func:`cake_causal_conv1d` under torch.compile: saves x, weight, bias and
-    cu_seqlens only (the backward recomputes the pre-activation); gradients come back in the
-    inputs' dtypes. Eager calls of :func:`cake_causal_conv1d` use the torch binding's C++ node,
-    which does the same for less host time; ``CakeCausalConv1dFunction.apply(x, weight,
-    cu_seqlens, bias, silu_grad_preactivation)`` works eagerly too, with identical results."""
+    """Autograd of :func:`cake_causal_conv1d` under torch.compile: saves x, weight, bias,
+    cu_seqlens and the initial states only (the backward recomputes the pre-activation);
+    gradients come back in the inputs' dtypes. Eager calls of :func:`cake_causal_conv1d` use the
+    torch binding's C++ node, which does the same for less host time; ``CakeCausalConv1dFunction.
+    apply(x, weight, cu_seqlens, bias, initial_states, return_final_states,
+    silu_grad_preactivation)`` works eagerly too, with identical results."""
 
     @staticmethod
-    def forward(ctx, x, weight, cu_seqlens, bias, silu_grad_preactivation):
-        ctx.save_for_backward(x, weight, bias, cu_seqlens)
+    def forward(ctx, x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation):
+        ctx.save_for_backward(x, weight, bias, cu_seqlens, initial_states)
         ctx.silu_grad_preactivation = silu_grad_preactivation
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros made)
         if torch.compiler.is_compiling():
-            return torch.ops.flashinfer_cake.causal_conv1d_fwd(x, weight, cu_seqlens, bias)
-        return cake_causal_conv1d_train_forward(x, weight, cu_seqlens, bias=bias)
+            y, final_states = torch.ops.flashinfer_cake.causal_conv1d_fwd(x, weight, cu_seqlens, bias, initial_states,
+                                                                          return_final_states)
+        else:
+            final_states = empty_states(x, cu_seqlens) if return_final_states else None
+            y = cake_causal_conv1d_train_forward(x, weight, cu_seqlens, bias=bias, initial_states=initial_states,
+                                                 final_states_out=final_states)
+        return (y, final_states) if return_final_states else y
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the backward is not itself differentiable
-    def backward(ctx, dy):
-        x, weight, bias, cu_seqlens = ctx.saved_tensors
+    def backward(ctx, dy, dfinal_states=None):
+        x, weight, bias, cu_seqlens, initial_states = ctx.saved_tensors
         policy = ctx.silu_grad_preactivation
+        if dy is None:
+            dy = torch.zeros_like(x, memory_format=torch.contiguous_format)
         if torch.compiler.is_compiling():
-            dx, dweight, dbias = torch.ops.flashinfer_cake.causal_conv1d_bwd(x, weight, cu_seqlens, dy, bias, policy)
-            dbias = None if bias is None else dbias
+            dx, dweight, dbias, dinit = torch.ops.flashinfer_cake.causal_conv1d_bwd(
+                x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, policy)
         else:
-            dx, dweight, *rest = backward_of_any_dy(x, weight, cu_seqlens, dy, bias, policy)
-            dbias = rest[0] if rest else None
-        return dx, dweight, None, dbias, None
+            dx, dweight, *rest = backward_of_any_grads(x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states,
+                                                       policy)
+            dbias = rest.pop(0) if bias is not None else None
+            dinit = rest.pop(0) if initial_states is not None else None
+        return (dx, dweight, None, None if bias is None else dbias, None if initial_states is None else dinit, None,
+                None)
 
 
 def cake_causal_conv1d(
@@ -48,43 +60,53 @@ def cake_causal_conv1d(
     cu_seqlens: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    initial_states: torch.Tensor | None = None,
+    return_final_states: bool = False,
     silu_grad_preactivation: str = "bf16",
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Packed width-4 causal conv1d + SiLU with autograd: the training entry point.
 
-    ``y = cake_causal_conv1d_train_forward(x, weight, cu_seqlens, bias=bias)``; ``y.backward``
-    runs :func:`cake_causal_conv1d_train_backward` (x, weight and bias get gradients in their own
-    dtypes; cu_seqlens none). Only x, weight, bias and cu_seqlens are saved for the backward; an
-    incoming gradient that is not BF16, contiguous and 16-byte aligned is copied once into one
-    that is; the backward is not itself differentiable (``create_graph=True`` gives gradients
-    whose own backward raises). Eager calls record a C++ autograd node of the torch binding;
-    under ``torch.compile`` the call is :class:`CakeCausalConv1dFunction` over the custom ops
+    ``y = cake_causal_conv1d_train_forward(x, weight, cu_seqlens, bias=bias,
+    initial_states=initial_states)``; ``y.backward`` runs
+    :func:`cake_causal_conv1d_train_backward` (x, weight, bias and initial_states get gradients
+    in their own dtypes; cu_seqlens none). With ``return_final_states=True`` the documents' final
+    states are returned too, and their gradient flows back to the x rows (or initial-state rows)
+    they came from: chained chunks train as the unsplit sequence. Only x, weight, bias,
+    cu_seqlens and the initial states are saved for the backward; an incoming gradient of y is
+    read as it is when it is BF16 rows the backward accepts (contiguous or row-strided, 16-byte
+    aligned), else copied once into a contiguous one; the backward is not itself differentiable
+    (``create_graph=True`` gives gradients whose own backward raises). Eager calls record a C++
+    autograd node of the torch binding; under ``torch.compile`` the call is
+    :class:`CakeCausalConv1dFunction` over the custom ops
     ``torch.ops.flashinfer_cake.causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (no graph break,
     ``fullgraph=True`` works), and under ``torch.jit.trace`` that Function too. Both give bitwise
     the same results. ``torch.func`` transforms (grad, vmap) are not supported.
 
     Args:
-        x, weight, cu_seqlens, bias: as in :func:`cake_causal_conv1d_train_forward`.
+        x, weight, cu_seqlens, bias, initial_states: as in
+            :func:`cake_causal_conv1d_train_forward` (x may be a row-strided view).
+        return_final_states: also return the final states ``[num_docs, 3, C]``.
         silu_grad_preactivation: ``"bf16"`` or ``"fp32"``, as in
             :func:`cake_causal_conv1d_train_backward`.
 
     Returns:
-        BF16 ``y`` of x's shape.
+        BF16 ``y`` of x's shape (contiguous), or ``(y, final_states)``.
 
     Raises:
         As the forward; and a ValueError up front when x is outside the backward's range
         (S < 2^30, S * C < 2^34).
     """
     if torch.compiler.is_compiling() or torch.jit.is_tracing():  # the binding is opaque to both
-        _checks.check_autograd_early(_AUTOGRAD, x, silu_grad_preactivation)
-        return CakeCausalConv1dFunction.apply(x, weight, cu_seqlens, bias, silu_grad_preactivation)
+        _checks.check_autograd_early(_AUTOGRAD, x, return_final_states, silu_grad_preactivation)
+        return CakeCausalConv1dFunction.apply(x, weight, cu_seqlens, bias, initial_states, return_final_states,
+                                              silu_grad_preactivation)
     # Eager: the binding's C++ autograd node (a Python autograd.Function costs ~6 us more per call).
     binding = _dispatch.binding
-    y = None if binding is None else binding.try_autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation)
+    args = (x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation)
+    y = None if binding is None else binding.try_autograd_forward(*args)
     if y is None:  # a bad argument (raised here, before anything is built), or a first call
-        device = _checks.check_autograd_args(_AUTOGRAD, x, weight, cu_seqlens, bias, silu_grad_preactivation)
-        y = _dispatch.binding_for(device, weight, bias).try_autograd_forward(x, weight, cu_seqlens, bias,
-                                                                             silu_grad_preactivation)
+        device = _checks.check_autograd_args(_AUTOGRAD, *args)
+        y = _dispatch.binding_for(device, weight, bias).try_autograd_forward(*args)
         if y is None:
             raise _dispatch.declined_error(_AUTOGRAD)
     return y

@@ -85,19 +85,33 @@ def cake_causal_conv1d_train_forward(
     cu_seqlens: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    final_states_out: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed width-4 depthwise causal convolution + SiLU, training forward.
 
-    ``y[t, c] = bf16(silu(sum_k weight[c, k] * x[t - 3 + k, c] + bias[c]))`` with zero history
-    before each document's first token. Math in FP32; the result is rounded to BF16 to nearest
-    even, bitwise identical for a given (S, C, device, weight dtype, bias dtype).
+    ``y[t, c] = bf16(silu(sum_k weight[c, k] * x[t - 3 + k, c] + bias[c]))`` where a tap before
+    a document's first token reads the document's initial state when ``initial_states`` is
+    given, and nothing (zero history) otherwise. Math in FP32 with the taps in one fixed order;
+    the result is rounded to BF16 to nearest even, bitwise identical for a given (S, C, device,
+    weight dtype, bias dtype).
+
+    Per-document conv states (``[num_docs, 3, C]``, row 2 the token right before the document,
+    row 0 three before): a document's final state is the last 3 rows of its history after its
+    tokens (its last 3 tokens; for a document shorter than 3 tokens, or empty, the tail of its
+    initial rows, zeros without them, followed by its tokens). Feeding one chunk's final states
+    as the next chunk's initial states gives the y of the unsplit sequence bitwise (up to the sign
+    of an exactly zero pre-activation, where a tap reads a zero state row instead of nothing).
 
     Args:
-        x: BF16 ``[S, C]`` or ``[1, S, C]``, contiguous, 16-byte aligned (any tensor from the
-            allocator is; an offset view may not be), on a CUDA device of compute capability 9.0;
-            C is a multiple of 8; S < 2^31 and S * C < 2^35.
+        x: BF16 ``[S, C]`` or ``[1, S, C]``, 16-byte aligned (any tensor from the allocator is;
+            an offset view may not be), on a CUDA device of compute capability 9.0; C is a
+            multiple of 8; S < 2^31 and S * C < 2^35. Contiguous, or a row-strided view read in
+            place: ``stride(-1) == 1`` and a row stride ``stride(-2)`` of at least C elements, a
+            multiple of 8 (a column slice of a wider tensor, e.g. Mamba2's ``xBC`` out of
+            ``in_proj``'s output), with S * stride(-2) < 2^35.
         weight: FP32 or BF16 ``[C, 4]``, contiguous; ``weight[c, 3]`` multiplies the current
             token, ``weight[c, 0]`` the token three positions back.
         cu_seqlens: int32 ``[num_docs + 1]``, contiguous, on x's device: prefix sums of the
@@ -108,11 +122,19 @@ def cake_causal_conv1d_train_forward(
             non-decreasing values out of [0, S], token ``t`` keeps the history back to the last
             entry ``<= t`` (none when there is none), so tokens past ``cu_seqlens[-1]`` continue
             one more document; with values out of order each token keeps some 0 to 3 tokens of
-            history, the same on every run.
+            history, the same on every run. The states are defined for non-decreasing content
+            within [0, S]; for other content they are memory-safe but unspecified (the final
+            states of documents out of [0, S] are not written).
         bias: optional FP32 or BF16 ``[C]``, contiguous, added after the four taps, before SiLU;
             its dtype is independent of weight's.
-        out: optional preallocated BF16 output of x's shape, contiguous, 16-byte aligned, on
-            x's device, not overlapping x. Written and returned.
+        initial_states: optional BF16 ``[num_docs, 3, C]``, contiguous, 16-byte aligned, on
+            x's device: each document's history before its first token.
+        final_states_out: optional preallocated BF16 ``[num_docs, 3, C]``, contiguous, 16-byte
+            aligned, on x's device, overlapping no input: written with the documents' final
+            states.
+        out: optional preallocated BF16 output of x's shape, 16-byte aligned, on x's device,
+            contiguous or row-strided as x may be, overlapping no input (byte spans from first
+            to last element). Written and returned.
         workspace: optional caller-owned int32 1-D buffer of at least
             :func:`cake_causal_conv1d_train_forward_workspace_bytes` bytes, e.g. from
             :func:`cake_causal_conv1d_train_forward_workspace`: zero before its first launch and
@@ -122,8 +144,8 @@ def cake_causal_conv1d_train_forward(
             own while the current stream is capturing a CUDA graph.
 
     Returns:
-        BF16 ``y`` of x's shape (``out`` when given). ``S == 0`` returns the empty output
-        without launching.
+        BF16 ``y`` of x's shape (``out`` when given). ``S == 0``: the empty output, and the
+        final states (every document empty) are the initial states, or zeros.
 
     Raises:
         TypeError: a tensor argument is not a tensor.
@@ -133,10 +155,11 @@ def cake_causal_conv1d_train_forward(
             launch fails (with the CUDA error string).
     """
     binding = _dispatch.binding
-    y = None if binding is None else binding.try_forward(x, weight, cu_seqlens, bias, out, workspace)
+    args = (x, weight, cu_seqlens, bias, initial_states, final_states_out, out, workspace)
+    y = None if binding is None else binding.try_forward(*args)
     if y is None:  # a bad argument (raised here, before anything is built), or a first call
-        device = _checks.check_forward_args(_FWD, x, weight, cu_seqlens, bias, out, workspace)
-        y = _dispatch.binding_for(device, weight, bias).try_forward(x, weight, cu_seqlens, bias, out, workspace)
+        device = _checks.check_forward_args(_FWD, *args)
+        y = _dispatch.binding_for(device, weight, bias).try_forward(*args)
         if y is None:
             raise _dispatch.declined_error(_FWD)
     return y
@@ -149,23 +172,32 @@ def cake_causal_conv1d_train_backward(
     dy: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    dfinal_states: torch.Tensor | None = None,
     silu_grad_preactivation: str = "bf16",
     workspace: torch.Tensor | None = None,
     dx: torch.Tensor | None = None,
     dweight: torch.Tensor | None = None,
     dbias: torch.Tensor | None = None,
+    dinitial_states: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Backward of :func:`cake_causal_conv1d_train_forward`: gradients of x, weight and bias
-    given ``dy``, the gradient of ``y``.
+    """Backward of :func:`cake_causal_conv1d_train_forward`: gradients of x, weight, bias and
+    the initial states given ``dy``, the gradient of ``y``, and optionally ``dfinal_states``,
+    the gradient of the final states.
 
     Recomputes the FP32 pre-activation ``a[t, c] = bias[c] + sum_k weight[c, k] * x[t - 3 + k, c]``
-    from x (the forward saves nothing else), forms ``g = dy * silu'(a')`` in FP32 and returns::
+    from x (the forward saves nothing else; a tap before a document reads its initial state),
+    forms ``g = dy * silu'(a')`` in FP32 and returns::
 
         dx[s, c]      = bf16(sum_k weight[c, k] * g[s + 3 - k, c])    (taps inside a document)
-        dweight[c, k] = sum_t g[t, c] * x[t - 3 + k, c]              (taps inside t's document)
+        dweight[c, k] = sum_t g[t, c] * (what tap k of t read: x or an initial state row)
         dbias[c]      = sum_t g[t, c]
+        dinitial_states[d, r, c] = bf16(sum of weight[c, k] * g[t, c] over the taps of document
+                                   d's first tokens that read its initial row r)
 
-    No gradient crosses a document boundary: a tap the forward skipped contributes nothing.
+    plus ``dfinal_states``, added (in FP32, before the rounding) to the dx row, or the
+    dinitial_states row, each final-state row came from. No gradient crosses a document boundary:
+    a tap the forward skipped contributes nothing.
     dweight and dbias are summed in FP32 in a fixed order (per-token-group partial sums in the
     workspace, added by a fixed two-level tree: the last CTA of each chunk of 8 groups adds the
     chunk in group order, the last chunk adds the chunk sums in chunk order; no float atomics),
@@ -177,7 +209,12 @@ def cake_causal_conv1d_train_backward(
     Args:
         x, weight, cu_seqlens, bias: the forward's arguments, with the forward's requirements,
             except that the backward's range is S < 2^30 and S * C < 2^34.
-        dy: BF16 gradient of ``y``, x's shape, contiguous, 16-byte aligned, on x's device.
+        dy: BF16 gradient of ``y``, x's shape, 16-byte aligned, on x's device, contiguous or
+            row-strided as x may be.
+        initial_states: optional, as in the forward; with it, ``dinitial_states`` is returned.
+        dfinal_states: optional BF16 gradient of the forward's final states ``[num_docs, 3,
+            C]``, contiguous, 16-byte aligned (with or without initial_states; without them,
+            the gradient of rows that came from the zero history is dropped).
         silu_grad_preactivation: ``"bf16"`` (default) evaluates ``silu'`` at the pre-activation
             rounded to BF16 (to nearest even), ``"fp32"`` at the unrounded FP32 value.
         workspace: optional caller-owned FP32 1-D buffer of at least
@@ -188,14 +225,19 @@ def cake_causal_conv1d_train_backward(
             at once need one each. When omitted, a buffer kept per (device, current stream) is
             used (replaced by a larger one when too small), or a buffer of the call's own while
             the current stream is capturing a CUDA graph.
-        dx: optional preallocated BF16 output of x's shape, contiguous, 16-byte aligned.
+        dx: optional preallocated BF16 output of x's shape, 16-byte aligned, contiguous or
+            row-strided as x may be.
         dweight: optional preallocated output of weight's dtype and shape ``[C, 4]``, contiguous.
         dbias: optional preallocated output of bias's dtype and shape ``[C]``, contiguous; only
-            with ``bias``. No output and no workspace may overlap an input or each other.
+            with ``bias``.
+        dinitial_states: optional preallocated BF16 ``[num_docs, 3, C]``, contiguous, 16-byte
+            aligned; only with ``initial_states``. No output and no workspace may overlap an
+            input or each other (byte spans from first to last element).
 
     Returns:
-        ``(dx, dweight)``, or ``(dx, dweight, dbias)`` when ``bias`` is given; the given output
-        tensors when passed. ``S == 0``: dx is empty, dweight and dbias are zero.
+        ``(dx, dweight)``, then ``dbias`` when ``bias`` is given, then ``dinitial_states`` when
+        ``initial_states`` is given; the given output tensors when passed. ``S == 0``: dx is
+        empty, dweight and dbias are zero, dinitial_states is dfinal_states (or zero).
 
     Raises:
         TypeError: a tensor argument is not a tensor.
@@ -205,10 +247,10 @@ def cake_causal_conv1d_train_backward(
             launch fails (with the CUDA error string).
     """
     binding = _dispatch.binding
-    grads = None if binding is None else binding.try_backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation,
-                                                              workspace, dx, dweight, dbias)
+    args = (x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, silu_grad_preactivation, workspace, dx,
+            dweight, dbias, dinitial_states)
+    grads = None if binding is None else binding.try_backward(*args)
     if grads is None:  # a bad argument (raised here, before anything is built), or a first call
-        args = (x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight, dbias)
         device = _checks.check_backward_args(_BWD, *args)
         grads = _dispatch.binding_for(device, weight, bias).try_backward(*args)
         if grads is None:

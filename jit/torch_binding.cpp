@@ -42,6 +42,7 @@
 #include <flashinfer_cake/causal_conv1d_contract.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -119,12 +120,22 @@ bool usable_on(const at::Tensor& t, int device) {
   return t.is_contiguous() && !t.is_neg() && !t.is_conj() && t.is_cuda() && t.get_device() == device;
 }
 
-// x: BF16 [S, C] or [1, S, C], contiguous, on a CUDA device, C a positive multiple of 8, within
-// (max_s, max_elements).
+// The row stride of a BF16 [S, C] / [1, S, C] tensor of rows (x, out, dy, dx) whose rows the kernels
+// read or write in place: stride(-1) == 1 and, for S > 1, stride(-2) at least C, a multiple of 8,
+// S * stride(-2) below max_elements (C when S <= 1: one row has no stride). -1 when not accepted
+// (_checks.check_rows). The shape is not checked here.
+int64_t row_stride(const at::Tensor& t, int64_t max_elements) {
+  const int64_t S = t.size(-2), C = t.size(-1);
+  if (t.stride(-1) != 1 && C > 1) return -1;
+  if (S <= 1) return C;
+  const int64_t stride = t.stride(-2);
+  return stride >= C && stride % 8 == 0 && stride <= (max_elements - 1) / S ? stride : -1;  // S * stride < max
+}
+
+// x: BF16 [S, C] or [1, S, C] of rows (row_stride), on a CUDA device, C a positive multiple of 8,
+// within (max_s, max_elements).
 bool check_x(const at::Tensor& x, int64_t max_s, int64_t max_elements, int64_t* S, int64_t* C, int* device) {
-  if (x.scalar_type() != at::kBFloat16 || !x.is_contiguous() || x.is_neg() || x.is_conj() || !x.is_cuda()) {
-    return false;
-  }
+  if (x.scalar_type() != at::kBFloat16 || x.is_neg() || x.is_conj() || !x.is_cuda()) return false;
   const auto sizes = x.sizes();
   if (sizes.size() == 2) {
     *S = sizes[0], *C = sizes[1];
@@ -135,7 +146,7 @@ bool check_x(const at::Tensor& x, int64_t max_s, int64_t max_elements, int64_t* 
   }
   *device = x.get_device();
   return *C > 0 && *C % 8 == 0 && *C < kMaxC && *S < max_s && *S * *C < max_elements && *device >= 0 &&
-         *device < kMaxDevices;
+         *device < kMaxDevices && row_stride(x, max_elements) > 0;
 }
 
 // weight FP32/BF16 [C, 4], bias None or FP32/BF16 [C], cu_seqlens int32 [num_docs + 1], all
@@ -163,6 +174,19 @@ bool check_like(const at::Tensor& t, const at::Tensor& like, int device) {
   return t.scalar_type() == like.scalar_type() && t.sizes() == like.sizes() && usable_on(t, device);
 }
 
+// t: rows like x (BF16, x's shape) with an accepted row stride, on `device`.
+bool check_rows_like(const at::Tensor& t, const at::Tensor& x, int64_t max_elements, int device) {
+  return t.scalar_type() == at::kBFloat16 && t.sizes() == x.sizes() && !t.is_neg() && !t.is_conj() && t.is_cuda() &&
+         t.get_device() == device && row_stride(t, max_elements) > 0;
+}
+
+// Conv states: BF16 [num_docs, 3, C], contiguous, on `device`.
+bool check_states(const at::Tensor& t, int64_t num_docs, int64_t C, int device) {
+  const auto sizes = t.sizes();
+  return t.scalar_type() == at::kBFloat16 && sizes.size() == 3 && sizes[0] == num_docs && sizes[1] == 3 &&
+         sizes[2] == C && usable_on(t, device);
+}
+
 // A contiguous 1-D workspace of `dtype` with at least `need` bytes on `device`.
 bool check_workspace(const at::Tensor& ws, at::ScalarType dtype, int64_t need, int device) {
   return ws.scalar_type() == dtype && ws.dim() == 1 && ws.numel() * ws.element_size() >= need &&
@@ -174,8 +198,18 @@ intptr_t address(const at::Tensor* t) { return t && t->defined() ? reinterpret_c
 
 int64_t nbytes(const at::Tensor* t) { return t && t->defined() ? t->numel() * int64_t(t->element_size()) : 0; }
 
+// The bytes from a tensor's first element to its last (its numel for a contiguous one; a
+// row-strided view spans the gaps between its rows too). 0 when empty or null.
+int64_t span_bytes(const at::Tensor* t) {
+  if (!t || !t->defined() || t->numel() == 0) return 0;
+  int64_t last = 0;
+  for (int64_t i = 0; i < t->dim(); ++i) last += (t->size(i) - 1) * t->stride(i);
+  return (last + 1) * int64_t(t->element_size());
+}
+
+// Whether the byte spans of a and b intersect (_checks.check_no_overlap's rule).
 bool overlaps(const at::Tensor* a, const at::Tensor* b) {
-  const int64_t na = nbytes(a), nb = nbytes(b);
+  const int64_t na = span_bytes(a), nb = span_bytes(b);
   if (!na || !nb) return false;
   const intptr_t pa = address(a), pb = address(b);
   return pa < pb + nb && pb < pa + na;
@@ -303,10 +337,29 @@ PyObject* register_kernel_module(PyObject*, PyObject* const* args, Py_ssize_t na
 constexpr const char* kFwd = "cake_causal_conv1d_train_forward";
 constexpr const char* kBwd = "cake_causal_conv1d_train_backward";
 
+// Whether any tensor of `spans` from index first_written on overlaps one before it (null: absent).
+template <size_t N>
+bool any_written_overlaps(const at::Tensor* const (&spans)[N], size_t first_written) {
+  for (size_t i = first_written; i < N; ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (overlaps(spans[i], spans[j])) return true;
+    }
+  }
+  return false;
+}
+
+// Whether any of the tensors is non-empty and not 16-byte aligned (null: absent).
+bool misaligned16(std::initializer_list<const at::Tensor*> ts) {
+  for (const at::Tensor* t : ts) {
+    if (span_bytes(t) && address(t) & 15) return true;
+  }
+  return false;
+}
+
 // A forward call: its tensors (null = None), then what check_forward() derives.
 struct ForwardCall {
-  const at::Tensor *x, *weight, *cu_seqlens, *bias, *out, *workspace;
-  int64_t S = 0, C = 0;
+  const at::Tensor *x, *weight, *cu_seqlens, *bias, *initial_states, *final_states, *out, *workspace;
+  int64_t S = 0, C = 0, max_elements = 0;
   int device = 0;
   KernelEntries m;
 };
@@ -314,27 +367,33 @@ struct ForwardCall {
 // Applies the forward's rules with S < max_s and S * C < max_elements; false = declined.
 bool check_forward(ForwardCall* c, int64_t max_s, int64_t max_elements) {
   int w, b;
+  c->max_elements = max_elements;
   if (!check_x(*c->x, max_s, max_elements, &c->S, &c->C, &c->device) ||
       !check_params(*c->weight, *c->cu_seqlens, c->bias, c->C, c->device, &w, &b) ||
-      (c->out && !check_like(*c->out, *c->x, c->device)) ||
+      (c->out && !check_rows_like(*c->out, *c->x, max_elements, c->device)) ||
       (c->workspace && !check_workspace(*c->workspace, at::kInt, 4 * kFwdWorkspaceCounters, c->device))) {
     return false;
   }
+  const int64_t num_docs = c->cu_seqlens->size(0) - 1;
+  for (const at::Tensor* st : {c->initial_states, c->final_states}) {
+    if (st && !check_states(*st, num_docs, c->C, c->device)) return false;
+  }
   c->m = module_of(c->device, w, b);
   if (!c->m.fwd) return false;
-  if (c->S == 0) return true;  // nothing is read or written
-  // out is written while x, the parameters and cu_seqlens are read; the workspace stays as it is.
-  const at::Tensor *x = c->x, *out = c->out;
-  return !((address(x) | address(out)) & 15 || overlaps(out, x) || overlaps(out, c->weight) ||
-           overlaps(out, c->bias) || overlaps(out, c->cu_seqlens) || overlaps(out, c->workspace));
+  // out and the final states are written while x, the parameters, cu_seqlens and the initial
+  // states are read; the workspace stays as it is.
+  const at::Tensor* const spans[] = {c->x,        c->weight,         c->bias,         c->cu_seqlens,
+                                     c->workspace, c->initial_states, c->final_states, c->out};
+  constexpr size_t kFirstWritten = 6;  // final_states
+  return !(misaligned16({c->x, c->out, c->initial_states, c->final_states}) ||
+           any_written_overlaps(spans, kFirstWritten));
 }
 
-// Runs a checked forward; returns y (*out when given).
+// Runs a checked forward; returns y (*out when given). final_states: the output to write (the
+// caller's, or one made by the autograd forward), or null.
 at::Tensor run_forward(const ForwardCall& c) {
-  if (c.out && c.S == 0) return *c.out;
   std::optional<Outputs> outputs;
   if (!c.out) outputs.emplace(c.x->device());
-  if (c.S == 0) return outputs->like(*c.x);
   at::Tensor weight_copy, bias_copy, y, ws;
   const intptr_t w_ptr = aligned_param(c.weight, &weight_copy);
   const intptr_t b_ptr = aligned_param(c.bias, &bias_copy);
@@ -344,7 +403,9 @@ at::Tensor run_forward(const ForwardCall& c) {
   if (!c.workspace) {
     ws = kept_buffers(c.m, kFwdWorkspace, c.device, stream, kFwdWorkspaceCounters, 0, c.x->options(), kFwd).counters;
   }
-  if (c.out) bump_version(y);  // as an in-place op does: autograd sees the write
+  for (const at::Tensor* t : {c.out, c.final_states}) {  // as in-place ops do: autograd sees the writes
+    if (t) bump_version(*t);
+  }
   FwdArgs a{};
   a.x = address(c.x);
   a.y = address(&y);
@@ -352,8 +413,12 @@ at::Tensor run_forward(const ForwardCall& c) {
   a.bias = b_ptr;
   a.cu_seqlens = address(c.cu_seqlens);
   a.workspace = address(c.workspace ? c.workspace : &ws);
+  a.initial_states = address(c.initial_states);
+  a.final_states = address(c.final_states);
   a.S = c.S;
   a.C = c.C;
+  a.x_row_stride = row_stride(*c.x, c.max_elements);
+  a.y_row_stride = row_stride(y, c.max_elements);
   a.num_docs = c.cu_seqlens->size(0) - 1;
   a.device = c.device;
   a.stream = stream;
@@ -363,7 +428,8 @@ at::Tensor run_forward(const ForwardCall& c) {
 
 // A backward call: its tensors (null = None) and SiLU' policy, then what check_backward() derives.
 struct BackwardCall {
-  const at::Tensor *x, *weight, *cu_seqlens, *dy, *bias, *workspace, *dx, *dweight, *dbias;
+  const at::Tensor *x, *weight, *cu_seqlens, *dy, *bias, *initial_states, *dfinal_states, *workspace, *dx, *dweight,
+      *dbias, *dinitial_states;
   int round_preact;
   int64_t S = 0, C = 0, need = 0;
   int device = 0;
@@ -375,33 +441,36 @@ bool check_backward(BackwardCall* c) {
   int w, b;
   if (!check_x(*c->x, kBwdMaxS, kBwdMaxElements, &c->S, &c->C, &c->device) ||
       !check_params(*c->weight, *c->cu_seqlens, c->bias, c->C, c->device, &w, &b) ||
-      !check_like(*c->dy, *c->x, c->device) || (c->dx && !check_like(*c->dx, *c->x, c->device)) ||
+      !check_rows_like(*c->dy, *c->x, kBwdMaxElements, c->device) ||
+      (c->dx && !check_rows_like(*c->dx, *c->x, kBwdMaxElements, c->device)) ||
       (c->dweight && !check_like(*c->dweight, *c->weight, c->device)) ||
-      (c->dbias && (!c->bias || !check_like(*c->dbias, *c->bias, c->device)))) {
+      (c->dbias && (!c->bias || !check_like(*c->dbias, *c->bias, c->device))) ||
+      (c->dinitial_states && !c->initial_states)) {
     return false;
+  }
+  const int64_t num_docs = c->cu_seqlens->size(0) - 1;
+  for (const at::Tensor* st : {c->initial_states, c->dfinal_states, c->dinitial_states}) {
+    if (st && !check_states(*st, num_docs, c->C, c->device)) return false;
   }
   c->need = flashinfer_cake::bwd_workspace_bytes(c->S, c->C);
   if (c->workspace && !check_workspace(*c->workspace, at::kFloat, c->need, c->device)) return false;
   c->m = module_of(c->device, w, b);
   if (!c->m.bwd) return false;
-  if (c->S && (address(c->x) | address(c->dy) | address(c->dx)) & 15) return false;
-  // What the kernel writes (dx, the workspace, dweight, dbias) overlaps nothing else: it reads
-  // x, dy, weight, bias and cu_seqlens while writing dx and the partial rows, and reads the
-  // partial rows while writing dweight and dbias.
-  const at::Tensor* const spans[] = {c->x,        c->dy,        c->weight, c->bias,   c->cu_seqlens,
-                                     c->workspace, c->dx,       c->dweight, c->dbias};
-  constexpr int kFirstWritten = 5;
-  for (int i = kFirstWritten; i < 9; ++i) {
-    for (int j = 0; j < i; ++j) {
-      if (overlaps(spans[i], spans[j])) return false;
-    }
-  }
-  return true;
+  if (misaligned16({c->x, c->dy, c->dx, c->initial_states, c->dfinal_states, c->dinitial_states})) return false;
+  // What the kernel writes (the workspace, dx, dweight, dbias, dinitial_states) overlaps nothing
+  // else: it reads x, dy, the parameters, cu_seqlens and the states while writing dx, dinit and
+  // the partial rows, and reads the partial rows while writing dweight and dbias.
+  const at::Tensor* const spans[] = {c->x,         c->dy,          c->weight,        c->bias,
+                                     c->cu_seqlens, c->initial_states, c->dfinal_states, c->workspace,
+                                     c->dx,        c->dweight,     c->dbias,         c->dinitial_states};
+  constexpr size_t kFirstWritten = 7;  // the workspace
+  return !any_written_overlaps(spans, kFirstWritten);
 }
 
-// The backward's results: dx, dweight, dbias (undefined without bias).
+// The backward's results: dx, dweight, dbias (undefined without bias), dinitial_states (undefined
+// without initial states).
 struct Grads {
-  at::Tensor dx, dweight, dbias;
+  at::Tensor dx, dweight, dbias, dinitial_states;
 };
 
 // Runs a checked backward; given outputs are written and returned.
@@ -411,10 +480,13 @@ Grads run_backward(const BackwardCall& c) {
   const intptr_t b_ptr = aligned_param(c.bias, &bias_copy);
   Grads g;
   std::optional<Outputs> outputs;
-  if (!c.dx || !c.dweight || (c.bias && !c.dbias)) outputs.emplace(c.x->device());
+  if (!c.dx || !c.dweight || (c.bias && !c.dbias) || (c.initial_states && !c.dinitial_states)) {
+    outputs.emplace(c.x->device());
+  }
   g.dx = c.dx ? *c.dx : outputs->like(*c.x);
   g.dweight = c.dweight ? *c.dweight : outputs->like(*c.weight);
   if (c.bias) g.dbias = c.dbias ? *c.dbias : outputs->like(*c.bias);
+  if (c.initial_states) g.dinitial_states = c.dinitial_states ? *c.dinitial_states : outputs->like(*c.initial_states);
   const intptr_t stream = current_stream(c.device);
   // The reduction tree's counters are never the caller's: zero is this file's invariant (every
   // launch leaves them zero), so no workspace content can change a result.
@@ -422,7 +494,7 @@ Grads run_backward(const BackwardCall& c) {
       kept_buffers(c.m, c.workspace ? kBwdCounters : kBwdCountersAndWorkspace, c.device, stream,
                    flashinfer_cake::ceil_div(flashinfer_cake::bwd_counter_bytes(c.S, c.C), 4),
                    c.workspace ? 0 : flashinfer_cake::ceil_div(c.need, 4), c.x->options(), kBwd);
-  for (const at::Tensor* t : {c.dx, c.dweight, c.dbias, c.workspace}) {  // as in-place ops do: autograd sees the writes
+  for (const at::Tensor* t : {c.dx, c.dweight, c.dbias, c.dinitial_states, c.workspace}) {  // as in-place ops do
     if (t) bump_version(*t);
   }
   const at::Tensor* workspace = c.workspace ? c.workspace : &kept.scratch;
@@ -433,6 +505,9 @@ Grads run_backward(const BackwardCall& c) {
   a.weight = w_ptr;
   a.bias = b_ptr;
   a.cu_seqlens = address(c.cu_seqlens);
+  a.initial_states = address(c.initial_states);
+  a.dfinal_states = address(c.dfinal_states);
+  a.dinitial_states = c.initial_states ? address(&g.dinitial_states) : 0;
   a.workspace = address(workspace);
   a.workspace_bytes = nbytes(workspace);
   a.counters = address(&kept.counters);
@@ -441,6 +516,9 @@ Grads run_backward(const BackwardCall& c) {
   a.dbias = c.bias ? address(&g.dbias) : 0;
   a.S = c.S;
   a.C = c.C;
+  a.x_row_stride = row_stride(*c.x, kBwdMaxElements);
+  a.dy_row_stride = row_stride(*c.dy, kBwdMaxElements);
+  a.dx_row_stride = row_stride(g.dx, kBwdMaxElements);
   a.num_docs = c.cu_seqlens->size(0) - 1;
   a.item_tokens = flashinfer_cake::bwd_item_tokens(c.S, c.C);
   a.round_preact = c.round_preact;
@@ -458,51 +536,61 @@ int round_preact_of(PyObject* policy) {
   return -1;
 }
 
-// try_forward(x, weight, cu_seqlens, bias, out, workspace) -> y, or None when declined.
+// try_forward(x, weight, cu_seqlens, bias, initial_states, final_states_out, out, workspace) -> y,
+// or None when declined.
 PyObject* try_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 6) {
-    PyErr_SetString(PyExc_TypeError, "try_forward takes 6 arguments");
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError, "try_forward takes 8 arguments");
     return nullptr;
   }
   ForwardCall c{};
   if (!as_tensor(args[0], false, &c.x) || !as_tensor(args[1], false, &c.weight) ||
       !as_tensor(args[2], false, &c.cu_seqlens) || !as_tensor(args[3], true, &c.bias) ||
-      !as_tensor(args[4], true, &c.out) || !as_tensor(args[5], true, &c.workspace) ||
+      !as_tensor(args[4], true, &c.initial_states) || !as_tensor(args[5], true, &c.final_states) ||
+      !as_tensor(args[6], true, &c.out) || !as_tensor(args[7], true, &c.workspace) ||
       !check_forward(&c, kFwdMaxS, kFwdMaxElements)) {
     Py_RETURN_NONE;
   }
   at::Tensor y = run_forward(c);
-  return c.out ? Py_NewRef(args[4]) : THPVariable_Wrap(std::move(y));  // out: the caller's object
+  return c.out ? Py_NewRef(args[6]) : THPVariable_Wrap(std::move(y));  // out: the caller's object
   END_HANDLE_TH_ERRORS
 }
 
-// try_backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight,
-// dbias) -> (dx, dweight) or (dx, dweight, dbias), or None when declined.
+// try_backward(x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states,
+// silu_grad_preactivation, workspace, dx, dweight, dbias, dinitial_states) -> (dx, dweight[, dbias]
+// [, dinitial_states]), or None when declined.
 PyObject* try_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 10) {
-    PyErr_SetString(PyExc_TypeError, "try_backward takes 10 arguments");
+  if (nargs != 13) {
+    PyErr_SetString(PyExc_TypeError, "try_backward takes 13 arguments");
     return nullptr;
   }
   BackwardCall c{};
-  c.round_preact = round_preact_of(args[5]);
+  c.round_preact = round_preact_of(args[7]);
   if (!as_tensor(args[0], false, &c.x) || !as_tensor(args[1], false, &c.weight) ||
       !as_tensor(args[2], false, &c.cu_seqlens) || !as_tensor(args[3], false, &c.dy) ||
-      !as_tensor(args[4], true, &c.bias) || !as_tensor(args[6], true, &c.workspace) ||
-      !as_tensor(args[7], true, &c.dx) || !as_tensor(args[8], true, &c.dweight) ||
-      !as_tensor(args[9], true, &c.dbias) || c.round_preact < 0 || !check_backward(&c)) {
+      !as_tensor(args[4], true, &c.bias) || !as_tensor(args[5], true, &c.initial_states) ||
+      !as_tensor(args[6], true, &c.dfinal_states) || !as_tensor(args[8], true, &c.workspace) ||
+      !as_tensor(args[9], true, &c.dx) || !as_tensor(args[10], true, &c.dweight) ||
+      !as_tensor(args[11], true, &c.dbias) || !as_tensor(args[12], true, &c.dinitial_states) || c.round_preact < 0 ||
+      !check_backward(&c)) {
     Py_RETURN_NONE;
   }
   Grads g = run_backward(c);
-  // The given outputs are returned as the caller's objects.
-  PyObject* items[3] = {c.dx ? Py_NewRef(args[7]) : THPVariable_Wrap(std::move(g.dx)),
-                        c.dweight ? Py_NewRef(args[8]) : THPVariable_Wrap(std::move(g.dweight)),
-                        !c.bias ? nullptr : c.dbias ? Py_NewRef(args[9]) : THPVariable_Wrap(std::move(g.dbias))};
-  const int n = c.bias ? 3 : 2;
-  PyObject* result = items[0] && items[1] && (n == 2 || items[2]) ? PyTuple_New(n) : nullptr;
+  // (dx, dweight[, dbias][, dinitial_states]); the given outputs as the caller's objects.
+  const auto item = [](const at::Tensor* given, PyObject* given_obj, at::Tensor& made) {
+    return given ? Py_NewRef(given_obj) : THPVariable_Wrap(std::move(made));
+  };
+  PyObject* items[4] = {item(c.dx, args[9], g.dx), item(c.dweight, args[10], g.dweight), nullptr, nullptr};
+  int n = 2;
+  if (c.bias) items[n++] = item(c.dbias, args[11], g.dbias);
+  if (c.initial_states) items[n++] = item(c.dinitial_states, args[12], g.dinitial_states);
+  bool ok = true;
+  for (int i = 0; i < n; ++i) ok = ok && items[i];
+  PyObject* result = ok ? PyTuple_New(n) : nullptr;
   if (!result) {
-    for (PyObject* item : items) Py_XDECREF(item);
+    for (PyObject* it : items) Py_XDECREF(it);
     return nullptr;
   }
   for (int i = 0; i < n; ++i) PyTuple_SET_ITEM(result, i, items[i]);
@@ -529,41 +617,47 @@ auto make_node() {
 
 // The autograd node of cake_causal_conv1d's eager calls, written as torch's generated nodes are
 // (a torch::autograd::Function's generic bookkeeping costs ~2 us more per forward). It does what
-// CakeCausalConv1dFunction (the path under torch.compile) does: saves x, weight, bias and
-// cu_seqlens only; materializes an incoming gradient that is not BF16, contiguous and 16-byte
-// aligned once (zeros when undefined); returns the gradients in the parameters' dtypes; is not
-// itself differentiable (as @once_differentiable). The engine runs it without the GIL.
+// CakeCausalConv1dFunction (the path under torch.compile) does: saves x, weight, bias, cu_seqlens
+// and the initial states only; passes an incoming gradient of y through when the backward takes it
+// as it is (BF16 rows with an accepted row stride, 16-byte aligned), else materializes it once
+// (zeros when undefined; the final states' gradient likewise, None when undefined); returns the
+// gradients in the parameters' dtypes; is not itself differentiable (as @once_differentiable).
+// The engine runs it without the GIL. Outputs: y, and the final states when asked for.
 struct CakeCausalConv1dBackward final : Node {
-  SavedVariable x, weight, bias, cu_seqlens;  // bias: default-constructed when None
+  SavedVariable x, weight, bias, cu_seqlens, initial_states;  // bias, initial_states: default-constructed when None
   int round_preact = 1;
 
   std::string name() const override { return "CakeCausalConv1dBackward"; }
 
   void release_variables() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    x.reset_data();
-    weight.reset_data();
-    bias.reset_data();
-    cu_seqlens.reset_data();
+    for (SavedVariable* v : {&x, &weight, &bias, &cu_seqlens, &initial_states}) v->reset_data();
   }
 
-  // grads: dy. Returns (dx, dweight, dbias), the gradients of the next edges (x, weight, bias).
+  // grads: dy[, dfinal_states]. Returns the gradients of the next edges (x, weight, bias,
+  // initial_states).
   variable_list apply(variable_list&& grads) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    const at::Tensor xs = x.unpack(), ws = weight.unpack(), bs = bias.unpack(), cus = cu_seqlens.unpack();
-    const bool differentiable = at::GradMode::is_enabled() && grads[0].defined() && grads[0].requires_grad();
+    const at::Tensor xs = x.unpack(), ws = weight.unpack(), bs = bias.unpack(), cus = cu_seqlens.unpack(),
+                     inits = initial_states.unpack();
+    bool differentiable = false;
+    for (const at::Tensor& g : grads) differentiable = differentiable || (g.defined() && g.requires_grad());
+    differentiable = differentiable && at::GradMode::is_enabled();
     Grads g;
     {
       at::NoGradGuard no_grad;
-      at::Tensor dy = grads[0];
+      at::Tensor dy = grads[0], dfinal = grads.size() > 1 ? grads[1] : at::Tensor();
       if (!dy.defined()) {
         dy = at::zeros(xs.sizes(), xs.options());
-      } else if (dy.scalar_type() != at::kBFloat16 || !dy.is_contiguous() || dy.is_neg() || dy.is_conj() ||
-                 address(&dy) & 15) {
+      } else if (!check_rows_like(dy, xs, kBwdMaxElements, xs.get_device()) || misaligned16({&dy})) {
         dy = at::empty(xs.sizes(), xs.options()).copy_(dy);
       }
-      BackwardCall c{&xs,     &ws,     &cus,    &dy,     bs.defined() ? &bs : nullptr,
-                     nullptr, nullptr, nullptr, nullptr, round_preact};
+      if (dfinal.defined() && (dfinal.scalar_type() != at::kBFloat16 || !dfinal.is_contiguous() || dfinal.is_neg() ||
+                               dfinal.is_conj() || misaligned16({&dfinal}))) {
+        dfinal = at::empty(dfinal.sizes(), dfinal.options().dtype(at::kBFloat16)).copy_(dfinal);
+      }
+      BackwardCall c{&xs,    &ws,     &cus,    &dy,     bs.defined() ? &bs : nullptr, inits.defined() ? &inits : nullptr,
+                     dfinal.defined() ? &dfinal : nullptr,  nullptr, nullptr, nullptr, nullptr, nullptr, round_preact};
       if (!check_backward(&c)) {
         throw std::runtime_error(std::string(kAutograd) +
                                  ": internal error: the backward declined the forward's saved tensors "
@@ -571,7 +665,7 @@ struct CakeCausalConv1dBackward final : Node {
       }
       g = run_backward(c);
     }
-    variable_list out = {std::move(g.dx), std::move(g.dweight), std::move(g.dbias)};
+    variable_list out = {std::move(g.dx), std::move(g.dweight), std::move(g.dbias), std::move(g.dinitial_states)};
     if (differentiable) {  // double backward: an error when it is taken, as @once_differentiable
       for (at::Tensor& t : out) {
         if (t.defined()) t = t.detach().requires_grad_(true);
@@ -592,66 +686,92 @@ struct CakeCausalConv1dBackward final : Node {
     args.collect(weight, false);
     args.collect(bias, false);
     args.collect(cu_seqlens, false);
+    args.collect(initial_states, false);
     args.collect(round_preact);
   }
 
   variable_list apply_with_saved(const variable_list& grads, torch::dynamo::autograd::SwapSavedVariables& saved) override {
-    for (SavedVariable* v : {&x, &weight, &bias, &cu_seqlens}) saved.before(*v);
-    const at::Tensor xs = x.unpack(), bs = bias.unpack();
+    for (SavedVariable* v : {&x, &weight, &bias, &cu_seqlens, &initial_states}) saved.before(*v);
+    const at::Tensor xs = x.unpack(), bs = bias.unpack(), inits = initial_states.unpack();
     static const c10::OperatorHandle op =
         c10::Dispatcher::singleton().findSchemaOrThrow("flashinfer_cake::causal_conv1d_bwd", "");
-    // (x, weight, cu_seqlens, dy, bias, silu_grad_preactivation) -> (dx, dweight, dbias or empty)
+    const auto optional = [](const at::Tensor& t) { return t.defined() ? c10::IValue(t) : c10::IValue(); };
+    // (x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, silu_grad_preactivation)
+    //   -> (dx, dweight, dbias or empty, dinitial_states or empty)
     torch::jit::Stack stack{xs,
                             weight.unpack(),
                             cu_seqlens.unpack(),
                             grads[0].defined() ? grads[0] : at::zeros_like(xs),
-                            bs.defined() ? c10::IValue(bs) : c10::IValue(),
+                            optional(bs),
+                            optional(inits),
+                            optional(grads.size() > 1 ? grads[1] : at::Tensor()),
                             std::string(round_preact ? "bf16" : "fp32")};
     op.callBoxed(&stack);
-    for (SavedVariable* v : {&x, &weight, &bias, &cu_seqlens}) saved.after(*v);
-    return {stack[0].toTensor(), stack[1].toTensor(), bs.defined() ? stack[2].toTensor() : at::Tensor()};
+    for (SavedVariable* v : {&x, &weight, &bias, &cu_seqlens, &initial_states}) saved.after(*v);
+    return {stack[0].toTensor(), stack[1].toTensor(), bs.defined() ? stack[2].toTensor() : at::Tensor(),
+            inits.defined() ? stack[3].toTensor() : at::Tensor()};
   }
 };
 
-// try_autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation) -> y, recorded for
-// autograd when grad mode is on and x, weight or bias requires grad; None when declined (also
-// when x is outside the backward's range: the error comes now, not in the backward).
+// try_autograd_forward(x, weight, cu_seqlens, bias, initial_states, return_final_states,
+// silu_grad_preactivation) -> y, or (y, final_states) when return_final_states is True, recorded
+// for autograd when grad mode is on and x, weight, bias or initial_states requires grad; None when
+// declined (also when x is outside the backward's range: the error comes now, not in the backward).
 PyObject* try_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 5) {
-    PyErr_SetString(PyExc_TypeError, "try_autograd_forward takes 5 arguments");
+  if (nargs != 7) {
+    PyErr_SetString(PyExc_TypeError, "try_autograd_forward takes 7 arguments");
     return nullptr;
   }
   ForwardCall c{};
-  const int round_preact = round_preact_of(args[4]);
+  const int round_preact = round_preact_of(args[6]);
+  const bool return_final = args[5] == Py_True;
   if (!as_tensor(args[0], false, &c.x) || !as_tensor(args[1], false, &c.weight) ||
-      !as_tensor(args[2], false, &c.cu_seqlens) || !as_tensor(args[3], true, &c.bias) || round_preact < 0 ||
+      !as_tensor(args[2], false, &c.cu_seqlens) || !as_tensor(args[3], true, &c.bias) ||
+      !as_tensor(args[4], true, &c.initial_states) || (args[5] != Py_True && args[5] != Py_False) || round_preact < 0 ||
       !check_forward(&c, kBwdMaxS, kBwdMaxElements)) {
     Py_RETURN_NONE;
   }
   const at::Tensor& x = *c.x;
   const at::Tensor& weight = *c.weight;
   const at::Tensor bias = c.bias ? *c.bias : at::Tensor();
+  const at::Tensor init = c.initial_states ? *c.initial_states : at::Tensor();
   TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(x) && !torch::autograd::isFwGradDefined(weight) &&
-                                  !torch::autograd::isFwGradDefined(bias),
+                                  !torch::autograd::isFwGradDefined(bias) && !torch::autograd::isFwGradDefined(init),
                               kAutograd, ": forward-mode AD (dual tensors, torch.func.jvp) is not supported");
-  at::Tensor y;
+  at::Tensor y, final_states;
   {
     at::NoGradGuard no_grad;  // as a Function's forward: nothing in it is recorded (a parameter's aligned copy)
+    if (return_final) {
+      const c10::DeviceGuard guard(x.device());
+      final_states = at::empty({c.cu_seqlens->size(0) - 1, 3, c.C}, x.options().dtype(at::kBFloat16));
+      c.final_states = &final_states;  // new memory: overlaps nothing the checks saw
+    }
     y = run_forward(c);
   }
-  if (torch::autograd::compute_requires_grad(x, weight, bias)) {
+  if (torch::autograd::compute_requires_grad(x, weight, bias, init)) {
     // register_kernel_module() gives a module's forward and backward at once: the backward is there too.
     auto node = make_node<CakeCausalConv1dBackward>();
-    node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias));
+    node->set_next_edges(torch::autograd::collect_next_edges(x, weight, bias, init));
     node->x = SavedVariable(x, false);
     node->weight = SavedVariable(weight, false);
     if (bias.defined()) node->bias = SavedVariable(bias, false);
     node->cu_seqlens = SavedVariable(*c.cu_seqlens, false);
+    if (init.defined()) node->initial_states = SavedVariable(init, false);
     node->round_preact = round_preact;
     torch::autograd::set_history(y, node);
+    if (return_final) torch::autograd::set_history(final_states, node);
   }
-  return THPVariable_Wrap(std::move(y));
+  if (!return_final) return THPVariable_Wrap(std::move(y));
+  PyObject* items[2] = {THPVariable_Wrap(std::move(y)), THPVariable_Wrap(std::move(final_states))};
+  PyObject* result = items[0] && items[1] ? PyTuple_New(2) : nullptr;
+  if (!result) {
+    for (PyObject* it : items) Py_XDECREF(it);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(result, 0, items[0]);
+  PyTuple_SET_ITEM(result, 1, items[1]);
+  return result;
   END_HANDLE_TH_ERRORS
 }
 
@@ -659,13 +779,17 @@ PyObject* try_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t narg
   { #name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(name)), METH_FASTCALL, doc }
 
 PyMethodDef g_methods[] = {
-    CAKE_METHOD(try_forward, "try_forward(x, weight, cu_seqlens, bias, out, workspace) -> y, or None when declined"),
+    CAKE_METHOD(try_forward,
+                "try_forward(x, weight, cu_seqlens, bias, initial_states, final_states_out, out, workspace) -> y, or "
+                "None when declined"),
     CAKE_METHOD(try_backward,
-                "try_backward(x, weight, cu_seqlens, dy, bias, silu_grad_preactivation, workspace, dx, dweight, "
-                "dbias) -> (dx, dweight[, dbias]), or None when declined"),
+                "try_backward(x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, silu_grad_preactivation, "
+                "workspace, dx, dweight, dbias, dinitial_states) -> (dx, dweight[, dbias][, dinitial_states]), or None "
+                "when declined"),
     CAKE_METHOD(try_autograd_forward,
-                "try_autograd_forward(x, weight, cu_seqlens, bias, silu_grad_preactivation) -> y with "
-                "cake_causal_conv1d's autograd node, or None when declined"),
+                "try_autograd_forward(x, weight, cu_seqlens, bias, initial_states, return_final_states, "
+                "silu_grad_preactivation) -> y or (y, final_states) with cake_causal_conv1d's autograd node, or None "
+                "when declined"),
     CAKE_METHOD(register_kernel_module,
                 "register_kernel_module(device, weight_dtype, bias_dtype_or_None, fwd, bwd, capturing, message): "
                 "a kernel module's entries"),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One whole round on a lent GPU machine (the device tool), results under $OUT:
-# install + AOT build + full test suite (ci_gpu.sh), SASS and resource report, both benchmarks.
+# install + AOT build + full test suite (ci_gpu.sh), SASS and resource report, the three benchmarks.
 #   bash scripts/gpu_round.sh [--quick]      (carry .whl for the peers' wheels)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -28,3 +28,5 @@ python3 scripts/bench_fwd.py "$@" --json "$OUT/bench.json" --md "$OUT/bench.md" 
 tail -30 "$OUT/bench.log"
 python3 scripts/bench_bwd.py "$@" --json "$OUT/bench_bwd.json" --md "$OUT/bench_bwd.md" > "$OUT/bench_bwd.log" 2>&1
 tail -30 "$OUT/bench_bwd.log"
+python3 scripts/bench_states.py "$@" --json "$OUT/bench_states.json" --md "$OUT/bench_states.md" > "$OUT/bench_states.log" 2>&1
+tail -12 "$OUT/bench_states.log"

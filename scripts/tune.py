@@ -120,13 +120,16 @@ def main() -> None:
                 if args.op == "fwd":
                     rc = m.causal_conv1d_fwd(x=xs[i % k].data_ptr(), y=ys[i % k].data_ptr(), weight=w.data_ptr(),
                                              bias=b.data_ptr(), cu_seqlens=cu.data_ptr(), workspace=ws.data_ptr(),
-                                             S=S, C=C, num_docs=docs, device=dev, stream=stream)
+                                             initial_states=0, final_states=0, S=S, C=C, x_row_stride=C,
+                                             y_row_stride=C, num_docs=docs, device=dev, stream=stream)
                 else:
                     rc = m.causal_conv1d_bwd(x=xs[i % k].data_ptr(), dy=dys[i % k].data_ptr(), dx=ys[i % k].data_ptr(),
                                              weight=w.data_ptr(), bias=b.data_ptr(), cu_seqlens=cu.data_ptr(),
+                                             initial_states=0, dfinal_states=0, dinitial_states=0,
                                              workspace=pws.data_ptr(), workspace_bytes=pws.shape[0] * 4,
                                              counters=counters.data_ptr(), counters_bytes=counters.shape[0] * 4,
-                                             dweight=dw.data_ptr(), dbias=db.data_ptr(), S=S, C=C, num_docs=docs,
+                                             dweight=dw.data_ptr(), dbias=db.data_ptr(), S=S, C=C, x_row_stride=C,
+                                             dy_row_stride=C, dx_row_stride=C, num_docs=docs,
                                              item_tokens=item_tokens, round_preact=1, device=dev, stream=stream)
                 assert rc == 0, m.last_error_message()
             fwd(0)

@@ -546,9 +546,11 @@ def test_kernel_leaves_the_counters_zero():
     for i in range(2):
         rc = module.causal_conv1d_bwd(
             x=x.data_ptr(), dy=dy.data_ptr(), dx=dx.data_ptr(), weight=w.data_ptr(), bias=b.data_ptr(),
-            cu_seqlens=cu.data_ptr(), workspace=ws.data_ptr(), workspace_bytes=ws.numel() * 4,
-            counters=counters.data_ptr(), counters_bytes=counters.numel() * 4, dweight=dw.data_ptr(),
-            dbias=db.data_ptr(), S=S, C=C, num_docs=cu.numel() - 1, item_tokens=_plan.item_tokens(S, C),
+            cu_seqlens=cu.data_ptr(), initial_states=0, dfinal_states=0, dinitial_states=0,
+            workspace=ws.data_ptr(), workspace_bytes=ws.numel() * 4, counters=counters.data_ptr(),
+            counters_bytes=counters.numel() * 4, dweight=dw.data_ptr(), dbias=db.data_ptr(), S=S, C=C,
+            x_row_stride=C, dy_row_stride=C, dx_row_stride=C, num_docs=cu.numel() - 1,
+            item_tokens=_plan.item_tokens(S, C),
             round_preact=1, device=x.get_device(), stream=torch.cuda.current_stream().cuda_stream)
         assert rc == 0, module.last_error_message()
         sync()
@@ -740,7 +742,7 @@ def test_autograd_matches_raw_functions(weight_dtype, bias_dtype, policy):
     assert_same_grads(got, backward(x, w, cu, dy, b, policy))
     # CakeCausalConv1dFunction (the torch.compile path), applied eagerly: the same bits
     xf, wf, bf = _leaves(x, w, b)
-    yf = CakeCausalConv1dFunction.apply(xf, wf, cu, bf, policy)
+    yf = CakeCausalConv1dFunction.apply(xf, wf, cu, bf, None, False, policy)
     assert "CakeCausalConv1dFunction" in type(yf.grad_fn).__name__
     assert same_bits(yf.detach(), y.detach())
     yf.backward(dy)
@@ -827,7 +829,7 @@ def test_autograd_backward_on_a_side_stream():
 # The eager C++ node and the Python Function (torch.compile's path), called alike.
 _AUTOGRAD_PATHS = (
     lambda x, w, cu, b, policy: cake_causal_conv1d(x, w, cu, b, silu_grad_preactivation=policy),
-    CakeCausalConv1dFunction.apply,
+    lambda x, w, cu, b, policy: CakeCausalConv1dFunction.apply(x, w, cu, b, None, False, policy),
 )
 
 
@@ -967,14 +969,17 @@ INCOMING_GRADS = {
 @pytest.mark.parametrize("form", list(INCOMING_GRADS))
 def test_autograd_incoming_grad_of_any_dtype_and_layout(form):
     """y.backward(g) with g FP32, a strided view or misaligned: the same gradients as the BF16
-    contiguous g (materialized once; the raw function rejects such a dy)."""
+    contiguous g (materialized once where the raw function rejects such a dy; a BF16 row-strided
+    one is read in place, by the raw function too)."""
     S, C = 3000, 136
     x, w, b, dy = make_inputs(S, C, seed=71)
     cu = make_cu(S, split(S, 17, random.Random(71)))
     g = INCOMING_GRADS[form](dy)
     assert torch.equal(g.to(BF16), dy)
     assert g.dtype != BF16 or not g.is_contiguous() or g.data_ptr() % 16
-    if g.dtype == BF16:  # what the raw function says about it
+    if form == "row-stride-2C":  # rows the backward reads as they are
+        assert_same_grads(bwd(x, w, cu, g, bias=b), bwd(x, w, cu, dy, bias=b))
+    elif g.dtype == BF16:  # what the raw function says about it
         with pytest.raises(ValueError, match=r"\bdy\b"):
             bwd(x, w, cu, g, bias=b)
     xl, wl, bl = _leaves(x, w, b)

@@ -25,6 +25,7 @@ from flashinfer_cake.reference import (
     causal_conv1d_preactivation_reference,
     causal_conv1d_reference,
 )
+from test_forward_validation import D, bad_rows, bad_states, one_buffer, rows, state_view, states  # same S, C, cu
 
 FN = "cake_causal_conv1d_train_backward"
 S, C = 16, 32
@@ -47,11 +48,14 @@ def valid_args(**override):
         "cu_seqlens": torch.tensor([0, 5, 5, S], dtype=I32),
         "dy": torch.randn(S, C).to(BF16),
         "bias": torch.randn(C),
+        "initial_states": None,
+        "dfinal_states": None,
         "silu_grad_preactivation": "bf16",
         "workspace": None,
         "dx": None,
         "dweight": None,
         "dbias": None,
+        "dinitial_states": None,
     }
     args.update(override)
     return args
@@ -64,11 +68,14 @@ def call(args):
         args["cu_seqlens"],
         args["dy"],
         bias=args["bias"],
+        initial_states=args["initial_states"],
+        dfinal_states=args["dfinal_states"],
         silu_grad_preactivation=args["silu_grad_preactivation"],
         workspace=args["workspace"],
         dx=args["dx"],
         dweight=args["dweight"],
         dbias=args["dbias"],
+        dinitial_states=args["dinitial_states"],
     )
 
 
@@ -95,6 +102,7 @@ BAD_INPUTS = [
     case("x-neg-view", ValueError, "x", x=lambda: torch._neg_view(torch.randn(S, C).to(BF16))),
     case("x-list", TypeError, "x", x=lambda: torch.randn(S, C).tolist()),
     case("x-none", TypeError, "x", x=lambda: None),
+    *bad_rows("x", lambda: torch.empty(2, 2**33, dtype=BF16, device="meta")[:, :8], peers=("x", "dy")),
     # weight
     case("weight-width3", ValueError, "weight", weight=lambda: torch.randn(C, 3)),
     case("weight-wrong-C", ValueError, "weight", weight=lambda: torch.randn(C + 8, 4)),
@@ -129,12 +137,19 @@ BAD_INPUTS = [
     case("dy-expanded", ValueError, "dy", dy=lambda: torch.ones((), dtype=BF16).expand(S, C)),
     case("dy-list", TypeError, "dy", dy=lambda: torch.randn(S, C).tolist()),
     case("dy-none", TypeError, "dy", dy=lambda: None),
+    *bad_rows("dy", lambda: torch.empty(S, 2**30, dtype=BF16, device="meta")[:, :C], peers=("x", "dy")),
     # dx
     case("dx-fp32", ValueError, "dx", dx=lambda: torch.empty(S, C)),
     case("dx-more-rows", ValueError, "dx", dx=lambda: torch.empty(S + 1, C, dtype=BF16)),
     case("dx-3d-for-2d-x", ValueError, "dx", dx=lambda: torch.empty(1, S, C, dtype=BF16)),
     case("dx-noncontig", ValueError, "dx", dx=lambda: torch.empty(C, S, dtype=BF16).t()),
     case("dx-list", TypeError, "dx", dx=lambda: [[0.0] * C] * S),
+    *bad_rows("dx", lambda: torch.empty(S, 2**30, dtype=BF16, device="meta")[:, :C], peers=("x", "dy")),
+    # initial_states / dfinal_states / dinitial_states (only with initial_states)
+    *bad_states("initial_states"),
+    *bad_states("dfinal_states"),
+    *bad_states("dinitial_states", initial_states=states),
+    case("dinitial_states-without-initial_states", ValueError, "dinitial_states", dinitial_states=states),
     # dweight: weight's dtype (FP32 here) and shape
     case("dweight-bf16-for-fp32", ValueError, "dweight", dweight=lambda: torch.empty(C, 4, dtype=BF16)),
     case("dweight-fp32-for-bf16", ValueError, "dweight",
@@ -184,6 +199,64 @@ BAD_INPUTS = [
          dweight=lambda: torch.empty(C, 4), dbias=lambda: torch.empty(C)),
 ]
 
+# Rules checked after the devices' (alignment, devices, overlap: byte spans from first to last
+# element), so only on the GPU: on the CPU these raise about x's device.
+GPU_ONLY_BAD_INPUTS = [
+    case("x-strided-misaligned", ValueError, "x", x=lambda: torch.randn(S, C + 8).to(BF16)[:, 4 : 4 + C]),
+    case("dy-strided-misaligned", ValueError, "dy", dy=lambda: torch.randn(S, C + 8).to(BF16)[:, 4 : 4 + C]),
+    case("dx-strided-misaligned", ValueError, "dx", dx=lambda: torch.empty(S, C + 8, dtype=BF16)[:, 4 : 4 + C]),
+    case("initial_states-misaligned", ValueError, "initial_states",
+         **one_buffer(D * 3 * C + 8, initial_states=lambda b: state_view(b, 1))),
+    case("dfinal_states-misaligned", ValueError, "dfinal_states",
+         **one_buffer(D * 3 * C + 8, dfinal_states=lambda b: state_view(b, 1))),
+    case("dinitial_states-misaligned", ValueError, "dinitial_states", initial_states=states,
+         **one_buffer(D * 3 * C + 8, dinitial_states=lambda b: state_view(b, 1))),
+    case("initial_states-on-cpu", ValueError, "initial_states",
+         initial_states=lambda: torch.randn(D, 3, C, device="cpu").to(BF16)),
+    case("dfinal_states-on-cpu", ValueError, "dfinal_states",
+         dfinal_states=lambda: torch.randn(D, 3, C, device="cpu").to(BF16)),
+    case("dinitial_states-on-cpu", ValueError, "dinitial_states", initial_states=states,
+         dinitial_states=lambda: torch.empty(D, 3, C, dtype=BF16, device="cpu")),
+    case("dinitial_states-overlaps-x", ValueError, "dinitial_states", initial_states=states,
+         **one_buffer(2 * S * C, x=rows, dinitial_states=lambda b: state_view(b, S * C // 2))),
+    case("dinitial_states-overlaps-dy", ValueError, "dinitial_states", initial_states=states,
+         **one_buffer(2 * S * C, dy=rows, dinitial_states=lambda b: state_view(b, S * C // 2))),
+    case("dinitial_states-in-dy-row-gap", ValueError, "dinitial_states", initial_states=states,
+         **one_buffer(S * (C + 320), dy=lambda b: rows(b, stride=C + 320), dinitial_states=lambda b: state_view(b, C))),
+    case("dinitial_states-overlaps-dx", ValueError, "dinitial_states", initial_states=states,
+         **one_buffer(2 * S * C, dx=rows, dinitial_states=lambda b: state_view(b, S * C // 2))),
+    case("dinitial_states-is-initial_states", ValueError, "dinitial_states",
+         **one_buffer(D * 3 * C, initial_states=state_view, dinitial_states=state_view)),
+    case("dinitial_states-overlaps-initial_states", ValueError, "dinitial_states",
+         **one_buffer(D * 3 * C + 8, initial_states=state_view, dinitial_states=lambda b: state_view(b, 8))),
+    case("dinitial_states-overlaps-dfinal_states", ValueError, "dinitial_states", initial_states=states,
+         **one_buffer(D * 3 * C + 8, dfinal_states=state_view, dinitial_states=lambda b: state_view(b, 8))),
+    case("dx-overlaps-initial_states", ValueError, "dx",
+         **one_buffer(2 * S * C, initial_states=state_view, dx=lambda b: rows(b, D * 3 * C // 2))),
+    case("dx-interleaved-with-dy", ValueError, "dx",  # disjoint elements, overlapping spans
+         **one_buffer(2 * S * C, dy=lambda b: rows(b, 0, 2 * C), dx=lambda b: rows(b, C, 2 * C))),
+]
+
+# Well-formed arguments with row-strided views (and states): the Python rules accept them, so on
+# the CPU the call fails on x's device, not on a layout rule.
+VALID_ON_CPU = [
+    pytest.param({"x": lambda: torch.randn(S, C + 64).to(BF16)[:, 32 : 32 + C]}, id="x-row-strided"),
+    pytest.param({"dy": lambda: torch.randn(S, C + 64).to(BF16)[:, 32 : 32 + C]}, id="dy-row-strided"),
+    pytest.param({"dx": lambda: torch.empty(S, C + 64, dtype=BF16)[:, 32 : 32 + C]}, id="dx-row-strided"),
+    pytest.param({"x": lambda: torch.randn(1, S, 2 * C).to(BF16)[:, :, C:],
+                  "dy": lambda: torch.randn(1, S, 3 * C).to(BF16)[:, :, :C],
+                  "dx": lambda: torch.empty(1, S, C + 8, dtype=BF16)[:, :, 8:]}, id="3d-all-row-strided"),
+    pytest.param({"x": lambda: torch.randn(1, C + 4).to(BF16)[:, :C],
+                  "dy": lambda: torch.randn(3 * C).to(BF16).as_strided((1, C), (3, 1)),
+                  "dx": lambda: torch.empty(1, 2 * C - 1, dtype=BF16)[:, C - 1 : 2 * C - 1]}, id="S=1-any-row-stride"),
+    pytest.param({"x": lambda: torch.empty(2, 2**33 - 8, dtype=BF16, device="meta")[:, :8],
+                  "dy": lambda: torch.empty(2, 2**33 - 8, dtype=BF16, device="meta")[:, :8],
+                  "weight": lambda: torch.randn(8, 4), "bias": lambda: torch.randn(8)},
+                 id="S-times-stride-just-in-range"),
+    pytest.param({"initial_states": states, "dfinal_states": states, "dinitial_states": states}, id="states"),
+    pytest.param({"dfinal_states": states}, id="dfinal_states-without-initial_states"),
+]
+
 
 @pytest.mark.parametrize("override, exc, argname", BAD_INPUTS)
 def test_bad_input_is_rejected_naming_the_argument(override, exc, argname):
@@ -192,8 +265,16 @@ def test_bad_input_is_rejected_naming_the_argument(override, exc, argname):
         call(args)
 
 
+@pytest.mark.parametrize("override", VALID_ON_CPU)
+def test_valid_views_pass_the_python_rules(override):
+    args = valid_args(**{name: make() for name, make in override.items()})
+    with pytest.raises(ValueError, match=rf"^{FN}: x must be a CUDA tensor"):
+        call(args)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("override, exc, argname", [c for c in BAD_INPUTS if not c.id.startswith("x-on-cpu")])
+@pytest.mark.parametrize("override, exc, argname",
+                         [c for c in BAD_INPUTS if not c.id.startswith("x-on-cpu")] + GPU_ONLY_BAD_INPUTS)
 def test_bad_cuda_input_is_rejected_naming_the_argument(override, exc, argname, bad_cuda_args):
     """The same cases on the GPU: the torch binding applies these rules itself and declines, so
     the checks raise; a rule it missed would launch instead of raising."""
@@ -250,6 +331,79 @@ def test_autograd_entry_with_cpu_x_is_a_value_error():
     x = torch.randn(S, C).to(BF16).requires_grad_()
     with pytest.raises(ValueError, match=r"\bx\b"):
         cake_causal_conv1d(x, torch.randn(C, 4), torch.tensor([0, S], dtype=I32), silu_grad_preactivation="fp32")
+
+
+AUTOGRAD = "cake_causal_conv1d"
+
+
+def autograd_valid_args(**override):
+    """Valid arguments of cake_causal_conv1d (on the CPU) with some of them replaced."""
+    args = {"x": torch.randn(S, C).to(BF16), "weight": torch.randn(C, 4),
+            "cu_seqlens": torch.tensor([0, 5, 5, S], dtype=I32), "bias": torch.randn(C), "initial_states": None,
+            "return_final_states": False, "silu_grad_preactivation": "bf16"}
+    args.update(override)
+    return args
+
+
+def autograd_call(args):
+    return cake_causal_conv1d(args["x"], args["weight"], args["cu_seqlens"], args["bias"],
+                              initial_states=args["initial_states"], return_final_states=args["return_final_states"],
+                              silu_grad_preactivation=args["silu_grad_preactivation"])
+
+
+def flag(case_id, value):
+    return case(f"return_final_states-{case_id}", TypeError, "return_final_states", return_final_states=lambda: value)
+
+
+AUTOGRAD_BAD_INPUTS = [
+    flag("int", 1),
+    flag("zero", 0),
+    flag("none", None),
+    flag("str", "True"),
+    flag("tensor", torch.tensor(True)),
+    *bad_states("initial_states"),
+    *bad_rows("x", lambda: torch.empty(2, 2**34, dtype=BF16, device="meta")[:, :8]),
+]
+AUTOGRAD_GPU_ONLY_BAD_INPUTS = [
+    case("initial_states-misaligned", ValueError, "initial_states",
+         **one_buffer(D * 3 * C + 8, initial_states=lambda b: state_view(b, 1))),
+    case("initial_states-on-cpu", ValueError, "initial_states",
+         initial_states=lambda: torch.randn(D, 3, C, device="cpu").to(BF16)),
+]
+
+
+@pytest.mark.parametrize("override, exc, argname", AUTOGRAD_BAD_INPUTS)
+def test_autograd_entry_rejects_bad_input_naming_the_argument(override, exc, argname):
+    args = autograd_valid_args(**{name: make() for name, make in override.items()})
+    with pytest.raises(exc, match=rf"^{AUTOGRAD}: {argname}\b"):
+        autograd_call(args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("override, exc, argname", AUTOGRAD_BAD_INPUTS + AUTOGRAD_GPU_ONLY_BAD_INPUTS)
+def test_autograd_entry_rejects_bad_cuda_input_naming_the_argument(override, exc, argname, bad_cuda_args):
+    args = bad_cuda_args(autograd_call, autograd_valid_args, override)
+    with pytest.raises(exc, match=rf"^{AUTOGRAD}: {argname}\b"):
+        autograd_call(args)
+
+
+@pytest.mark.parametrize("override", [
+    pytest.param({"x": lambda: torch.randn(S, C + 64).to(BF16)[:, 32 : 32 + C]}, id="x-row-strided"),
+    pytest.param({"x": lambda: torch.randn(S, C + 64).to(BF16)[:, 32 : 32 + C], "initial_states": states,
+                  "return_final_states": lambda: True}, id="x-row-strided-with-states"),
+])
+def test_autograd_entry_valid_views_pass_the_python_rules(override):
+    args = autograd_valid_args(**{name: make() for name, make in override.items()})
+    with pytest.raises(ValueError, match=rf"^{AUTOGRAD}: x must be a CUDA tensor"):
+        autograd_call(args)
+
+
+def test_autograd_entry_rejects_a_row_stride_past_the_backwards_range():
+    """S * C within the backward's range but S * stride(-2) = 2^34 past it: the forward could take
+    x, the backward could not; a ValueError up front (meta tensors: no memory)."""
+    x = torch.empty(2, 2**33, dtype=BF16, device="meta")[:, :8]
+    with pytest.raises(ValueError, match=rf"^{AUTOGRAD}: x\b.*backward"):
+        cake_causal_conv1d(x, torch.randn(8, 4), torch.tensor([0, 2], dtype=I32))
 
 
 # ---------------------------------------------------------------------------------------------

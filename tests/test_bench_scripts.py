@@ -14,7 +14,7 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-@pytest.mark.parametrize("script", ["bench_fwd.py", "bench_bwd.py"])
+@pytest.mark.parametrize("script", ["bench_fwd.py", "bench_bwd.py", "bench_states.py"])
 def test_smoke_cpu_prints_its_tables(script, tmp_path):
     out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
     proc = subprocess.run([sys.executable, str(SCRIPTS / script), "--smoke-cpu", "--json", str(out_json),
@@ -30,9 +30,14 @@ def test_smoke_cpu_prints_its_tables(script, tmp_path):
     assert res["ours_is_standin"] and res["rows"] and all(r["ours"]["ms"] > 0 for r in res["rows"])
     assert res["host_overhead"]["results"]["x.clone()"]["median_us"] > 0
     assert f"## {name} " in out_md.read_text()
+    if name == "bench_states":  # every configuration timed, checked and put against its contiguous call
+        for r in res["rows"]:
+            assert set(r["peers"]) == {"fwd+st", "fwd-str", "bwd", "bwd+st", "bwd-str"}, r["peers"]
+            assert all(p["check"]["ok"] and p["ms"] > 0 and p["pct_copy"] > 0 for p in r["peers"].values())
+            assert all(p["time_ratio"] > 0 for n, p in r["peers"].items() if n != "bwd")
 
 
-@pytest.mark.parametrize("script", ["bench_fwd.py", "bench_bwd.py"])
+@pytest.mark.parametrize("script", ["bench_fwd.py", "bench_bwd.py", "bench_states.py"])
 def test_help_lists_the_ci_options(script):
     proc = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"], capture_output=True, text=True,
                           timeout=300)

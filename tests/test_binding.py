@@ -29,28 +29,36 @@ def cpu_args(S=16, C=32):
 
 def test_declines_cpu_tensors_and_non_tensors(loaded):
     x, w, cu = cpu_args()
-    assert loaded.try_forward(x, w, cu, None, None, None) is None
-    assert loaded.try_forward([1.0], w, cu, None, None, None) is None
-    assert loaded.try_forward(x, w, cu, 0.5, None, None) is None
-    assert loaded.try_backward(x, w, cu, x, None, "bf16", None, None, None, None) is None
-    assert loaded.try_backward(x, w, cu, x, None, "fp16", None, None, None, None) is None
+    states = torch.zeros(2, 3, 32, dtype=torch.bfloat16)
+    none4 = (None,) * 4
+    assert loaded.try_forward(x, w, cu, None, *none4) is None
+    assert loaded.try_forward([1.0], w, cu, None, *none4) is None
+    assert loaded.try_forward(x, w, cu, 0.5, *none4) is None
+    assert loaded.try_forward(x, w, cu, None, states, None, None, None) is None
+    assert loaded.try_forward(x, w, cu, None, None, 1.0, None, None) is None
+    assert loaded.try_backward(x, w, cu, x, None, None, None, "bf16", *none4, None) is None
+    assert loaded.try_backward(x, w, cu, x, None, None, None, "fp16", *none4, None) is None
+    assert loaded.try_backward(x, w, cu, x, None, states, states, "bf16", *none4, None) is None
     meta = torch.empty(16, 32, dtype=torch.bfloat16, device="meta")
-    assert loaded.try_forward(meta, w, cu, None, None, None) is None
+    assert loaded.try_forward(meta, w, cu, None, *none4) is None
     fake = mock.Mock(spec=torch.Tensor)  # claims the class, is no tensor: declined, not read
-    assert loaded.try_forward(fake, w, cu, None, None, None) is None
-    assert loaded.try_backward(x, w, cu, fake, None, "bf16", None, None, None, None) is None
-    assert loaded.try_autograd_forward(x, w, cu, None, "bf16") is None
-    assert loaded.try_autograd_forward(fake, w, cu, None, "bf16") is None
-    assert loaded.try_autograd_forward(x, w, cu, None, "fp16") is None
+    assert loaded.try_forward(fake, w, cu, None, *none4) is None
+    assert loaded.try_forward(x, w, cu, None, fake, None, None, None) is None
+    assert loaded.try_backward(x, w, cu, fake, None, None, None, "bf16", *none4, None) is None
+    assert loaded.try_backward(x, w, cu, x, None, None, fake, "bf16", *none4, None) is None
+    assert loaded.try_autograd_forward(x, w, cu, None, None, False, "bf16") is None
+    assert loaded.try_autograd_forward(fake, w, cu, None, None, False, "bf16") is None
+    assert loaded.try_autograd_forward(x, w, cu, None, None, False, "fp16") is None
+    assert loaded.try_autograd_forward(x, w, cu, None, None, 1, "bf16") is None  # not a bool
 
 
 def test_wrong_argument_count_is_a_type_error(loaded):
     x, w, cu = cpu_args()
-    with pytest.raises(TypeError, match="try_forward takes 6 arguments"):
+    with pytest.raises(TypeError, match="try_forward takes 8 arguments"):
         loaded.try_forward(x, w, cu)
-    with pytest.raises(TypeError, match="try_backward takes 10 arguments"):
+    with pytest.raises(TypeError, match="try_backward takes 13 arguments"):
         loaded.try_backward(x, w, cu, x)
-    with pytest.raises(TypeError, match="try_autograd_forward takes 5 arguments"):
+    with pytest.raises(TypeError, match="try_autograd_forward takes 7 arguments"):
         loaded.try_autograd_forward(x, w, cu)
 
 

@@ -73,11 +73,14 @@ def test_limits_match(header):
 
 def test_argument_structs_hold_what_the_binding_and_tools_pass(header):
     """The field names the module exports (KernelModule builds its ctypes structs from them)."""
-    assert header["fwd_args"].split() == ["x", "y", "weight", "bias", "cu_seqlens", "workspace", "S", "C",
-                                          "num_docs", "device", "stream"]
-    assert header["bwd_args"].split() == ["x", "dy", "dx", "weight", "bias", "cu_seqlens", "workspace",
-                                          "workspace_bytes", "counters", "counters_bytes", "dweight", "dbias", "S",
-                                          "C", "num_docs", "item_tokens", "round_preact", "device", "stream"]
+    assert header["fwd_args"].split() == ["x", "y", "weight", "bias", "cu_seqlens", "workspace", "initial_states",
+                                          "final_states", "S", "C", "x_row_stride", "y_row_stride", "num_docs",
+                                          "device", "stream"]
+    assert header["bwd_args"].split() == ["x", "dy", "dx", "weight", "bias", "cu_seqlens", "initial_states",
+                                          "dfinal_states", "dinitial_states", "workspace", "workspace_bytes",
+                                          "counters", "counters_bytes", "dweight", "dbias", "S", "C", "x_row_stride",
+                                          "dy_row_stride", "dx_row_stride", "num_docs", "item_tokens",
+                                          "round_preact", "device", "stream"]
 
 
 def test_backward_plan_matches(header):

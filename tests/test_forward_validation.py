@@ -20,7 +20,9 @@ from flashinfer_cake import (
     is_cake_causal_conv1d_train_supported,
 )
 
+FN = "cake_causal_conv1d_train_forward"
 S, C = 16, 32
+D = 3  # documents of valid_args' cu_seqlens
 BF16 = torch.bfloat16
 I32 = torch.int32
 
@@ -32,6 +34,8 @@ def valid_args(**override):
         "weight": torch.randn(C, 4),
         "cu_seqlens": torch.tensor([0, 5, 5, S], dtype=I32),
         "bias": None,
+        "initial_states": None,
+        "final_states_out": None,
         "out": None,
         "workspace": None,
     }
@@ -45,6 +49,8 @@ def call(args):
         args["weight"],
         args["cu_seqlens"],
         bias=args["bias"],
+        initial_states=args["initial_states"],
+        final_states_out=args["final_states_out"],
         out=args["out"],
         workspace=args["workspace"],
     )
@@ -53,6 +59,73 @@ def call(args):
 def case(case_id, exc, argname, **override):
     """One bad-input case: `override` maps an argument to a zero-argument tensor factory."""
     return pytest.param(override, exc, argname, id=case_id)
+
+
+def states():
+    return torch.randn(D, 3, C).to(BF16)
+
+
+def bad_states(name, **extra):
+    """The cases of a conv-state argument `name` (BF16 [num_docs, 3, C], contiguous), each with
+    the `extra` overrides too."""
+    bad = [
+        ("fp32", ValueError, lambda: torch.randn(D, 3, C)),
+        ("fp16", ValueError, lambda: torch.randn(D, 3, C).half()),
+        ("docs+1", ValueError, lambda: torch.randn(D + 1, 3, C).to(BF16)),
+        ("4-rows", ValueError, lambda: torch.randn(D, 4, C).to(BF16)),
+        ("C+8", ValueError, lambda: torch.randn(D, 3, C + 8).to(BF16)),
+        ("2d", ValueError, lambda: torch.randn(D * 3, C).to(BF16)),
+        ("noncontig", ValueError, lambda: torch.randn(D, C, 3).to(BF16).transpose(1, 2)),
+        ("neg-view", ValueError, lambda: torch._neg_view(states())),
+        ("list", TypeError, lambda: states().tolist()),
+    ]
+    return [case(f"{name}-{bad_id}", exc, name, **extra, **{name: make}) for bad_id, exc, make in bad]
+
+
+def bad_rows(name, huge, peers=("x",)):
+    """The layout cases of an [S, C] argument `name` read or written row by row: contiguous
+    channels, a row stride >= C and a multiple of 8, S * stride(-2) within range (`huge`: a
+    zero-argument factory of a meta tensor past it). `peers`: the given [S, C] arguments, made
+    [1, S, C] with `name` for its 3-D case."""
+    peers_3d = {peer: lambda: torch.randn(1, S, C).to(BF16) for peer in peers if peer != name}
+    return [
+        case(f"{name}-channel-stride-2", ValueError, name, **{name: lambda: torch.randn(S, 2 * C).to(BF16)[:, ::2]}),
+        case(f"{name}-row-stride-not-mult-8", ValueError, name,
+             **{name: lambda: torch.randn(S, C + 4).to(BF16)[:, :C]}),
+        case(f"{name}-3d-row-stride-not-mult-8", ValueError, name,
+             **peers_3d,
+             **{name: lambda: torch.randn(1, S, C + 4).to(BF16)[:, :, :C]}),
+        case(f"{name}-row-stride-below-C", ValueError, name,
+             **{name: lambda: torch.randn(S * C).to(BF16).as_strided((S, C), (C - 8, 1))}),
+        case(f"{name}-S-times-stride-over-range", ValueError, name, **{name: huge}),
+    ]
+
+
+def one_buffer(numel, **views):
+    """Factories of views of one BF16 buffer of `numel` elements (view: a function of the
+    buffer), made afresh, on the current device, by the first view's factory (overrides are made
+    in order)."""
+    made = {}
+    first = next(iter(views))
+
+    def factory(name, view):
+        def make():
+            if name == first:
+                made["buffer"] = torch.randn(numel).to(BF16)
+            return view(made["buffer"])
+
+        return make
+
+    return {name: factory(name, view) for name, view in views.items()}
+
+
+def rows(b, offset=0, stride=C):
+    """An [S, C] view of buffer b, `offset` elements in, with row stride `stride`."""
+    return b.as_strided((S, C), (stride, 1), offset)
+
+
+def state_view(b, offset=0):
+    return b[offset : offset + D * 3 * C].view(D, 3, C)
 
 
 BAD_INPUTS = [
@@ -72,6 +145,7 @@ BAD_INPUTS = [
          weight=lambda: torch.empty(2**28, 4, device="meta")),
     case("x-list", TypeError, "x", x=lambda: torch.randn(S, C).tolist()),
     case("x-none", TypeError, "x", x=lambda: None),
+    *bad_rows("x", lambda: torch.empty(2, 2**34, dtype=BF16, device="meta")[:, :8]),
     # weight
     case("weight-width3", ValueError, "weight", weight=lambda: torch.randn(C, 3)),
     case("weight-width5", ValueError, "weight", weight=lambda: torch.randn(C, 5)),
@@ -115,6 +189,10 @@ BAD_INPUTS = [
     case("out-noncontig", ValueError, "out", out=lambda: torch.empty(C, S, dtype=BF16).t()),
     case("out-neg-view", ValueError, "out", out=lambda: torch._neg_view(torch.empty(S, C, dtype=BF16))),
     case("out-list", TypeError, "out", out=lambda: [[0.0] * C] * S),
+    *bad_rows("out", lambda: torch.empty(S, 2**31, dtype=BF16, device="meta")[:, :C]),
+    # initial_states / final_states_out
+    *bad_states("initial_states"),
+    *bad_states("final_states_out"),
     # workspace
     case("ws-int64", ValueError, "workspace",
          workspace=lambda: torch.zeros(1 << 16, dtype=torch.int64)),
@@ -130,21 +208,72 @@ BAD_INPUTS = [
     case("x-on-cpu", ValueError, "x"),
 ]
 
+# Rules checked after the devices' (alignment, devices, overlap: byte spans from first to last
+# element), so only on the GPU: on the CPU these raise about x's device.
+GPU_ONLY_BAD_INPUTS = [
+    case("x-strided-misaligned", ValueError, "x", x=lambda: torch.randn(S, C + 8).to(BF16)[:, 4 : 4 + C]),
+    case("out-strided-misaligned", ValueError, "out", out=lambda: torch.empty(S, C + 8, dtype=BF16)[:, 4 : 4 + C]),
+    case("initial_states-misaligned", ValueError, "initial_states",
+         **one_buffer(D * 3 * C + 8, initial_states=lambda b: state_view(b, 1))),
+    case("final_states_out-misaligned", ValueError, "final_states_out",
+         **one_buffer(D * 3 * C + 8, final_states_out=lambda b: state_view(b, 1))),
+    case("initial_states-on-cpu", ValueError, "initial_states",
+         initial_states=lambda: torch.randn(D, 3, C, device="cpu").to(BF16)),
+    case("final_states_out-on-cpu", ValueError, "final_states_out",
+         final_states_out=lambda: torch.empty(D, 3, C, dtype=BF16, device="cpu")),
+    case("final_states_out-overlaps-x", ValueError, "final_states_out",
+         **one_buffer(2 * S * C, x=rows, final_states_out=lambda b: state_view(b, S * C // 2))),
+    case("final_states_out-in-x-row-gap", ValueError, "final_states_out",  # disjoint elements, inside x's span
+         **one_buffer(S * (C + 320), x=lambda b: rows(b, stride=C + 320), final_states_out=lambda b: state_view(b, C))),
+    case("final_states_out-is-initial_states", ValueError, "final_states_out",
+         **one_buffer(D * 3 * C, initial_states=state_view, final_states_out=state_view)),
+    case("final_states_out-overlaps-initial_states", ValueError, "final_states_out",
+         **one_buffer(D * 3 * C + 8, initial_states=state_view, final_states_out=lambda b: state_view(b, 8))),
+    # of two outputs sharing bytes, the later in the order (out) is named, with the other
+    case("out-overlaps-final_states_out", ValueError, "out",
+         **one_buffer(2 * S * C, final_states_out=state_view, out=lambda b: rows(b, D * 3 * C // 2))),
+    case("out-interleaved-with-x", ValueError, "out",  # disjoint elements, overlapping spans
+         **one_buffer(2 * S * C, x=lambda b: rows(b, 0, 2 * C), out=lambda b: rows(b, C, 2 * C))),
+]
+
+# Well-formed arguments with row-strided views (and states): the Python rules accept them, so on
+# the CPU the call fails on x's device, not on a layout rule.
+VALID_ON_CPU = [
+    pytest.param({"x": lambda: torch.randn(S, C + 64).to(BF16)[:, 32 : 32 + C]}, id="x-row-strided"),
+    pytest.param({"x": lambda: torch.randn(1, S, C + 64).to(BF16)[:, :, 32 : 32 + C]}, id="x-3d-row-strided"),
+    pytest.param({"out": lambda: torch.empty(S, C + 64, dtype=BF16)[:, 32 : 32 + C]}, id="out-row-strided"),
+    pytest.param({"x": lambda: torch.randn(S, 2 * C).to(BF16)[:, C:],
+                  "out": lambda: torch.empty(S, 3 * C, dtype=BF16)[:, C : 2 * C]}, id="x-and-out-row-strided"),
+    pytest.param({"x": lambda: torch.randn(1, C + 4).to(BF16)[:, :C],
+                  "out": lambda: torch.randn(3 * C).to(BF16).as_strided((1, C), (3, 1))}, id="S=1-any-row-stride"),
+    pytest.param({"x": lambda: torch.empty(2, 2**34 - 8, dtype=BF16, device="meta")[:, :8],
+                  "weight": lambda: torch.randn(8, 4)}, id="x-S-times-stride-just-in-range"),
+    pytest.param({"initial_states": states, "final_states_out": states}, id="states"),
+]
+
 
 @pytest.mark.parametrize("override, exc, argname", BAD_INPUTS)
 def test_bad_input_is_rejected_naming_the_argument(override, exc, argname):
     args = valid_args(**{name: make() for name, make in override.items()})
-    with pytest.raises(exc, match=rf"\b{argname}\b"):
+    with pytest.raises(exc, match=rf"^{FN}: {argname}\b"):
+        call(args)
+
+
+@pytest.mark.parametrize("override", VALID_ON_CPU)
+def test_valid_views_pass_the_python_rules(override):
+    args = valid_args(**{name: make() for name, make in override.items()})
+    with pytest.raises(ValueError, match=rf"^{FN}: x must be a CUDA tensor"):
         call(args)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("override, exc, argname", [c for c in BAD_INPUTS if not c.id.startswith("x-on-cpu")])
+@pytest.mark.parametrize("override, exc, argname",
+                         [c for c in BAD_INPUTS if not c.id.startswith("x-on-cpu")] + GPU_ONLY_BAD_INPUTS)
 def test_bad_cuda_input_is_rejected_naming_the_argument(override, exc, argname, bad_cuda_args):
     """The same cases on the GPU: the torch binding applies these rules itself and declines, so
     the checks raise; a rule it missed would launch instead of raising."""
     args = bad_cuda_args(call, valid_args, override)
-    with pytest.raises(exc, match=rf"\b{argname}\b"):
+    with pytest.raises(exc, match=rf"^{FN}: {argname}\b"):
         call(args)
 
 

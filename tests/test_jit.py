@@ -365,8 +365,9 @@ def test_built_module_entries(built_cache, name, monkeypatch):
     aligned = 1 << 20  # a fake but 16-byte aligned "device pointer": never dereferenced below
 
     def fwd(**at):
-        args = dict(x=aligned, y=aligned, weight=aligned, bias=aligned, cu_seqlens=aligned, workspace=aligned, S=64,
-                    C=8, num_docs=1, device=0, stream=0)
+        args = dict(x=aligned, y=aligned, weight=aligned, bias=aligned, cu_seqlens=aligned, workspace=aligned,
+                    initial_states=0, final_states=0, S=64, C=8, x_row_stride=8, y_row_stride=8, num_docs=1, device=0,
+                    stream=0)
         return m.causal_conv1d_fwd(**{**args, **at})
 
     assert fwd(C=7) == CUDA_ERROR_INVALID_VALUE
@@ -383,9 +384,10 @@ def test_built_module_entries(built_cache, name, monkeypatch):
 
     def bwd(**at):
         args = dict(x=aligned, dy=aligned, dx=aligned, weight=aligned, bias=aligned, cu_seqlens=aligned,
-                    workspace=aligned, workspace_bytes=1 << 20, counters=aligned, counters_bytes=1 << 20,
-                    dweight=aligned, dbias=aligned, S=128, C=8, num_docs=1, item_tokens=64, round_preact=1, device=0,
-                    stream=0)
+                    initial_states=0, dfinal_states=0, dinitial_states=0, workspace=aligned, workspace_bytes=1 << 20,
+                    counters=aligned, counters_bytes=1 << 20, dweight=aligned, dbias=aligned, S=128, C=8,
+                    x_row_stride=8, dy_row_stride=8, dx_row_stride=8, num_docs=1, item_tokens=64, round_preact=1,
+                    device=0, stream=0)
         return m.causal_conv1d_bwd(**{**args, **at})
 
     for kwargs, message in [

@@ -1,11 +1,14 @@
 // Packed (varlen) width-4 depthwise causal conv1d + SiLU, training backward.
 //
-// Forward: a[t] = b + sum_k w[k] x[t - 3 + k] (taps inside t's document), y[t] = silu(a[t]).
+// Forward: a[t] = b + sum_k w[k] x[t - 3 + k] (taps inside t's document, or reading its initial
+// state before its first token), y[t] = silu(a[t]).
 // Backward, per channel, with g[t] = dy[t] * silu'(a'[t]) where a' is a rounded to BF16 or not:
 //   dx[s]  = sum_k w[k] g[s + 3 - k]            over the taps k with s in the document of s + 3 - k
-//   dw[k]  = sum_t g[t] x[t - 3 + k]            over the taps inside t's document
+//   dw[k]  = sum_t g[t] x[t - 3 + k]            over the taps t reads (x or its initial state)
 //   db     = sum_t g[t]
-// Framework-free: raw device pointers, sizes and a cudaStream_t.
+//   dinit[d][j] = sum_{p <= j} w[j - p] g[start_d + p]  over the document's tokens
+// plus the final states' gradient, added to the dx (or dinit) rows the final states came from.
+// Framework-free: raw device pointers, sizes, row strides and a cudaStream_t.
 //
 // One kernel. It streams x and dy once: a CTA owns an item of item_tokens tokens x
 // kTileChannels channels; a thread owns kVec channels (4: an 8-byte row vector, so the windows,
@@ -25,9 +28,15 @@
 //
 // Document positions: min(position in document, 3) of the item's tokens and the 3 after it, one
 // byte each in shared memory, found once per item by scan_positions (a CTA-wide pivot search,
-// then a scan of the document starts) while the first rows stream in; then the strips run
-// without barriers. Only x, dy, dx[0, S) and cu_seqlens[0, num_docs] are addressed, whatever
-// cu_seqlens holds.
+// then a scan of the document starts; scan_documents with states) while the first rows stream
+// in; then the strips run without barriers. Only x, dy, dx[0, S), cu_seqlens[0, num_docs] and
+// the state rows of documents 0 .. num_docs - 1 are addressed, whatever cu_seqlens holds.
+//
+// States (kStates; the stateless kernel is the same code without them): as in the forward, the
+// x window takes a document's initial state at its first token (so a and the dweight sums read
+// it); the strip that owns a document's first token emits the document's dinit two rows later,
+// from the g of its first 3 tokens in the window; a token among its document's last 3 adds its
+// final-state row's gradient to its dx; the CTA owning an empty document copies dfinal to dinit.
 #pragma once
 
 #include "causal_conv1d_bwd_plan.h"
@@ -36,12 +45,15 @@
 namespace flashinfer_cake {
 
 struct CausalConv1dBwdParams {
-  const __nv_bfloat16* x;   // [S, C]
-  const __nv_bfloat16* dy;  // [S, C]
-  __nv_bfloat16* dx;        // [S, C]
+  const __nv_bfloat16* x;   // [S, C], rows x_row_stride vectors apart
+  const __nv_bfloat16* dy;  // [S, C], rows dy_row_stride vectors apart
+  __nv_bfloat16* dx;        // [S, C], rows dx_row_stride vectors apart
   const void* weight;       // [C, 4], WeightT
   const void* bias;         // [C], BiasT (unused for NoBias)
   const int32_t* cu_seqlens;  // [num_docs + 1]
+  const __nv_bfloat16* initial_states;  // [num_docs, 3, C] or null (kStates only)
+  const __nv_bfloat16* dfinal_states;   // [num_docs, 3, C] or null (kStates only)
+  __nv_bfloat16* dinitial_states;       // [num_docs, 3, C], given iff initial_states is
   float* partials;          // workspace: [groups][kBwdPartialRows][C], any content on entry
   int32_t* counters;        // per channel tile, one per chunk + one: zero on entry, left zero
   void* dweight;            // [C, 4], WeightT
@@ -53,6 +65,9 @@ struct CausalConv1dBwdParams {
   int32_t groups;       // ceil(S / item_tokens)
   int32_t tiles_c;      // channel tiles per token group
   int32_t round_preact;  // 1: silu' at the pre-activation rounded to BF16; 0: at the FP32 value
+  uint32_t x_row_stride;  // in kVec-channel vectors
+  uint32_t dy_row_stride;
+  uint32_t dx_row_stride;
 };
 
 template <int kVec_, int kLanesC_, int kThreads_, int kStripLen_, int kRing_, int kMinCtasPerSm_>
@@ -176,8 +191,9 @@ __device__ __forceinline__ bool arrive_last(int32_t* c, int target) {
 
 }  // namespace detail
 
-// kRoundPreact: p.round_preact as a template argument (a branch per row otherwise).
-template <class Traits, class WeightT, class BiasT, bool kRoundPreact>
+// kRoundPreact: p.round_preact as a template argument (a branch per row otherwise). kStates:
+// initial_states or dfinal_states may be given (either may still be null).
+template <class Traits, class WeightT, class BiasT, bool kRoundPreact, bool kStates>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   constexpr int L = Traits::kStripLen;
@@ -196,8 +212,12 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   Row* const s_xring = reinterpret_cast<Row*>(s_raw);
   Row* const s_dyring = s_xring + R * T;
   float* const s_sums = reinterpret_cast<float*>(s_raw);  // [kSums][T]
-  __shared__ uint8_t s_pos[Traits::kPosTokens];  // min(position in document, 3) per item token
-  __shared__ uint8_t s_flags[Traits::kPosTokens + 2];  // document starts (scan_positions)
+  __shared__ uint8_t s_pos[Traits::kPosTokens];  // min(position in document, 3) per item token; kStates: its code
+  __shared__ uint8_t s_flags[kStates ? 1 : Traits::kPosTokens + 2];  // document starts (scan_positions)
+  // kStates: the tokens' documents, and scan_documents' scratch.
+  __shared__ int32_t s_doc[kStates ? Traits::kPosTokens : 1];
+  __shared__ int32_t s_first_idx[kStates ? Traits::kPosTokens + 5 : 1], s_last_idx[kStates ? Traits::kPosTokens + 5 : 1];
+  __shared__ uint8_t s_block_events[kStates ? Traits::kPosTokens / L + 2 : 1];  // 1: a token of the block has kInDoc
 
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;
@@ -218,16 +238,16 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // The first R - 1 rows of the strip at t0 into ring slots 1 .. R - 1, one cp.async group each.
   // x row i is token t0 - 3 + i; dy row i is the same token, read from i = 3 on. Rows outside
   // [0, S) and lanes past C read zeros (so g is 0 past S). Offsets are 32-bit: the launcher
-  // caps S * C / V < 2^32.
+  // caps S * row stride / V < 2^32 for each of x, dy and dx.
+  const uint32_t xs = p.x_row_stride, dys = p.dy_row_stride;
   const auto prefetch = [&](int t0) {
-    const uint32_t base = static_cast<uint32_t>(t0) * vecs_per_row + vec;
+    const uint32_t x_base = static_cast<uint32_t>(t0) * xs + vec, dy_base = static_cast<uint32_t>(t0) * dys + vec;
 #pragma unroll
     for (int i = 0; i < R - 1; ++i) {
       const int t = t0 - 3 + i;
       const bool valid = t >= 0 && t < t_lim;
-      const uint32_t off = valid ? base + (i - 3) * vecs_per_row : 0u;
-      detail::cp_async_row(my_xring + (i + 1) * T, xv + off, valid);
-      if (i >= 3) detail::cp_async_row(my_dyring + (i + 1) * T, dyv + off, valid);
+      detail::cp_async_row(my_xring + (i + 1) * T, xv + (valid ? x_base + (i - 3) * xs : 0u), valid);
+      if (i >= 3) detail::cp_async_row(my_dyring + (i + 1) * T, dyv + (valid ? dy_base + (i - 3) * dys : 0u), valid);
       detail::cp_async_commit();
     }
   };
@@ -240,13 +260,32 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     detail::load_bias<BiasT>(p.bias, vec * V, b);
   }
   // Positions of the item's tokens and of the 3 tokens after it (the last strip's lookahead).
-  detail::scan_positions<T>(p.cu_seqlens, p.num_docs, item_t0, p.item_tokens + 3, s_flags, s_pos);
+  // State rows: [num_docs][3] rows of C / V vectors; row i of document d at (3 d + i) C / V.
+  const Row* __restrict__ init_v = reinterpret_cast<const Row*>(p.initial_states);
+  const Row* __restrict__ dfinal_v = reinterpret_cast<const Row*>(p.dfinal_states);
+  Row* __restrict__ dinit_v = reinterpret_cast<Row*>(p.dinitial_states);
+  const auto state_off = [&](int d, int i) { return (static_cast<size_t>(d) * 3 + i) * vecs_per_row; };
+  if constexpr (kStates) {
+    detail::scan_documents<T, L, Traits::kLanesC>(
+        p.cu_seqlens, p.num_docs, p.S, item_t0, p.item_tokens + 3, item_end, s_first_idx, s_last_idx, s_pos, s_doc,
+        s_block_events, [&](int d, int i, int v) {
+          // An empty document passes its final state's gradient to its initial state, for this
+          // tile's channels.
+          v += tile_c * Traits::kLanesC;
+          if (init_v && static_cast<uint32_t>(v) < vecs_per_row) {
+            dinit_v[state_off(d, i) + v] = dfinal_v ? __ldg(dfinal_v + state_off(d, i) + v) : Row{};
+          }
+        });
+  } else {
+    detail::scan_positions<T>(p.cu_seqlens, p.num_docs, item_t0, p.item_tokens + 3, s_flags, s_pos);
+  }
   __syncthreads();
 
   float dw[4][V] = {}, db[V] = {};
   for (int t0 = first_t0; t0 < item_end; t0 += TT) {
-    const uint32_t base = static_cast<uint32_t>(t0) * vecs_per_row + vec;
-    const uint8_t* pos_row = s_pos + (t0 - item_t0);  // pos_row[r]: token t0 + r
+    const uint32_t x_base = static_cast<uint32_t>(t0) * xs + vec, dy_base = static_cast<uint32_t>(t0) * dys + vec;
+    const uint8_t* pos_row = s_pos + (t0 - item_t0);  // pos_row[r]: token t0 + r (kStates: its code)
+    const int32_t* doc_row = s_doc + (t0 - item_t0);  // kStates: doc_row[r], its document
     // Windows as 4-slot circular buffers and a loop stepping 4 rows, so no register moves: at
     // row r (token u = t0 + r, phase q = r % 4) slot (q+1) % 4 holds x[u-3] and g[u-3], slot
     // (q+2) % 4 x[u-2], g[u-2] and pos[u-2], slot (q+3) % 4 x[u-1], g[u-1] and pos[u-1], and
@@ -260,37 +299,98 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       if (i + R - 1 < N) {
         const int t = t0 + R - 4 + i;
         const bool valid = t >= 0 && t < t_lim;
-        const uint32_t off = valid ? base + (R - 4 + i) * vecs_per_row : 0u;
-        detail::cp_async_row(my_xring + i * T, xv + off, valid);  // slot (i + R) % R
-        if (i + R - 1 >= 3) detail::cp_async_row(my_dyring + i * T, dyv + off, valid);
+        detail::cp_async_row(my_xring + i * T, xv + (valid ? x_base + (R - 4 + i) * xs : 0u), valid);  // slot (i + R) % R
+        if (i + R - 1 >= 3) detail::cp_async_row(my_dyring + i * T, dyv + (valid ? dy_base + (R - 4 + i) * dys : 0u), valid);
       }
       detail::cp_async_commit();
       detail::cp_async_wait<R - 1>();
       detail::row_to_float(my_xring[(i + 1) * T], xm[i + 1]);
     }
+    if constexpr (kStates) {
+      // The strip starts 1 or 2 tokens into a document with an initial state: the window's rows
+      // before the document are the state's last rows.
+      const int c0 = pos_row[0], p0 = c0 & detail::kPosMask;
+      if (init_v && active && (c0 & detail::kInDoc) && (p0 == 1 || p0 == 2)) {
+        const size_t off = state_off(doc_row[0], 0) + vec;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          if (i < 3 - p0) detail::row_to_float(__ldg(init_v + off + (i + p0) * vecs_per_row), xm[i + 1]);
+        }
+      }
+    }
     // Loop state, stepped once per row or per step (no per-row multiplies): the ring slots of the
     // step's 4 rows (cur) and of the 4 rows before them (prev), the token and offset of the next
     // row to refill, and of the next dx row. Ring row j (token t0 - 3 + j) is in slot (j + 1) % R,
     // so a step's rows r + 3 .. r + 6 take slots cur .. cur + 3 without wrapping.
+    // kStates: dinit of document d from the g of its first three tokens (g1, g2 only where
+    // in1, in2: still in the document) and, for a document of n < 3 tokens (n = 1, 2: the end
+    // distance of its first token; 0 or 3 for longer ones), the gradient of the final rows that
+    // are its initial rows n .. 2. FP32, rounded once.
+    [[maybe_unused]] const auto emit_dinit = [&](int d, int n, const float(&g0)[V], const float(&g1)[V], bool in1,
+                                                 const float(&g2)[V], bool in2) {
+      float d0[V], d1[V], d2[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        d0[j] = w[0][j] * g0[j];
+        d1[j] = w[1][j] * g0[j];
+        d2[j] = w[2][j] * g0[j];
+        if (in1) {
+          d1[j] = fmaf(w[0][j], g1[j], d1[j]);
+          d2[j] = fmaf(w[1][j], g1[j], d2[j]);
+        }
+        if (in2) d2[j] = fmaf(w[0][j], g2[j], d2[j]);
+      }
+      const size_t off = state_off(d, 0) + vec;
+      if (dfinal_v && (n == 1 || n == 2)) {  // final row i is initial row n + i (i < 3 - n)
+        float f[V];
+        detail::row_to_float(__ldg(dfinal_v + off + (2 - n) * vecs_per_row), f);  // -> initial row 2
+#pragma unroll
+        for (int j = 0; j < V; ++j) d2[j] += f[j];
+        if (n == 1) {
+          detail::row_to_float(__ldg(dfinal_v + off), f);  // final row 0 -> initial row 1
+#pragma unroll
+          for (int j = 0; j < V; ++j) d1[j] += f[j];
+        }
+      }
+      dinit_v[off] = detail::pack_row<V>(d0);
+      dinit_v[off + vecs_per_row] = detail::pack_row<V>(d1);
+      dinit_v[off + 2 * vecs_per_row] = detail::pack_row<V>(d2);
+    };
     int cur = 4 % R, prev = 0;
     int refill_t = t0 + R - 1;
-    uint32_t refill_off = base + (R - 1) * vecs_per_row;
+    uint32_t refill_x = x_base + (R - 1) * xs, refill_dy = dy_base + (R - 1) * dys;
     int dx_t = t0 - 3;
-    uint32_t dx_off = base - 3 * vecs_per_row;
-    const auto row = [&](int r, auto phase) {
+    uint32_t dx_off = static_cast<uint32_t>(t0 - 3) * p.dx_row_stride + vec;
+    // kEvents (a compile-time bool): the strip has a token with a state event (kInDoc); strips
+    // without one run the stateless body.
+    const auto row = [&](int r, auto phase, auto events) {
       constexpr int q = decltype(phase)::value, s3 = (q + 1) % 4, s2 = (q + 2) % 4, s1 = (q + 3) % 4;
+      constexpr bool kEvents = decltype(events)::value;
       if (r + R + 2 < N) {  // refill the slot ring row r + 2 has just left with row r + R + 2
         const bool valid = refill_t < t_lim;
-        const uint32_t off = valid ? refill_off : 0u;
         const int slot = q == 0 ? prev + 3 : cur + q - 1;
-        detail::cp_async_row(my_xring + slot * T, xv + off, valid);
-        detail::cp_async_row(my_dyring + slot * T, dyv + off, valid);
+        detail::cp_async_row(my_xring + slot * T, xv + (valid ? refill_x : 0u), valid);
+        detail::cp_async_row(my_dyring + slot * T, dyv + (valid ? refill_dy : 0u), valid);
       }
       ++refill_t;
-      refill_off += vecs_per_row;
+      refill_x += xs;
+      refill_dy += dys;
       detail::cp_async_commit();  // possibly empty: keeps "ring row j is group j"
       detail::cp_async_wait<R - 1>();
-      const int pos = pos_row[r];
+      const int code = pos_row[r];
+      const int pos = code & detail::kPosMask;  // the token's position: which later tokens' taps reach it
+      int read_pos = pos;  // the taps the token reads itself: all of them with an initial state
+      if constexpr (kEvents) {
+        if (init_v && active && (code & detail::kInDoc)) {
+          if (pos == 0) {  // a document's first token: the window takes its initial state
+            const size_t off = state_off(doc_row[r], 0) + vec;
+            detail::row_to_float(__ldg(init_v + off + 2 * vecs_per_row), xm[s1]);
+            detail::row_to_float(__ldg(init_v + off + vecs_per_row), xm[s2]);
+            detail::row_to_float(__ldg(init_v + off), xm[s3]);
+          }
+          read_pos = 3;
+        }
+      }
       float xt[V], dyt[V], g[V];
       detail::row_to_float(my_xring[(cur + q) * T], xt);
       detail::row_to_float(my_dyring[(cur + q) * T], dyt);
@@ -300,9 +400,9 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         // The FP32 pre-activation, bias first, then the taps current-first (the forward's order;
         // the forward sums taps pre-scaled by -log2 e, so the two may differ by an ulp).
         a[j] = fmaf(w[3][j], xt[j], b[j]);
-        if (pos >= 1) a[j] = fmaf(w[2][j], xm[s1][j], a[j]);
-        if (pos >= 2) a[j] = fmaf(w[1][j], xm[s2][j], a[j]);
-        if (pos >= 3) a[j] = fmaf(w[0][j], xm[s3][j], a[j]);
+        if (read_pos >= 1) a[j] = fmaf(w[2][j], xm[s1][j], a[j]);
+        if (read_pos >= 2) a[j] = fmaf(w[1][j], xm[s2][j], a[j]);
+        if (read_pos >= 3) a[j] = fmaf(w[0][j], xm[s3][j], a[j]);
       }
       if constexpr (kRoundPreact) {
 #pragma unroll
@@ -315,9 +415,17 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         for (int j = 0; j < V; ++j) {
           db[j] += g[j];
           dw[3][j] = fmaf(g[j], xt[j], dw[3][j]);
-          if (pos >= 1) dw[2][j] = fmaf(g[j], xm[s1][j], dw[2][j]);
-          if (pos >= 2) dw[1][j] = fmaf(g[j], xm[s2][j], dw[1][j]);
-          if (pos >= 3) dw[0][j] = fmaf(g[j], xm[s3][j], dw[0][j]);
+          if (read_pos >= 1) dw[2][j] = fmaf(g[j], xm[s1][j], dw[2][j]);
+          if (read_pos >= 2) dw[1][j] = fmaf(g[j], xm[s2][j], dw[1][j]);
+          if (read_pos >= 3) dw[0][j] = fmaf(g[j], xm[s3][j], dw[0][j]);
+        }
+      }
+      if constexpr (kEvents) {
+        // dinit of the document whose first token is u - 2, one of the strip's own: its first 3
+        // tokens' g are in the window now (those still in the document).
+        if (init_v && active && r >= 2 && r - 2 < L && (pm[s2] & detail::kPosMask) == 0 && (pm[s2] & detail::kInDoc)) {
+          emit_dinit(doc_row[r - 2], pm[s2] >> detail::kEndShift & 3, gm[s2], gm[s1], (pm[s1] & detail::kPosMask) >= 1, g,
+                     pos >= 2);
         }
       }
       if (r >= 3) {  // dx of token s = u - 3 = t0 + r - 3, whose last consumer is u
@@ -327,23 +435,47 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
           // Token s + m read x[s] through tap 3 - m iff its position is >= m. FP32 order: tap 3
           // (token s itself) first.
           float v = w[3][j] * gm[s3][j];
-          if (pm[s2] >= 1) v = fmaf(w[2][j], gm[s2][j], v);
-          if (pm[s1] >= 2) v = fmaf(w[1][j], gm[s1][j], v);
+          if ((pm[s2] & detail::kPosMask) >= 1) v = fmaf(w[2][j], gm[s2][j], v);
+          if ((pm[s1] & detail::kPosMask) >= 2) v = fmaf(w[1][j], gm[s1][j], v);
           if (pos >= 3) v = fmaf(w[0][j], g[j], v);
           d[j] = v;
+        }
+        if constexpr (kEvents) {
+          // s is one of its document's last 3 tokens, k before its end: its final-state row's
+          // gradient (row 3 - k) adds to its dx.
+          const int cs = pm[s3], k = cs >> detail::kEndShift & 3;
+          if (dfinal_v && active && k && (cs & detail::kInDoc)) {
+            float f[V];
+            detail::row_to_float(__ldg(dfinal_v + state_off(doc_row[r - 3], 3 - k) + vec), f);
+#pragma unroll
+            for (int j = 0; j < V; ++j) d[j] += f[j];
+          }
         }
         if (dx_t < t_lim) dxv[dx_off] = detail::pack_row<V>(d);
       }
       ++dx_t;
-      dx_off += vecs_per_row;
-      pm[q] = pos;
+      dx_off += p.dx_row_stride;
+      pm[q] = code;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         xm[q][j] = xt[j];
         gm[q][j] = g[j];
       }
     };
-    detail::walk_rows<L + 3, R>(row, cur, prev);  // whole steps of 4 rows, the rest peeled
+    // whole steps of 4 rows, the rest peeled
+    const auto walk = [&](auto events) {
+      detail::walk_rows<L + 3, R>([&](int r, auto phase) { row(r, phase, events); }, cur, prev);
+    };
+    if constexpr (kStates) {
+      const int block = (t0 - item_t0) / L;  // rows t0 .. t0 + L + 2: this block and 3 tokens of the next
+      if (s_block_events[block] | s_block_events[block + 1]) {
+        walk(std::true_type{});
+      } else {
+        walk(std::false_type{});
+      }
+    } else {
+      walk(std::false_type{});
+    }
     if (t0 + TT < item_end) prefetch(t0 + TT);  // the ring is free: every row was consumed
   }
 

@@ -12,27 +12,33 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
   const int64_t vecs_per_row = p.C / Traits::kVec;
   const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
   const int64_t blocks = int64_t(p.groups) * tiles_c;
-  if (blocks > INT32_MAX || int64_t(p.S) * vecs_per_row >= (int64_t(1) << 32)) {  // 32-bit offsets
-    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for the backward (S * C / %d must be below 2^32)",
-                (long long)p.S * p.C, Traits::kVec);
+  const int64_t rows_span = int64_t(p.S) * std::max({p.x_row_stride, p.dy_row_stride, p.dx_row_stride});  // vectors
+  if (blocks > INT32_MAX || rows_span >= (int64_t(1) << 32)) {  // 32-bit offsets
+    return fail(cudaErrorInvalidValue, "x: S * row stride = %lld elements is too large for the backward (must be below 2^%d)",
+                (long long)rows_span * Traits::kVec, 32 + (Traits::kVec == 8 ? 3 : 2));
   }
   static_assert(Traits::kTileChannels >= kBwdMinTileChannels, "the workspace has counters per kBwdMinTileChannels");
   p.tiles_c = static_cast<int32_t>(tiles_c);
   (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
-  const auto kernel = p.round_preact ? causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, true>
-                                     : causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, false>;
+  const bool states = p.initial_states || p.dfinal_states;
+  const auto kernel = p.round_preact ? (states ? causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, true, true>
+                                               : causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, true, false>)
+                                     : (states ? causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, false, true>
+                                               : causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, false, false>);
   kernel<<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(e, "backward kernel launch failed: %s", cudaGetErrorString(e));
   return cudaSuccess;
 }
 
-// S == 0: no token group, so no CTA reduces; dweight and dbias are zero.
+// S == 0: no token group, so no CTA reduces; dweight and dbias are zero, and every document is
+// empty: dinit = dfinal (or zeros).
 template <class WeightT, class BiasT>
-cudaError_t zero_param_grads(const CausalConv1dBwdParams& p, cudaStream_t stream) {
+cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stream) {
   cudaError_t e = cudaMemsetAsync(p.dweight, 0, size_t(p.C) * 4 * sizeof(WeightT), stream);
   if (e == cudaSuccess && detail::kHasBias<BiasT>) e = cudaMemsetAsync(p.dbias, 0, size_t(p.C) * detail::kBiasBytes<BiasT>, stream);
   if (e != cudaSuccess) return fail(e, "zeroing dweight/dbias failed: %s", cudaGetErrorString(e));
+  if (p.initial_states) return copy_or_zero_states(p.dinitial_states, p.dfinal_states, p.num_docs, p.C, stream, "dinitial_states");
   return cudaSuccess;
 }
 
@@ -63,7 +69,7 @@ constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
 // group would leave strips idle). Threads per SM stay 4 * CAKE_BWD_THREADS on every route.
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_t stream) {
-  if (p.groups == 0) return zero_param_grads<WeightT, BiasT>(p, stream);
+  if (p.groups == 0) return grads_of_no_tokens<WeightT, BiasT>(p, stream);
   constexpr int kVec = CAKE_BWD_VEC, kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BWD_STRIP_LEN,
                 kRing = CAKE_BWD_RING, kMinCtas = CAKE_BWD_MIN_CTAS;
   using Wide = BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
@@ -100,6 +106,20 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
   if (a.workspace_bytes < need) {
     return fail(cudaErrorInvalidValue, "workspace: expected at least %lld bytes, got %lld", (long long)need, (long long)a.workspace_bytes);
   }
+  int64_t x_row_stride = 0, dy_row_stride = 0, dx_row_stride = 0;
+  cudaError_t e = check_row_stride("x", a.S, a.C, a.x_row_stride, kBwdMaxElements, &x_row_stride);
+  if (e == cudaSuccess) e = check_row_stride("dy", a.S, a.C, a.dy_row_stride, kBwdMaxElements, &dy_row_stride);
+  if (e == cudaSuccess) e = check_row_stride("dx", a.S, a.C, a.dx_row_stride, kBwdMaxElements, &dx_row_stride);
+  if (e != cudaSuccess) return e;
+  if (a.num_docs > 0) {  // (without documents the states are empty: their addresses are not used)
+    if (!a.initial_states != !a.dinitial_states) {
+      return fail(cudaErrorInvalidValue, "dinitial_states: expected exactly when initial_states is given");
+    }
+    for (const auto& [name, ptr] : {std::pair<const char*, int64_t>{"initial_states", a.initial_states}, {"dfinal_states", a.dfinal_states},
+                                    {"dinitial_states", a.dinitial_states}}) {
+      if (ptr % 16) return fail(cudaErrorInvalidValue, "%s: expected a 16-byte aligned pointer", name);
+    }
+  }
   const int64_t need_counters = bwd_counter_bytes(a.S, a.C, a.item_tokens);
   if (a.counters_bytes < need_counters) {
     return fail(cudaErrorInvalidValue, "counters: expected at least %lld bytes, got %lld", (long long)need_counters, (long long)a.counters_bytes);
@@ -117,6 +137,14 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
   p.weight = as_ptr<const void>(a.weight);
   p.bias = as_ptr<const void>(a.bias);
   p.cu_seqlens = as_ptr<const int32_t>(a.cu_seqlens);
+  if (a.num_docs > 0) {  // no document, no state
+    p.initial_states = as_ptr<const __nv_bfloat16>(a.initial_states);
+    p.dfinal_states = as_ptr<const __nv_bfloat16>(a.dfinal_states);
+    p.dinitial_states = as_ptr<__nv_bfloat16>(a.dinitial_states);
+  }
+  p.x_row_stride = static_cast<uint32_t>(x_row_stride / CAKE_BWD_VEC);  // in vectors: below 2^32 (S * stride checked)
+  p.dy_row_stride = static_cast<uint32_t>(dy_row_stride / CAKE_BWD_VEC);
+  p.dx_row_stride = static_cast<uint32_t>(dx_row_stride / CAKE_BWD_VEC);
   p.partials = as_ptr<float>(a.workspace);
   p.counters = as_ptr<int32_t>(a.counters);
   if (a.S > 0) {

@@ -225,6 +225,24 @@ __device__ __forceinline__ void walk_rows(RowFn&& row, int& cur, int& prev) {
   if constexpr (kFull + 2 < kRows) row(kFull + 2, P2{});
 }
 
+// The first entry >= first among cu_seqlens[0 .. num_docs], num_docs + 1 when none (for sorted
+// content; for any content a value in [0, num_docs + 1]), by the whole CTA: kThreads pivots per
+// round, every thread must call it (it contains barriers).
+template <int kThreads>
+__device__ __forceinline__ int64_t search_first_entry(const int32_t* __restrict__ cu, int num_docs, int first) {
+  int64_t lo = 0, hi = int64_t(num_docs) + 1;
+  while (hi > lo) {  // uniform: lo and hi come from barrier counts
+    const int64_t step = (hi - lo + kThreads - 1) / kThreads;
+    const int64_t pivot = lo + threadIdx.x * step;
+    const bool below = pivot < hi && __ldg(cu + pivot) < first;
+    const int c = __syncthreads_count(below);
+    if (c == 0) break;  // cu[lo] >= first
+    lo += (c - 1) * step + 1;
+    hi = min(hi, lo - 1 + step);  // the next pivot, >= first (or past the candidates)
+  }
+  return lo;
+}
+
 // Positions of tokens first_token + j, j = 0 .. count - 1, into out[j], by the whole CTA
 // (kThreads threads; every thread must call it, it contains barriers). Token t's position is
 // min(t - start, 3) for the nearest document start <= t, so only starts in [first_token - 2,
@@ -250,17 +268,7 @@ __device__ __forceinline__ void scan_positions(const int32_t* __restrict__ cu, i
   const int first = first_token - 2;  // >= -2
   const int end = first_token + count;
   for (int i = threadIdx.x; i < count + 2; i += kThreads) flags[i] = 0;  // ordered by the first round's barrier
-  // The first entry >= first among cu[lo .. hi), hi itself when none (for sorted content).
-  int64_t lo = 0, hi = int64_t(num_docs) + 1;
-  while (hi > lo) {  // uniform: lo and hi come from barrier counts
-    const int64_t step = (hi - lo + kThreads - 1) / kThreads;
-    const int64_t pivot = lo + threadIdx.x * step;
-    const bool below = pivot < hi && __ldg(cu + pivot) < first;
-    const int c = __syncthreads_count(below);
-    if (c == 0) break;  // cu[lo] >= first
-    lo += (c - 1) * step + 1;
-    hi = min(hi, lo - 1 + step);  // the next pivot, >= first (or past the candidates)
-  }
+  const int64_t lo = search_first_entry<kThreads>(cu, num_docs, first);
   for (int64_t d0 = lo;; d0 += kThreads) {  // passes over the entries from lo until one >= end
     const int64_t d = d0 + threadIdx.x;
     const bool in = d <= num_docs;
@@ -273,6 +281,97 @@ __device__ __forceinline__ void scan_positions(const int32_t* __restrict__ cu, i
   const int64_t none_below = lo == 0 ? int64_t(__ldg(cu)) : int64_t(INT32_MIN);
   for (int j = threadIdx.x; j < count; j += kThreads) {  // flags[j + 2] is token first_token + j
     out[j] = first_token + j < none_below ? 0 : flags[j + 2] ? 0 : flags[j + 1] ? 1 : flags[j] ? 2 : 3;
+  }
+}
+
+// The token codes of scan_documents: bits 0-1 the position (as scan_positions gives it), bits 2-3
+// the distance k = 1..3 to the next entry of cu_seqlens (0: none within 3 tokens), kInDoc when the
+// token's document index is a document (0 <= d < num_docs).
+constexpr int kPosMask = 3;
+constexpr int kEndShift = 2;
+constexpr int kInDoc = 16;
+
+// scan_positions plus what the per-document conv states need, for tokens first_token + j, j = 0 ..
+// count - 1 (every thread must call it; it contains barriers): code[j] (above) and doc[j], the
+// token's document when the token is less than 3 tokens into it (the last entry equal to its
+// start: empty documents there come before it) or among its last 3 tokens (the first entry equal
+// to its end, minus one); -1 when neither (no state row involves the token). For non-decreasing
+// content both are the d with cu[d] <= t < cu[d + 1]; for other content a token less than 3 into
+// its document counts the next entry as its end only when it is entry d + 1, so each state row has
+// one writer. blocks[b] (b <= ceil(count / kBlock)) is 1 when a token of block b (tokens b kBlock
+// .. (b + 1) kBlock - 1) has kInDoc: the strips of a block without one run the stateless loop.
+//
+// Empty documents (cu[d] == cu[d + 1] == v, d < num_docs) that this CTA owns (first_token <= v <
+// own_end, or v == S == own_end: the last tile owns those at the end of the batch, e.g. a
+// cu_seqlens padded to a fixed length) have no token: the whole CTA runs on_empty(d, row, vec) for
+// rows 0..2 and vectors 0 .. kTileVecs - 1 of each, a pass of entries at a time. Documents with
+// entries out of [0, S] or out of order are not owned (their states stay unwritten), but every read
+// and write stays in cu_seqlens[0 .. num_docs] and the scratch: first_idx / last_idx, int32 [count
+// + 5] each (the least / greatest entry index of each value first_token - 2 .. first_token + count
+// + 2).
+template <int kThreads, int kBlock, int kTileVecs, class OnEmpty>
+__device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, int num_docs, int S, int first_token,
+                                               int count, int own_end, int32_t* first_idx, int32_t* last_idx,
+                                               uint8_t* code, int32_t* doc, uint8_t* blocks, OnEmpty&& on_empty) {
+  __shared__ int32_t s_empty[kThreads];  // per thread: the owned empty document its entry starts, or -1
+  __shared__ bool s_more[2];             // whether another pass follows, by pass parity
+  const int first = first_token - 2;  // >= -2
+  // The greatest value the scratch holds, first_token + count + 2, in int32 (the forward's last
+  // tile at S = 2^31 - 1 would pass 2^31 - 1: no entry can).
+  const int last = static_cast<int>(min(int64_t(first_token) + count + 2, int64_t(INT32_MAX)));
+  for (int i = threadIdx.x; i < count + 5; i += kThreads) {  // ordered by the search's barriers
+    first_idx[i] = INT32_MAX;
+    last_idx[i] = -1;
+  }
+  for (int i = threadIdx.x; i <= (count + kBlock - 1) / kBlock; i += kThreads) blocks[i] = 0;
+  const int64_t lo = search_first_entry<kThreads>(cu, num_docs, first);
+  // Passes over the entries from lo until one > last, one barrier each (two with empty documents).
+  // s_more alternates so that a pass's flag is never rewritten before every thread has read it
+  // (the next pass's barrier separates them).
+  for (int pass = 0;; ++pass) {
+    const int64_t d = lo + int64_t(pass) * kThreads + threadIdx.x;
+    const bool in = d <= num_docs;
+    const int v = in ? __ldg(cu + d) : 0;
+    bool empty = false;
+    if (in && v >= first && v <= last) {
+      atomicMin(first_idx + (v - first), static_cast<int32_t>(d));
+      atomicMax(last_idx + (v - first), static_cast<int32_t>(d));
+      const bool owned = (v >= first_token && v < own_end) || (v == S && own_end == S);
+      empty = owned && d < num_docs && __ldg(cu + d + 1) == v;
+    }
+    s_empty[threadIdx.x] = empty ? static_cast<int32_t>(d) : -1;
+    if (threadIdx.x == kThreads - 1) s_more[pass & 1] = in && v <= last;
+    if (__syncthreads_count(empty)) {  // rare: the whole CTA writes their states
+      for (int e = threadIdx.x; e < kThreads * 3 * kTileVecs; e += kThreads) {
+        const int de = s_empty[e / (3 * kTileVecs)];
+        if (de >= 0) on_empty(de, e / kTileVecs % 3, e % kTileVecs);
+      }
+      __syncthreads();  // s_empty is read before the next pass rewrites it
+    }
+    if (!s_more[pass & 1]) break;
+  }
+  const int64_t none_below = lo == 0 ? int64_t(__ldg(cu)) : int64_t(INT32_MIN);
+  for (int j = threadIdx.x; j < count; j += kThreads) {  // slot j + 2 is token first_token + j
+    int pos = 3, d = -1;
+    if (first_token + j < none_below) {
+      pos = 0;  // before every entry: no history, no document
+    } else if (last_idx[j + 2] >= 0) {
+      pos = 0, d = last_idx[j + 2];
+    } else if (last_idx[j + 1] >= 0) {
+      pos = 1, d = last_idx[j + 1];
+    } else if (last_idx[j] >= 0) {
+      pos = 2, d = last_idx[j];
+    }
+    int k = first_idx[j + 3] != INT32_MAX ? 1 : first_idx[j + 4] != INT32_MAX ? 2 : first_idx[j + 5] != INT32_MAX ? 3 : 0;
+    if (pos == 3 && k) {
+      d = first_idx[j + 2 + k] - 1;
+    } else if (k && first_idx[j + 2 + k] - 1 != d) {
+      k = 0;  // out-of-order content: that entry does not end document d
+    }
+    const bool in_doc = d >= 0 && d < num_docs;
+    code[j] = static_cast<uint8_t>(pos | k << kEndShift | (in_doc ? kInDoc : 0));
+    doc[j] = in_doc ? d : -1;
+    if (in_doc) blocks[j / kBlock] = 1;  // every write the same 1
   }
 }
 

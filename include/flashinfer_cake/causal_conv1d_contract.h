@@ -14,8 +14,10 @@ namespace flashinfer_cake {
 constexpr int64_t kMaxDevices = 64;
 
 // Index ranges (exclusive bounds). The forward addresses 16-byte vectors of 8 channels with 32-bit
-// offsets (S * C / 8 < 2^32); the backward 8-byte vectors of 4 channels (S * C / 4 < 2^32) and
-// keeps the token indices of a token group, its sub-tiles and their 3-token lookahead in int32.
+// offsets (S * row stride / 8 < 2^32, the row stride C for a contiguous tensor); the backward
+// 8-byte vectors of 4 channels (S * row stride / 4 < 2^32) and keeps the token indices of a token
+// group, its sub-tiles and their 3-token lookahead in int32. The same bounds hold for S * C and for
+// S times each row stride.
 constexpr int64_t kFwdMaxS = int64_t(1) << 31;
 constexpr int64_t kFwdMaxElements = int64_t(1) << 35;
 constexpr int64_t kBwdMaxS = int64_t(1) << 30;
@@ -29,17 +31,25 @@ constexpr int64_t kMaxCuSeqlens = (int64_t(1) << 31) - 1;  // inclusive: num_doc
 constexpr int64_t kFwdWorkspaceCounters = 2;
 
 // The C entries take one struct of int64 fields (device addresses, sizes, flags, the stream):
-// one ctypes argument instead of 11 or 19 (the eager host budget), filled by name in the binding.
-//   forward:  x, y, weight, bias, cu_seqlens, workspace (the counters above), S, C, num_docs,
-//             device, stream
-//   backward: x, dy, dx, weight, bias, cu_seqlens, workspace (FP32 partial rows, any content) and
-//             its size in bytes, counters (int32, zero on entry, left zero) and their size in
-//             bytes, dweight, dbias, S, C, num_docs, item_tokens (causal_conv1d_bwd_plan.h),
-//             round_preact (1: SiLU' at the BF16-rounded pre-activation), device, stream
-#define CAKE_FWD_ARGS(X) X(x) X(y) X(weight) X(bias) X(cu_seqlens) X(workspace) X(S) X(C) X(num_docs) X(device) X(stream)
+// one ctypes argument instead of 15 or 25 (the eager host budget), filled by name in the binding.
+// The [S, C] tensors are BF16 rows of C channels, *_row_stride elements apart (a multiple of 8,
+// at least C; C itself for a contiguous tensor); the states are BF16 [num_docs, 3, C], contiguous,
+// 0 (null) when absent.
+//   forward:  x, y, weight, bias, cu_seqlens, workspace (the counters above), initial_states,
+//             final_states (written), S, C, x_row_stride, y_row_stride, num_docs, device, stream
+//   backward: x, dy, dx, weight, bias, cu_seqlens, initial_states, dfinal_states, dinitial_states
+//             (written; given iff initial_states is), workspace (FP32 partial rows, any content)
+//             and its size in bytes, counters (int32, zero on entry, left zero) and their size in
+//             bytes, dweight, dbias, S, C, x_row_stride, dy_row_stride, dx_row_stride, num_docs,
+//             item_tokens (causal_conv1d_bwd_plan.h), round_preact (1: SiLU' at the BF16-rounded
+//             pre-activation), device, stream
+#define CAKE_FWD_ARGS(X)                                                                                   \
+  X(x) X(y) X(weight) X(bias) X(cu_seqlens) X(workspace) X(initial_states) X(final_states) X(S) X(C)      \
+  X(x_row_stride) X(y_row_stride) X(num_docs) X(device) X(stream)
 #define CAKE_BWD_ARGS(X)                                                                                            \
-  X(x) X(dy) X(dx) X(weight) X(bias) X(cu_seqlens) X(workspace) X(workspace_bytes) X(counters) X(counters_bytes)   \
-  X(dweight) X(dbias) X(S) X(C) X(num_docs) X(item_tokens) X(round_preact) X(device) X(stream)
+  X(x) X(dy) X(dx) X(weight) X(bias) X(cu_seqlens) X(initial_states) X(dfinal_states) X(dinitial_states)          \
+  X(workspace) X(workspace_bytes) X(counters) X(counters_bytes) X(dweight) X(dbias) X(S) X(C) X(x_row_stride)       \
+  X(dy_row_stride) X(dx_row_stride) X(num_docs) X(item_tokens) X(round_preact) X(device) X(stream)
 
 #define CAKE_ARG_FIELD(name) int64_t name;
 #define CAKE_ARG_NAME(name) #name " "

@@ -13,13 +13,16 @@ cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, cudaStream_t
   const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
   const int64_t groups = (int64_t(p.S) + Traits::kTileTokens - 1) / Traits::kTileTokens;
   const int64_t blocks = groups * tiles_c;
-  if (blocks > INT32_MAX || int64_t(p.S) * vecs_per_row >= (int64_t(1) << 32)) {  // 32-bit offsets
-    return fail(cudaErrorInvalidValue, "x: S * C = %lld elements is too large for the forward (S * C / %d must be below 2^32)",
-                (long long)p.S * p.C, Traits::kVec);
+  const int64_t rows_span = int64_t(p.S) * std::max(p.x_row_stride, p.y_row_stride);  // vectors
+  if (blocks > INT32_MAX || rows_span >= (int64_t(1) << 32)) {  // 32-bit offsets
+    return fail(cudaErrorInvalidValue, "x: S * row stride = %lld elements is too large for the forward (must be below 2^%d)",
+                (long long)rows_span * Traits::kVec, 32 + (Traits::kVec == 8 ? 3 : 2));
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
   (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
-  causal_conv1d_fwd_kernel<Traits, WeightT, BiasT><<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
+  const auto kernel = p.initial_states || p.final_states ? causal_conv1d_fwd_kernel<Traits, WeightT, BiasT, true>
+                                                         : causal_conv1d_fwd_kernel<Traits, WeightT, BiasT, false>;
+  kernel<<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(e, "kernel launch failed: %s", cudaGetErrorString(e));
   return cudaSuccess;
@@ -48,6 +51,7 @@ template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_fwd(CausalConv1dFwdParams p, cudaStream_t stream) {
   constexpr int kVec = CAKE_FWD_VEC, kThreads = CAKE_FWD_THREADS, kStrip = CAKE_FWD_STRIP_LEN,
                 kRing = CAKE_FWD_RING, kMinCtas = CAKE_FWD_MIN_CTAS;
+
   using Wide = FwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
   using Narrow = FwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>;
   if (p.C / kVec > 8) return launch_causal_conv1d_fwd_route<Wide, WeightT, BiasT>(p, stream);
@@ -65,7 +69,24 @@ cudaError_t causal_conv1d_fwd_entry(const FwdArgs& a) {
   if (a.S * a.C >= kFwdMaxElements) return fail(cudaErrorInvalidValue, "x: S * C must be below 2^35, got %lld", (long long)(a.S * a.C));
   if (a.num_docs < 0 || a.num_docs >= kMaxCuSeqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 2], got %lld", (long long)a.num_docs);
   if (a.device < 0 || a.device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)a.device);
-  if (a.S == 0) return cudaSuccess;
+  int64_t x_row_stride = 0, y_row_stride = 0;
+  cudaError_t e = check_row_stride("x", a.S, a.C, a.x_row_stride, kFwdMaxElements, &x_row_stride);
+  if (e == cudaSuccess) e = check_row_stride("out", a.S, a.C, a.y_row_stride, kFwdMaxElements, &y_row_stride);
+  if (e != cudaSuccess) return e;
+  const void* const initial_states = as_ptr<const void>(a.initial_states);
+  void* const final_states = as_ptr<void>(a.final_states);
+  if (a.num_docs > 0) {
+    if (!aligned16(initial_states)) return fail(cudaErrorInvalidValue, "initial_states: expected a 16-byte aligned pointer");
+    if (!aligned16(final_states)) return fail(cudaErrorInvalidValue, "final_states: expected a 16-byte aligned pointer");
+  }
+  if (a.S == 0) {  // every document is empty: its final state is its initial state
+    if (final_states && a.num_docs > 0) {
+      return on_device(static_cast<int>(a.device), [&] {
+        return copy_or_zero_states(final_states, initial_states, a.num_docs, a.C, as_ptr<CUstream_st>(a.stream), "final_states");
+      });
+    }
+    return cudaSuccess;
+  }
   const void* const x = as_ptr<const void>(a.x);
   void* const y = as_ptr<void>(a.y);
   const void* const weight = as_ptr<const void>(a.weight);
@@ -83,6 +104,10 @@ cudaError_t causal_conv1d_fwd_entry(const FwdArgs& a) {
   p.weight = weight;
   p.bias = bias;
   p.cu_seqlens = cu_seqlens;
+  p.initial_states = a.num_docs > 0 ? static_cast<const __nv_bfloat16*>(initial_states) : nullptr;
+  p.final_states = a.num_docs > 0 ? static_cast<__nv_bfloat16*>(final_states) : nullptr;
+  p.x_row_stride = static_cast<uint32_t>(x_row_stride / CAKE_FWD_VEC);  // in vectors: below 2^32 (S * stride checked)
+  p.y_row_stride = static_cast<uint32_t>(y_row_stride / CAKE_FWD_VEC);
   p.S = static_cast<int32_t>(a.S);
   p.C = static_cast<int32_t>(a.C);
   p.num_docs = static_cast<int32_t>(a.num_docs);

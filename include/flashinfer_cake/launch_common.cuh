@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "causal_conv1d_contract.h"
@@ -35,6 +36,29 @@ T* as_ptr(int64_t address) {
 
 inline bool aligned_to(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 inline bool aligned16(const void* ptr) { return aligned_to(ptr, 16); }
+
+// The row stride of a [S, C] BF16 argument, in elements, into *out: stride for S > 1 (at least C,
+// a multiple of 8, S * stride below max_elements), C when S <= 1 (a single row has none).
+inline cudaError_t check_row_stride(const char* name, int64_t S, int64_t C, int64_t stride, int64_t max_elements,
+                                    int64_t* out) {
+  *out = C;
+  if (S <= 1) return cudaSuccess;
+  if (stride < C || stride % 8 != 0 || stride > (max_elements - 1) / S) {  // S * stride < max_elements
+    return fail(cudaErrorInvalidValue, "%s: expected a row stride >= C = %lld, a multiple of 8, with S * stride below 2^%d; got %lld",
+                name, (long long)C, 63 - __builtin_clzll(static_cast<unsigned long long>(max_elements)), (long long)stride);
+  }
+  *out = stride;
+  return cudaSuccess;
+}
+
+// dst = src (or zeros when src is null): [num_docs, 3, C] BF16 states, on the current device.
+inline cudaError_t copy_or_zero_states(void* dst, const void* src, int64_t num_docs, int64_t C, cudaStream_t stream,
+                                       const char* name) {
+  const size_t bytes = static_cast<size_t>(num_docs) * 3 * C * 2;
+  const cudaError_t e = src ? cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream) : cudaMemsetAsync(dst, 0, bytes, stream);
+  if (e != cudaSuccess) return fail(e, "writing %s failed: %s", name, cudaGetErrorString(e));
+  return cudaSuccess;
+}
 
 // 1 while `stream` captures a CUDA graph (the torch binding then gives the call a workspace of its
 // own), 0 when it does not, -1 when the query fails (message in last_error_buffer()).
