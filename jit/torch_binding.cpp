@@ -209,8 +209,10 @@ int64_t span_bytes(const at::Tensor* t) {
 
 // Whether the byte spans of a and b intersect (_checks.check_no_overlap's rule).
 bool overlaps(const at::Tensor* a, const at::Tensor* b) {
-  const int64_t na = span_bytes(a), nb = span_bytes(b);
-  if (!na || !nb) return false;
+  const int64_t na = span_bytes(a);
+  if (!na) return false;  // (absent: the usual written argument, no span of the others to compute)
+  const int64_t nb = span_bytes(b);
+  if (!nb) return false;
   const intptr_t pa = address(a), pb = address(b);
   return pa < pb + nb && pb < pa + na;
 }
@@ -341,6 +343,7 @@ constexpr const char* kBwd = "cake_causal_conv1d_train_backward";
 template <size_t N>
 bool any_written_overlaps(const at::Tensor* const (&spans)[N], size_t first_written) {
   for (size_t i = first_written; i < N; ++i) {
+    if (!span_bytes(spans[i])) continue;  // absent or empty: overlaps nothing
     for (size_t j = 0; j < i; ++j) {
       if (overlaps(spans[i], spans[j])) return true;
     }
@@ -351,7 +354,7 @@ bool any_written_overlaps(const at::Tensor* const (&spans)[N], size_t first_writ
 // Whether any of the tensors is non-empty and not 16-byte aligned (null: absent).
 bool misaligned16(std::initializer_list<const at::Tensor*> ts) {
   for (const at::Tensor* t : ts) {
-    if (span_bytes(t) && address(t) & 15) return true;
+    if (t && t->defined() && t->numel() && address(t) & 15) return true;
   }
   return false;
 }
