@@ -1,0 +1,198 @@
+"""CPU tests of flashinfer_cake.cp (CI): partitions of every layout and explicit fragments, the
+tables one rank derives, and the halo exchange with gloo in 2-4 processes (each with a timeout:
+a hung collective fails the test) against the FP64 reference of the unsplit batch."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from flashinfer_cake.cp import LAYOUTS, build_cp_context, cp_partition
+from flashinfer_cake.reference import causal_conv1d_reference
+
+F64 = torch.float64
+
+
+def random_cu(rng: random.Random, n_docs: int, choices=(0, 1, 2, 3, 5, 9, 40)) -> list[int]:
+    cu = [0]
+    for _ in range(n_docs):
+        cu.append(cu[-1] + rng.choice(choices))
+    return cu
+
+
+CUS = [
+    [0, 17],
+    [0, 0, 5, 5, 6, 30, 30],
+    [0, 1, 2, 3, 4, 5, 6, 7],
+    [0, 100, 101, 104, 250],
+] + [random_cu(random.Random(s), 12) for s in range(4)]
+
+
+@pytest.mark.parametrize("cu", CUS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_token_on_exactly_one_rank(cu, world_size, layout):
+    part = cp_partition(torch.tensor(cu, dtype=torch.int32), world_size, layout)
+    tokens = [t for r in range(world_size) for t in part.global_tokens(r)]
+    assert sorted(tokens) == list(range(cu[-1]))
+    for r in range(world_size):
+        local = part.local_cu_seqlens(r)
+        assert local[0] == 0 and local[-1] == part.local_tokens(r) == len(part.global_tokens(r))
+    if layout == "contiguous":  # balanced within one token, in global order
+        sizes = [part.local_tokens(r) for r in range(world_size)]
+        assert max(sizes) - min(sizes) <= 1
+        assert tokens == list(range(cu[-1]))
+
+
+def test_zigzag_layouts_hold_chunks_r_and_mirror():
+    part = cp_partition([0, 10, 16], 2, "zigzag")  # 16 tokens, 4 chunks of 4
+    assert part.global_tokens(0) == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert part.global_tokens(1) == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert part.fragments[1] == ((0, 4, 4), (0, 8, 2), (1, 0, 2))
+    part = cp_partition([0, 8, 12], 2, "zigzag_per_document")
+    assert part.fragments[0] == ((0, 0, 2), (0, 6, 2), (1, 0, 1), (1, 3, 1))
+    assert part.fragments[1] == ((0, 2, 2), (0, 4, 2), (1, 1, 1), (1, 2, 1))
+
+
+def test_explicit_fragments_ragged_and_zero_length():
+    frags = [[(0, 0, 1), (1, 0, 0)], [(0, 1, 1), (0, 2, 0)], [(0, 2, 5), (1, 0, 3)]]
+    part = cp_partition([0, 7, 10], 3, fragments=frags)
+    assert part.layout == "fragments" and part.local_cu_seqlens(1) == [0, 1, 1]
+    assert sorted(t for r in range(3) for t in part.global_tokens(r)) == list(range(10))
+
+
+@pytest.mark.parametrize("cu, world_size, layout, frags, match", [
+    ([0, 5, 3], 2, "contiguous", None, "never decrease"),
+    ([1, 5], 2, "contiguous", None, "start at 0"),
+    ([0, 5], 0, "contiguous", None, "world_size"),
+    ([0, 5], 2, "diagonal", None, "layout"),
+    ([0, 5], 2, None, [[(0, 0, 5)]], "one list per rank"),
+    ([0, 5], 2, None, [[(0, 0, 3)], [(0, 2, 3)]], "more than one fragment"),
+    ([0, 5], 2, None, [[(0, 0, 2)], [(0, 3, 2)]], "missing"),
+    ([0, 5], 2, None, [[(0, 0, 2)], [(0, 2, 2)]], "in no fragment"),
+    ([0, 5], 2, None, [[(0, 0, 6)], []], "outside its document"),
+    ([0, 5], 2, None, [[(1, 0, 1)], [(0, 0, 5)]], "outside its document"),
+    ([0, 5], 2, None, [[(0, 0)], [(0, 0, 5)]], "doc, offset, length"),
+])
+def test_bad_partitions_are_value_errors(cu, world_size, layout, frags, match):
+    with pytest.raises(ValueError, match=match):
+        cp_partition(cu, world_size, layout or "contiguous", fragments=frags)
+
+
+def gathered_states(part, x_global: torch.Tensor, rank: int) -> torch.Tensor:
+    """What halo_exchange gives `rank`, computed from the tables alone on one process: every
+    rank's export rows gathered, then this rank's import rows."""
+    ctxs = [build_cp_context(part, None, r, "cpu") for r in range(part.world_size)]
+    blocks = []
+    for r, c in enumerate(ctxs):
+        local = x_global[torch.tensor(part.global_tokens(r), dtype=torch.long)] if c.num_tokens else x_global[:0]
+        rows = local.index_select(0, c.export_rows) if c.num_tokens else torch.zeros(c.export_size, x_global.shape[1],
+                                                                                    dtype=x_global.dtype)
+        blocks.append(rows)
+    buf = torch.cat(blocks + [torch.zeros(1, x_global.shape[1], dtype=x_global.dtype)])
+    return buf.index_select(0, ctxs[rank].import_rows).view(-1, 3, x_global.shape[1])
+
+
+@pytest.mark.parametrize("cu", CUS)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "fragments"])
+def test_tables_give_each_fragment_its_documents_previous_rows(cu, world_size, layout):
+    frags = None
+    if layout == "fragments":  # 1- and 0-token pieces: histories from several ranks
+        rng, frags = random.Random(len(cu) * world_size), [[] for _ in range(world_size)]
+        for d, n in enumerate(b - a for a, b in zip(cu, cu[1:])):
+            at = 0
+            while at < n:
+                k = min(n - at, rng.choice((0, 1, 1, 2, 4)))
+                frags[rng.randrange(world_size)].append((d, at, k))
+                at += k
+    part = cp_partition(cu, world_size, "contiguous" if frags else layout, fragments=frags)
+    C = 4
+    x = torch.arange(1, cu[-1] * C + 1, dtype=F64).view(-1, C)
+    for r in range(world_size):
+        states = gathered_states(part, x, r)
+        assert states.shape[0] == len(part.fragments[r])
+        for i, (d, o, _) in enumerate(part.fragments[r]):
+            for j in range(3):
+                p = o - 3 + j
+                want = x[cu[d] + p] if p >= 0 else torch.zeros(C, dtype=F64)
+                assert torch.equal(states[i, j], want), (r, i, j)
+
+
+_WORKER = textwrap.dedent("""
+    import datetime, json, os, sys, torch, torch.distributed as dist
+    from flashinfer_cake.cp import build_cp_context, cp_partition, halo_exchange
+    from flashinfer_cake.reference import causal_conv1d_backward_reference, causal_conv1d_reference
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    cfg = json.loads(sys.argv[1])
+    cu, C = cfg["cu"], cfg["C"]
+    g = torch.Generator().manual_seed(cfg["seed"])  # the same global batch on every rank
+    x = torch.randn(cu[-1], C, generator=g, dtype=torch.float64)
+    w, b = torch.randn(C, 4, generator=g, dtype=torch.float64), torch.randn(C, generator=g, dtype=torch.float64)
+    dy = torch.randn(cu[-1], C, generator=g, dtype=torch.float64)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    part = cp_partition(cu_t, world, cfg["layout"], fragments=cfg["fragments"])
+    ctx = build_cp_context(part, dist.group.WORLD, rank, "cpu")
+    mine = torch.tensor(part.global_tokens(rank), dtype=torch.long)
+    x_local = x[mine].clone().requires_grad_()
+    states = halo_exchange(x_local, ctx)
+    y = causal_conv1d_reference(x_local, w, ctx.cu_seqlens, b, initial_states=states)
+    want = causal_conv1d_reference(x, w, cu_t, b)[mine]
+    y.backward(dy[mine])
+    dx_want = causal_conv1d_backward_reference(x, w, cu_t, dy, b, silu_grad_preactivation="fp32")[0][mine]
+    ok_y = torch.allclose(y, want, rtol=1e-12, atol=1e-12)
+    ok_dx = torch.allclose(x_local.grad, dx_want, rtol=1e-12, atol=1e-12)
+    print(json.dumps({"rank": rank, "y": ok_y, "dx": ok_dx, "fragments": len(part.fragments[rank])}), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world_size: int, cfg: dict, timeout: float = 120) -> list[dict]:
+    import json
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world_size),
+           "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, json.dumps(cfg)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world_size)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return results
+
+
+@pytest.mark.parametrize("world_size, layout, cu, fragments", [
+    (2, "contiguous", [0, 1, 3, 50, 51, 52, 90], None),
+    (2, "zigzag", [0, 7, 8, 8, 40, 41, 43], None),
+    (3, "zigzag_per_document", [0, 2, 30, 31, 60], None),
+    (4, "contiguous", [0, 5, 5, 9, 10, 11, 12, 40], None),  # 1-token shards' neighbours: several ranks
+    (3, None, [0, 9, 14], [[(0, 0, 2), (0, 4, 1), (1, 3, 2)], [(0, 2, 1), (0, 3, 0), (0, 5, 4)],
+                           [(0, 3, 1), (1, 0, 3)]]),
+])
+def test_halo_exchange_with_gloo_matches_the_unsplit_reference(world_size, layout, cu, fragments):
+    """Each rank's y and dx (FP64 reference with the exchanged states, autograd through the
+    exchange) equal the unsplit batch's restricted to its tokens."""
+    cfg = {"cu": cu, "C": 8, "seed": 11, "layout": layout or "contiguous", "fragments": fragments}
+    results = run_ranks(world_size, cfg)
+    assert [r["rank"] for r in results] == list(range(world_size))
+    assert all(r["y"] and r["dx"] for r in results), results
