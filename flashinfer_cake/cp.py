@@ -219,7 +219,8 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
     mine = export_lists[rank] + [0] * (size - len(export_lists[rank]))  # padding rows: exported, never imported
     cu = partition.local_cu_seqlens(rank)
     host = torch.tensor(cu + mine + imports, dtype=torch.int64)
-    dev = host.to(device, non_blocking=True) if torch.device(device).type == "cuda" else host.to(device)
+    on_cuda = torch.device(device).type == "cuda"
+    dev = host.pin_memory().to(device, non_blocking=True) if on_cuda else host.to(device)  # no host wait
     n_frag = len(cu) - 1
     return CPContext(partition, group, rank, dev[: n_frag + 1].to(torch.int32),
                      dev[n_frag + 1: n_frag + 1 + size], dev[n_frag + 1 + size:], size, cu[-1])
