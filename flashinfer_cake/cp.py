@@ -226,9 +226,9 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
                      dev[n_frag + 1: n_frag + 1 + size], dev[n_frag + 1 + size:], size, cu[-1])
 
 
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp, group=group)
+# torch 2.13 renames the fixed-size collectives (the old names warn); 2.11 has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _HaloExchange(torch.autograd.Function):
@@ -238,7 +238,7 @@ class _HaloExchange(torch.autograd.Function):
         C = rows.shape[1]
         send = rows.index_select(0, cp.export_rows)
         gathered = rows.new_empty(cp.partition.world_size * cp.export_size + 1, C)
-        dist.all_gather_into_tensor(gathered[:-1], send, group=cp.group)
+        _all_gather(gathered[:-1], send, group=cp.group)
         gathered[-1].zero_()
         ctx.cp, ctx.shape = cp, x_local.shape
         return gathered.index_select(0, cp.import_rows).view(-1, 3, C)
@@ -251,7 +251,7 @@ class _HaloExchange(torch.autograd.Function):
         per_row = dstates.new_zeros(P * size + 1, C)
         per_row.index_add_(0, cp.import_rows, dstates.reshape(-1, C))
         mine = dstates.new_empty(size, C)
-        _reduce_scatter(mine, per_row[:-1].contiguous(), cp.group)
+        _reduce_scatter(mine, per_row[:-1].contiguous(), group=cp.group)
         dx = dstates.new_zeros(cp.num_tokens, C)
         dx.index_add_(0, cp.export_rows, mine)  # padding rows receive zeros
         return dx.view(ctx.shape), None

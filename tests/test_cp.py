@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import sys
 import textwrap
@@ -131,7 +130,8 @@ _WORKER = textwrap.dedent("""
     from flashinfer_cake.cp import build_cp_context, cp_partition, halo_exchange
     from flashinfer_cake.reference import causal_conv1d_backward_reference, causal_conv1d_reference
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method="file://" + os.environ["CP_TEST_STORE"], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     cfg = json.loads(sys.argv[1])
     cu, C = cfg["cu"], cfg["C"]
     g = torch.Generator().manual_seed(cfg["seed"])  # the same global batch on every rank
@@ -151,20 +151,17 @@ _WORKER = textwrap.dedent("""
     ok_y = torch.allclose(y, want, rtol=1e-12, atol=1e-12)
     ok_dx = torch.allclose(x_local.grad, dx_want, rtol=1e-12, atol=1e-12)
     print(json.dumps({"rank": rank, "y": ok_y, "dx": ok_dx, "fragments": len(part.fragments[rank])}), flush=True)
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(world_size: int, cfg: dict, timeout: float = 120) -> list[dict]:
+def run_ranks(world_size: int, cfg: dict, store: str, timeout: float = 120) -> list[dict]:
+    """world_size worker processes meeting in a FileStore (no TCP port to race for), each killed
+    after `timeout` seconds; their JSON results, rank by rank."""
     import json
 
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world_size),
+    env = {**os.environ, "CP_TEST_STORE": store, "WORLD_SIZE": str(world_size),
            "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER, json.dumps(cfg)], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world_size)]
@@ -172,7 +169,7 @@ def run_ranks(world_size: int, cfg: dict, timeout: float = 120) -> list[dict]:
     try:
         for p in procs:
             out, err = p.communicate(timeout=timeout)
-            assert p.returncode == 0, err[-3000:]
+            assert p.returncode == 0, f"rank exited with {p.returncode}:\nstdout: {out[-2000:]}\nstderr: {err[:3000]}\n...\n{err[-3000:]}"
             results.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         for p in procs:
@@ -189,10 +186,10 @@ def run_ranks(world_size: int, cfg: dict, timeout: float = 120) -> list[dict]:
     (3, None, [0, 9, 14], [[(0, 0, 2), (0, 4, 1), (1, 3, 2)], [(0, 2, 1), (0, 3, 0), (0, 5, 4)],
                            [(0, 3, 1), (1, 0, 3)]]),
 ])
-def test_halo_exchange_with_gloo_matches_the_unsplit_reference(world_size, layout, cu, fragments):
+def test_halo_exchange_with_gloo_matches_the_unsplit_reference(world_size, layout, cu, fragments, tmp_path):
     """Each rank's y and dx (FP64 reference with the exchanged states, autograd through the
     exchange) equal the unsplit batch's restricted to its tokens."""
     cfg = {"cu": cu, "C": 8, "seed": 11, "layout": layout or "contiguous", "fragments": fragments}
-    results = run_ranks(world_size, cfg)
+    results = run_ranks(world_size, cfg, str(tmp_path / "store"))
     assert [r["rank"] for r in results] == list(range(world_size))
     assert all(r["y"] and r["dx"] for r in results), results
