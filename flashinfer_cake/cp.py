@@ -24,7 +24,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-__all__ = ["CPContext", "CPPartition", "build_cp_context", "cp_partition", "halo_exchange"]
+__all__ = ["CPContext", "CPPartition", "build_cp_context", "cp_partition", "halo_exchange", "halo_exchange_multi"]
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag_per_document")
 
@@ -134,6 +134,8 @@ def cp_partition(cu_seqlens_global_cpu, world_size: int, layout: str = "contiguo
         raise ValueError(f"cp_partition: world_size must be a positive int, got {world_size!r}")
     lengths = _doc_lengths(cu_seqlens_global_cpu)
     if fragments is not None:
+        if layout != "contiguous":
+            raise ValueError(f"cp_partition: give layout or fragments, not both (got layout={layout!r})")
         return CPPartition(world_size, lengths, _check_fragments(fragments, lengths, world_size), "fragments")
     if layout not in LAYOUTS:
         raise ValueError(f"cp_partition: layout must be one of {list(LAYOUTS)}, got {layout!r}")
@@ -156,11 +158,23 @@ def cp_partition(cu_seqlens_global_cpu, world_size: int, layout: str = "contiguo
                     a, b = c * n // (2 * P), (c + 1) * n // (2 * P)
                     if b > a:
                         frags.append((d, a, b - a))
-        per_rank.append(tuple(frags))
+        per_rank.append(_merged(frags))
     return CPPartition(P, lengths, tuple(per_rank), layout)
 
 
-@dataclasses.dataclass(frozen=True)
+def _merged(frags: list[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """Consecutive pieces of one document that continue each other as one fragment (zigzag's
+    middle rank holds chunks P - 1 and P: one piece, no history to export to itself)."""
+    out: list[tuple[int, int, int]] = []
+    for d, o, n in frags:
+        if out and out[-1][0] == d and out[-1][1] + out[-1][2] == o:
+            out[-1] = (d, out[-1][1], out[-1][2] + n)
+        else:
+            out.append((d, o, n))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class CPContext:
     """One rank's device tables of a :class:`CPPartition` (see :func:`build_cp_context`)."""
 
@@ -171,6 +185,7 @@ class CPContext:
     export_rows: torch.Tensor    # int64 [export_size]: local rows other fragments' histories need
     import_rows: torch.Tensor    # int64 [num_fragments * 3]: rows of the gathered exports, or the zero row
     export_size: int             # rows each rank exports (the largest count, padded)
+    num_exports: int             # rows this rank exports (the first num_exports of export_rows)
     num_tokens: int              # local tokens
 
 
@@ -181,6 +196,12 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
     exports."""
     if not 0 <= rank < partition.world_size:
         raise ValueError(f"build_cp_context: rank must be in [0, {partition.world_size}), got {rank}")
+    if group is not None and dist.is_available() and dist.is_initialized():
+        size, group_rank = dist.get_world_size(group), dist.get_rank(group)
+        if size != partition.world_size or group_rank != rank:
+            raise ValueError(f"build_cp_context: the partition is for {partition.world_size} ranks and this is rank "
+                             f"{rank}, but the group has {size} ranks and this process is its rank {group_rank} "
+                             "(pass the rank within the CP group)")
     P = partition.world_size
     # Owner (rank, local row) of every fragment, by document, sorted by offset.
     owners = [[] for _ in partition.doc_lengths]
@@ -216,14 +237,14 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
     position = [{row: i for i, row in enumerate(e)} for e in export_lists]
     zero_row = P * size
     imports = [zero_row if h is None else h[0] * size + position[h[0]][h[1]] for hist in needs[rank] for h in hist]
-    mine = export_lists[rank] + [0] * (size - len(export_lists[rank]))  # padding rows: exported, never imported
+    mine = export_lists[rank] + [0] * (size - len(export_lists[rank]))  # padding: never read, sent as zeros
     cu = partition.local_cu_seqlens(rank)
     host = torch.tensor(cu + mine + imports, dtype=torch.int64)
     on_cuda = torch.device(device).type == "cuda"
     dev = host.pin_memory().to(device, non_blocking=True) if on_cuda else host.to(device)  # no host wait
     n_frag = len(cu) - 1
-    return CPContext(partition, group, rank, dev[: n_frag + 1].to(torch.int32),
-                     dev[n_frag + 1: n_frag + 1 + size], dev[n_frag + 1 + size:], size, cu[-1])
+    return CPContext(partition, group, rank, dev[: n_frag + 1].to(torch.int32), dev[n_frag + 1: n_frag + 1 + size],
+                     dev[n_frag + 1 + size:], size, len(export_lists[rank]), cu[-1])
 
 
 # torch 2.13 renames the fixed-size collectives (the old names warn); 2.11 has only the old ones.
@@ -232,37 +253,71 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class _HaloExchange(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_local, cp):
-        rows = x_local.reshape(-1, x_local.shape[-1])
-        C = rows.shape[1]
-        send = rows.index_select(0, cp.export_rows)
-        gathered = rows.new_empty(cp.partition.world_size * cp.export_size + 1, C)
-        _all_gather(gathered[:-1], send, group=cp.group)
-        gathered[-1].zero_()
-        ctx.cp, ctx.shape = cp, x_local.shape
-        return gathered.index_select(0, cp.import_rows).view(-1, 3, C)
+    """The exchange of one or more tensors of the same tokens (q, k, v of one layer): their
+    export rows side by side along the channels, so one collective carries all of them."""
 
     @staticmethod
-    def backward(ctx, dstates):
-        cp = ctx.cp
-        C = dstates.shape[-1]
-        P, size = cp.partition.world_size, cp.export_size
-        per_row = dstates.new_zeros(P * size + 1, C)
-        per_row.index_add_(0, cp.import_rows, dstates.reshape(-1, C))
-        mine = dstates.new_empty(size, C)
+    def forward(ctx, cp, *xs):
+        rows = [x.reshape(-1, x.shape[-1]) for x in xs]
+        widths = [r.shape[1] for r in rows]
+        n = cp.num_exports  # the rest of the buffer is padding (a rank may hold no token at all)
+        send = rows[0].new_zeros(cp.export_size, sum(widths))
+        if n:
+            exports = cp.export_rows[:n]
+            send[:n] = torch.cat([r.index_select(0, exports) for r in rows], dim=1)
+        gathered = send.new_empty(cp.partition.world_size * cp.export_size + 1, send.shape[1])
+        _all_gather(gathered[:-1], send, group=cp.group)
+        gathered[-1].zero_()
+        states = gathered.index_select(0, cp.import_rows)
+        ctx.cp, ctx.shapes, ctx.widths = cp, [x.shape for x in xs], widths
+        return tuple(s.reshape(-1, 3, w) for s, w in zip(states.split(widths, dim=1), widths))
+
+    @staticmethod
+    def backward(ctx, *dstates):
+        cp, widths = ctx.cp, ctx.widths
+        ref = next(d for d in dstates if d is not None)
+        grads = torch.cat([ref.new_zeros(ref.shape[0] * 3, w) if d is None else d.reshape(-1, w)
+                           for d, w in zip(dstates, widths)], dim=1)
+        # FP32 at least: a row imported by several fragments, and the ranks' contributions, are
+        # summed once each before the one rounding back to the inputs' dtype.
+        acc = torch.promote_types(grads.dtype, torch.float32)
+        per_row = grads.new_zeros(cp.partition.world_size * cp.export_size + 1, grads.shape[1], dtype=acc)
+        per_row.index_add_(0, cp.import_rows, grads.to(acc))
+        mine = per_row.new_empty(cp.export_size, grads.shape[1])
         _reduce_scatter(mine, per_row[:-1].contiguous(), group=cp.group)
-        dx = dstates.new_zeros(cp.num_tokens, C)
-        dx.index_add_(0, cp.export_rows, mine)  # padding rows receive zeros
-        return dx.view(ctx.shape), None
+        n = cp.num_exports
+        dxs = []
+        for part, shape in zip(mine[:n].split(widths, dim=1), ctx.shapes):
+            dx = part.new_zeros(cp.num_tokens, part.shape[1])
+            if n:
+                dx.index_add_(0, cp.export_rows[:n], part)
+            dxs.append(dx.to(grads.dtype).view(shape))
+        return (None, *dxs)
+
+
+def halo_exchange_multi(xs, ctx: CPContext) -> list[torch.Tensor]:
+    """:func:`halo_exchange` of several ``[T, C_i]`` / ``[1, T, C_i]`` tensors of this rank's
+    tokens (e.g. the q, k and v of one layer; one dtype and device) with one collective per
+    direction: bitwise the results of separate calls."""
+    xs = list(xs)
+    if not xs:
+        raise ValueError("halo_exchange_multi: xs must hold at least one tensor")
+    for i, x in enumerate(xs):
+        if not (x.dim() == 2 or (x.dim() == 3 and x.shape[0] == 1)) or x.shape[-2] != ctx.num_tokens \
+                or x.dtype != xs[0].dtype or x.device != xs[0].device:
+            raise ValueError(f"halo_exchange_multi: xs[{i}] must have this rank's {ctx.num_tokens} tokens and xs[0]'s "
+                             f"dtype and device, got shape {tuple(x.shape)}, {x.dtype} on {x.device}")
+    return list(_HaloExchange.apply(ctx, *xs))
 
 
 def halo_exchange(x_local: torch.Tensor, ctx: CPContext) -> torch.Tensor:
     """The local fragments' initial states ``[num_fragments, 3, C]``: the 3 rows before each
     fragment in its document, gathered from the ranks holding them (zeros before a document's
-    first token), with autograd (the backward returns the gradient to those rows' owners). One
-    fixed-size collective per direction; every rank of ``ctx.group`` must call it."""
-    if x_local.shape[-2] != ctx.num_tokens:
-        raise ValueError(f"halo_exchange: x_local must have this rank's {ctx.num_tokens} tokens, got shape "
-                         f"{tuple(x_local.shape)}")
-    return _HaloExchange.apply(x_local, ctx)
+    first token), with autograd (the backward returns the gradient to those rows' owners, summed in
+    FP32 at least). ``x_local``: ``[T, C]`` or ``[1, T, C]``. One fixed-size collective per
+    direction: every rank of ``ctx.group`` must call it, and must run its backward too (a loss
+    that does not reach the states on one rank leaves the others waiting: add ``0 * states.sum()``
+    there). The all_gather hands every rank the largest export of any rank times P: small for
+    the contiguous and zigzag layouts (3 to 6 rows per rank), large for zigzag_per_document with
+    many documents (every document exports from every rank)."""
+    return halo_exchange_multi([x_local], ctx)[0]
