@@ -44,3 +44,13 @@ def docs_16_to_64(S, rng):
 
 def docs_3000(S, rng):
     return split(S, 3000, rng)
+
+
+def empty_at_ends(S, rng):
+    """Six random documents between empty ones: two before, three after."""
+    return [0, 0] + split(S, 6, rng) + [0, 0, 0]
+
+
+def tiny_docs(S, rng):
+    """1-3 token documents and a few empty ones: every token is within 3 of a document start."""
+    return fill(S, rng, (1, 1, 2, 3), p_empty=0.05)

@@ -11,9 +11,6 @@ rounded to the parameter's dtype.
 from __future__ import annotations
 
 import random
-import shutil
-import subprocess
-import sys
 import re
 import time
 import warnings
@@ -22,6 +19,7 @@ import pytest
 import torch
 
 from doclengths import docs_3000, docs_16_to_64, fill, make_cu, one_doc, split
+from sanitizer import assert_memcheck_clean, needs_sanitizer
 from flashinfer_cake import (
     CakeCausalConv1dFunction,
     cake_causal_conv1d,
@@ -1228,18 +1226,9 @@ print("memcheck-script-done")
 """
 
 
-@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
+@needs_sanitizer
 def test_memcheck_clean(tmp_path):
     """compute-sanitizer's memcheck sees no out-of-bounds access, for tails of S and C and for
     every corrupt cu_seqlens pattern."""
     patterns = {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(1000)] for name, make in CORRUPT_CU.items()}
-    script = tmp_path / "memcheck_bwd.py"
-    script.write_text(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)))
-    proc = subprocess.run(
-        ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99", sys.executable, str(script)],
-        capture_output=True, text=True, timeout=600,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "memcheck-script-done" in out
-    assert re.search(r"ERROR SUMMARY: 0 errors", out), out[-4000:]
+    assert_memcheck_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)

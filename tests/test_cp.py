@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from flashinfer_cake.cp import LAYOUTS, build_cp_context, cp_partition
-from flashinfer_cake.reference import causal_conv1d_reference
 
 F64 = torch.float64
 

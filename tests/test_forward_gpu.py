@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import random
 import re
-import shutil
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from doclengths import docs_3000, docs_16_to_64, fill, make_cu, one_doc, split
+from doclengths import empty_at_ends, docs_3000, docs_16_to_64, fill, make_cu, one_doc, split, tiny_docs
+from sanitizer import assert_memcheck_clean, needs_sanitizer
 from flashinfer_cake import (
     cake_causal_conv1d_train_forward,
     cake_causal_conv1d_train_forward_workspace,
@@ -54,14 +52,6 @@ def device():
 
 def sync():
     torch.cuda.synchronize()
-
-
-def empty_at_ends(S, rng):
-    return [0, 0] + split(S, 6, rng) + [0, 0, 0]
-
-
-def tiny_docs(S, rng):
-    return fill(S, rng, (1, 1, 2, 3), p_empty=0.05)
 
 
 def boundary_mix(S, rng):
@@ -542,18 +532,9 @@ print("memcheck-script-done")
 """
 
 
-@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
+@needs_sanitizer
 def test_corrupt_cu_seqlens_memcheck_clean(tmp_path):
     """compute-sanitizer's memcheck sees no out-of-bounds access for any corrupt pattern."""
     patterns = {name: CORRUPT_CU[name](1000) for name in CORRUPT_CU}  # concrete lists
     patterns = {k: [min(max(v, -(2**31)), 2**31 - 1) for v in lst] for k, lst in patterns.items()}
-    script = tmp_path / "memcheck_fwd.py"
-    script.write_text(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)))
-    proc = subprocess.run(
-        ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99", sys.executable, str(script)],
-        capture_output=True, text=True, timeout=600,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "memcheck-script-done" in out
-    assert re.search(r"ERROR SUMMARY: 0 errors", out), out[-4000:]
+    assert_memcheck_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from doclengths import make_cu, split
+from doclengths import make_cu
 from flashinfer_cake.reference import (
     causal_conv1d_backward_reference,
     causal_conv1d_final_states_reference,

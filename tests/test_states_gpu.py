@@ -11,15 +11,12 @@ bitwise.
 from __future__ import annotations
 
 import random
-import re
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from doclengths import docs_16_to_64, fill, make_cu, one_doc, split
+from doclengths import empty_at_ends, docs_16_to_64, fill, make_cu, one_doc, split, tiny_docs
+from sanitizer import assert_memcheck_clean, needs_sanitizer
 from flashinfer_cake import cake_causal_conv1d, cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
 from flashinfer_cake.reference import (
     causal_conv1d_backward_reference,
@@ -48,15 +45,6 @@ CHAIN_SLACK = 2.0**-6
 
 def sync():
     torch.cuda.synchronize()
-
-
-def empty_at_ends(S, rng):
-    return [0, 0] + split(S, 6, rng) + [0, 0, 0]
-
-
-def tiny_docs(S, rng):
-    """1-3 token documents and a few empty ones: every token is within 3 of a document start."""
-    return fill(S, rng, (1, 1, 2, 3), p_empty=0.05)
 
 
 def chunky_mix(S, rng):
@@ -1009,18 +997,9 @@ print("memcheck-script-done")
 """
 
 
-@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
+@needs_sanitizer
 def test_states_memcheck_clean(tmp_path):
     """compute-sanitizer's memcheck sees no out-of-bounds access with states, for every corrupt
     cu_seqlens pattern, trailing empty documents and tails of S and C."""
     patterns = {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(1000)] for name, make in CORRUPT_CU.items()}
-    script = tmp_path / "memcheck_states.py"
-    script.write_text(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)))
-    proc = subprocess.run(
-        ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99", sys.executable, str(script)],
-        capture_output=True, text=True, timeout=600,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "memcheck-script-done" in out
-    assert re.search(r"ERROR SUMMARY: 0 errors", out), out[-4000:]
+    assert_memcheck_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)
