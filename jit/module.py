@@ -8,7 +8,9 @@ from pathlib import Path
 
 def _args_struct(name: str, fields: str) -> type[ctypes.Structure]:
     """The ctypes twin of an argument struct, from the field names the module exports."""
-    return type(name, (ctypes.Structure,), {"_fields_": [(f, ctypes.c_int64) for f in fields.split()]})
+    names = fields.split()
+    return type(name, (ctypes.Structure,), {"_fields_": [(f, ctypes.c_int64) for f in names],
+                                            "_field_names": frozenset(names)})
 
 
 class KernelModule:
@@ -23,27 +25,29 @@ class KernelModule:
     def __init__(self, path: Path):
         try:
             lib = ctypes.CDLL(str(path))
-            fwd, bwd = lib.cake_causal_conv1d_fwd, lib.cake_causal_conv1d_bwd
+            fwd, bwd, cp = lib.cake_causal_conv1d_fwd, lib.cake_causal_conv1d_bwd, lib.cake_causal_conv1d_cp
             capturing, message = lib.cake_stream_is_capturing, lib.cake_last_error_message
             variant, fwd_names, bwd_names = lib.cake_variant, lib.cake_fwd_arg_names, lib.cake_bwd_arg_names
+            cp_names = lib.cake_cp_arg_names
         except (OSError, AttributeError) as e:  # not a module of this package's sources
             raise RuntimeError(f"flashinfer_cake: cannot load module {path}: {e}") from e
-        for fn in (variant, fwd_names, bwd_names, message):
+        for fn in (variant, fwd_names, bwd_names, cp_names, message):
             fn.restype, fn.argtypes = ctypes.c_char_p, []
-        for fn in (fwd, bwd, capturing):
+        for fn in (fwd, bwd, cp, capturing):
             fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p]
         self.path = path
         self.variant = variant().decode()
         self.fwd_args = _args_struct("FwdArgs", fwd_names().decode())
         self.bwd_args = _args_struct("BwdArgs", bwd_names().decode())
+        self.cp_args = _args_struct("CpArgs", cp_names().decode())
         self.entry_addresses = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (fwd, bwd, capturing, message))
-        self._fwd, self._bwd, self._message = fwd, bwd, message
+        self._fwd, self._bwd, self._cp, self._message = fwd, bwd, cp, message
 
     @staticmethod
     def _pack(struct: type[ctypes.Structure], kwargs: dict) -> ctypes.Structure:
-        names = [name for name, _ in struct._fields_]
-        if sorted(kwargs) != sorted(names):
-            raise TypeError(f"{struct.__name__} takes exactly the fields {names}, got {sorted(kwargs)}")
+        names = struct._field_names  # (a missing field would silently be 0)
+        if kwargs.keys() != names:
+            raise TypeError(f"{struct.__name__} takes exactly the fields {sorted(names)}, got {sorted(kwargs)}")
         return struct(**kwargs)
 
     def causal_conv1d_fwd(self, **kwargs) -> int:
@@ -53,6 +57,11 @@ class KernelModule:
     def causal_conv1d_bwd(self, **kwargs) -> int:
         args = self._pack(self.bwd_args, kwargs)
         return self._bwd(ctypes.addressof(args))
+
+    def causal_conv1d_cp(self, **kwargs) -> int:
+        """A context-parallel pass (causal_conv1d_cp.cuh; flashinfer_cake.cp calls it)."""
+        args = self._pack(self.cp_args, kwargs)
+        return self._cp(ctypes.addressof(args))
 
     def last_error_message(self) -> str:
         """Message of the last failed call on this thread."""

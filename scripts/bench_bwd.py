@@ -180,10 +180,10 @@ class BackwardBench(Bench):
             ("cake_causal_conv1d fwd (no input requires grad)", lambda: ag(x, w, cu, b), None),
             ("cake_causal_conv1d fwd (x, weight, bias require grad)",
              lambda: ag(xg, wg, cu, bg, silu_grad_preactivation=pol), None),
-            ("CakeCausalConv1dFunction.apply fwd (x, weight, bias require grad)", lambda: fn.apply(xg, wg, cu, bg, pol),
+            ("CakeCausalConv1dFunction.apply fwd (x, weight, bias require grad)", lambda: fn.apply(xg, wg, cu, bg, None, False, pol),
              None),
-            ("torch.ops.flashinfer_cake.causal_conv1d_fwd", lambda: ops.causal_conv1d_fwd(x, w, cu, b), None),
-            ("torch.ops.flashinfer_cake.causal_conv1d_bwd", lambda: ops.causal_conv1d_bwd(x, w, cu, dy, b, pol), None)]
+            ("torch.ops.flashinfer_cake.causal_conv1d_fwd", lambda: ops.causal_conv1d_fwd(x, w, cu, b, None, False), None),
+            ("torch.ops.flashinfer_cake.causal_conv1d_bwd", lambda: ops.causal_conv1d_bwd(x, w, cu, dy, b, None, None, pol), None)]
 
 if __name__ == "__main__":
     main(BackwardBench)

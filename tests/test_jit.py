@@ -35,8 +35,9 @@ SPEC = jit.variant_spec("fp32", "none", "sm_90a")
 DTYPES = [(w, b) for w in variant.WEIGHT_DTYPES for b in variant.BIAS_DTYPES]
 ALL = jit.all_variants(["sm_90a"])
 CXX = {"fp32": "float", "bf16": "__nv_bfloat16", "none": "flashinfer_cake::NoBias"}
-ENTRY_POINTS = ("cake_variant", "cake_fwd_arg_names", "cake_bwd_arg_names", "cake_last_error_message",
-                "cake_stream_is_capturing", "cake_causal_conv1d_fwd", "cake_causal_conv1d_bwd")
+ENTRY_POINTS = ("cake_variant", "cake_fwd_arg_names", "cake_bwd_arg_names", "cake_cp_arg_names",
+                "cake_last_error_message", "cake_stream_is_capturing", "cake_causal_conv1d_fwd", "cake_causal_conv1d_bwd",
+                "cake_causal_conv1d_cp")
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_INVALID_DEVICE = 101
 # Variables a test sets itself; FLASHINFER_CAKE_NVCC / CUDA_HOME (which compiler CI uses) are kept.

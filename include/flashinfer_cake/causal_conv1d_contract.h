@@ -43,6 +43,12 @@ constexpr int64_t kFwdWorkspaceCounters = 2;
 //             bytes, dweight, dbias, S, C, x_row_stride, dy_row_stride, dx_row_stride, num_docs,
 //             item_tokens (causal_conv1d_bwd_plan.h), round_preact (1: SiLU' at the BF16-rounded
 //             pre-activation), device, stream
+//   context-parallel passes (causal_conv1d_cp.cuh): pass (0 forward heads, 1 backward head g,
+//             2 backward tails), x, dy, out (y or dx; contiguous [S, C]), weight, bias, cu_seqlens
+//             (the local fragments), halo ([num_frags, 3, C]), frag_info, g_rows, g_out, g_in,
+//             g_import (int32 tables and FP32 exchange rows, g_ld floats apart; g_in_rows rows of
+//             g_in), g_ld, g_in_rows, S, C, num_frags, num_items (g_rows' entries), round_preact,
+//             device, stream
 #define CAKE_FWD_ARGS(X)                                                                                   \
   X(x) X(y) X(weight) X(bias) X(cu_seqlens) X(workspace) X(initial_states) X(final_states) X(S) X(C)      \
   X(x_row_stride) X(y_row_stride) X(num_docs) X(device) X(stream)
@@ -50,6 +56,10 @@ constexpr int64_t kFwdWorkspaceCounters = 2;
   X(x) X(dy) X(dx) X(weight) X(bias) X(cu_seqlens) X(initial_states) X(dfinal_states) X(dinitial_states)          \
   X(workspace) X(workspace_bytes) X(counters) X(counters_bytes) X(dweight) X(dbias) X(S) X(C) X(x_row_stride)       \
   X(dy_row_stride) X(dx_row_stride) X(num_docs) X(item_tokens) X(round_preact) X(device) X(stream)
+
+#define CAKE_CP_ARGS(X)                                                                                      \
+  X(pass) X(x) X(dy) X(out) X(weight) X(bias) X(cu_seqlens) X(halo) X(frag_info) X(g_rows) X(g_out) X(g_in)     \
+  X(g_import) X(g_ld) X(g_in_rows) X(S) X(C) X(num_frags) X(num_items) X(round_preact) X(device) X(stream)
 
 #define CAKE_ARG_FIELD(name) int64_t name;
 #define CAKE_ARG_NAME(name) #name " "
@@ -60,9 +70,13 @@ struct FwdArgs {
 struct BwdArgs {
   CAKE_BWD_ARGS(CAKE_ARG_FIELD)
 };
+struct CpArgs {
+  CAKE_CP_ARGS(CAKE_ARG_FIELD)
+};
 
 // The field names in order, space-separated: what the module exports for its ctypes callers.
 constexpr const char kFwdArgNames[] = CAKE_FWD_ARGS(CAKE_ARG_NAME);
 constexpr const char kBwdArgNames[] = CAKE_BWD_ARGS(CAKE_ARG_NAME);
+constexpr const char kCpArgNames[] = CAKE_CP_ARGS(CAKE_ARG_NAME);
 
 }  // namespace flashinfer_cake

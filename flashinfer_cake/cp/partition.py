@@ -1,20 +1,13 @@
-"""Context parallelism (CP) for the packed conv over torch.distributed: the host partition of a
-packed batch over the ranks of a CP group, the device tables of one rank, and the halo exchange
-that hands each fragment of a document the 3 rows before it (its initial state) from the ranks
-that hold them.
+"""The host plan of context parallelism: the partition of a packed global batch over the ranks of
+a CP group (:func:`cp_partition`) and one rank's device tables (:func:`build_cp_context`).
 
 A document cut by the partition becomes fragments, one per rank piece, in each rank's local
-packed batch in the partition's order; a fragment starting at offset ``o > 0`` of its document
-continues the rows at positions ``o - 3 .. o - 1``, which may live on other ranks (several, when
-fragments are shorter than 3 tokens) or on the same rank. :func:`halo_exchange` gathers them as
-the fragments' ``initial_states`` ``[num_fragments, 3, C]`` (zeros before a document's first
-token) with one ``all_gather_into_tensor`` of a fixed size, and its backward returns their
-gradient to the owners' rows with one ``reduce_scatter``: no host synchronization, the same
-collectives on every rank whatever the data.
-
-Status: the partition, the tables and the exchange are complete and tested with gloo (CPU); the
-fused CUDA path (``cake_causal_conv1d_cp``: the exchange overlapped with the interior tokens) is
-issue 16's remaining work."""
+packed batch in the partition's order. A fragment starting at offset ``o > 0`` of its document
+continues the rows at positions ``o - 3 .. o - 1`` (its halo), which may live on other ranks
+(several, when fragments are shorter than 3 tokens) or on the same rank; a fragment whose
+document goes on after it needs, in the backward, the gradient terms of the next 3 tokens. The
+tables say, for every rank alike, which rows each rank sends and where each fragment finds what
+it needs in the gathered rows: fixed sizes, derived from the partition alone."""
 
 from __future__ import annotations
 
@@ -24,7 +17,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-__all__ = ["CPContext", "CPPartition", "build_cp_context", "cp_partition", "halo_exchange", "halo_exchange_multi"]
+__all__ = ["CPContext", "CPPartition", "build_cp_context", "cp_partition"]
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag_per_document")
 
@@ -176,24 +169,32 @@ def _merged(frags: list[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ..
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CPContext:
-    """One rank's device tables of a :class:`CPPartition` (see :func:`build_cp_context`)."""
+    """One rank's device tables of a :class:`CPPartition` (see :func:`build_cp_context`); int32."""
 
     partition: CPPartition
     group: object
     rank: int
-    cu_seqlens: torch.Tensor     # int32 [num_fragments + 1]: the local batch
-    export_rows: torch.Tensor    # int64 [export_size]: local rows other fragments' histories need
-    import_rows: torch.Tensor    # int64 [num_fragments * 3]: rows of the gathered exports, or the zero row
-    export_size: int             # rows each rank exports (the largest count, padded)
-    num_exports: int             # rows this rank exports (the first num_exports of export_rows)
-    num_tokens: int              # local tokens
+    cu_seqlens: torch.Tensor   # [num_fragments + 1]: the local batch, one local document per fragment
+    export_rows: torch.Tensor  # [export_size]: local rows other fragments' halos need (padded with row 0)
+    import_rows: torch.Tensor  # [num_fragments * 3]: each halo row's row of the gathered exports, or the zero
+                               # row P * export_size (before its document)
+    frag_info: torch.Tensor    # [num_fragments]: min(offset, 3) | 4 when its document goes on after it
+    g_rows: torch.Tensor       # [g_export_size]: 4 * fragment + position of the head tokens whose gradient
+                               # terms other fragments need, -1 padding
+    g_import: torch.Tensor     # [num_fragments * 3]: row of the gathered head terms of the j-th token after
+                               # each fragment, -1 past its document (or for an empty fragment)
+    export_size: int           # halo rows each rank exports (the largest count)
+    num_exports: int           # halo rows this rank exports (the first num_exports of export_rows)
+    g_export_size: int         # head-token rows each rank exports in the backward (the largest count)
+    num_tokens: int            # local tokens
+    num_fragments: int
 
 
 def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPContext:
     """Rank ``rank``'s tables of ``partition`` on ``device``, computed on the host from the
     partition alone (no communication: every rank derives the same plan) and moved with one
-    copy. The exchange's size is the same on every rank: the largest number of rows a rank
-    exports."""
+    asynchronous copy. The exchanges' sizes are the same on every rank: the largest number of
+    rows a rank exports."""
     if not 0 <= rank < partition.world_size:
         raise ValueError(f"build_cp_context: rank must be in [0, {partition.world_size}), got {rank}")
     if group is not None and dist.is_available() and dist.is_initialized():
@@ -202,122 +203,57 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
             raise ValueError(f"build_cp_context: the partition is for {partition.world_size} ranks and this is rank "
                              f"{rank}, but the group has {size} ranks and this process is its rank {group_rank} "
                              "(pass the rank within the CP group)")
-    P = partition.world_size
-    # Owner (rank, local row) of every fragment, by document, sorted by offset.
-    owners = [[] for _ in partition.doc_lengths]
+    P, lengths = partition.world_size, partition.doc_lengths
+    # The owner (rank, local row, fragment, position in it) of every token, by document.
+    owners = [[] for _ in lengths]
     for r in range(P):
         row = 0
-        for d, o, n in partition.fragments[r]:
+        for f, (d, o, n) in enumerate(partition.fragments[r]):
             if n:
-                owners[d].append((o, n, r, row))
+                owners[d].append((o, n, r, row, f))
             row += n
     for spans in owners:
         spans.sort()
 
-    def owner(d: int, p: int) -> tuple[int, int]:
+    def owner(d: int, p: int) -> tuple[int, int, int, int]:
         spans = owners[d]
-        i = bisect.bisect_right(spans, (p, float("inf"))) - 1
-        o, _, r, row = spans[i]
-        return r, row + p - o
+        o, _, r, row, f = spans[bisect.bisect_right(spans, (p, float("inf"))) - 1]
+        return r, row + p - o, f, p - o
 
-    # Each rank's exported rows (sorted, unique) and every fragment's history in those terms.
-    needs = [[] for _ in range(P)]  # per importing rank: per fragment, 3 (owner rank, local row) or None
-    exports = [set() for _ in range(P)]
+    # Forward: the halo rows (3 before each fragment) by owner; backward: the head tokens (the 3
+    # after each non-empty fragment whose document goes on), by owner.
+    halo_needs, g_needs = [[] for _ in range(P)], [[] for _ in range(P)]
+    halo_exports, g_exports = [set() for _ in range(P)], [dict() for _ in range(P)]
     for r in range(P):
-        for d, o, _ in partition.fragments[r]:
-            hist = []
+        for d, o, n in partition.fragments[r]:
             for j in range(3):
                 p = o - 3 + j
-                hist.append(owner(d, p) if p >= 0 else None)
-                if hist[-1] is not None:
-                    exports[hist[-1][0]].add(hist[-1][1])
-            needs[r].append(hist)
-    export_lists = [sorted(e) for e in exports]
-    size = max(1, max(len(e) for e in export_lists))
-    position = [{row: i for i, row in enumerate(e)} for e in export_lists]
-    zero_row = P * size
-    imports = [zero_row if h is None else h[0] * size + position[h[0]][h[1]] for hist in needs[rank] for h in hist]
-    mine = export_lists[rank] + [0] * (size - len(export_lists[rank]))  # padding: never read, sent as zeros
+                h = owner(d, p)[:2] if p >= 0 else None
+                halo_needs[r].append(h)
+                if h is not None:
+                    halo_exports[h[0]].add(h[1])
+                p = o + n + j
+                t = owner(d, p) if n and p < lengths[d] else None
+                g_needs[r].append(None if t is None else t[:2])
+                if t is not None:
+                    g_exports[t[0]][t[1]] = 4 * t[2] + t[3]
+    halo_lists = [sorted(e) for e in halo_exports]
+    g_lists = [sorted(e) for e in g_exports]
+    size, g_size = max(1, max(map(len, halo_lists))), max(1, max(map(len, g_lists)))
+    halo_slot = [{row: i for i, row in enumerate(e)} for e in halo_lists]
+    g_slot = [{row: i for i, row in enumerate(e)} for e in g_lists]
+    imports = [P * size if h is None else h[0] * size + halo_slot[h[0]][h[1]] for h in halo_needs[rank]]
+    g_import = [-1 if t is None else t[0] * g_size + g_slot[t[0]][t[1]] for t in g_needs[rank]]
+    mine = halo_lists[rank] + [0] * (size - len(halo_lists[rank]))  # padding: sent, never read
+    g_rows = [g_exports[rank][row] for row in g_lists[rank]] + [-1] * (g_size - len(g_lists[rank]))
+    frag_info = [min(o, 3) | (4 if o + n < lengths[d] else 0) for d, o, n in partition.fragments[rank]]
     cu = partition.local_cu_seqlens(rank)
-    host = torch.tensor(cu + mine + imports, dtype=torch.int64)
+    parts = [cu, mine, imports, frag_info, g_rows, g_import]
+    host = torch.tensor([v for part in parts for v in part], dtype=torch.int32)
     on_cuda = torch.device(device).type == "cuda"
     dev = host.pin_memory().to(device, non_blocking=True) if on_cuda else host.to(device)  # no host wait
-    n_frag = len(cu) - 1
-    return CPContext(partition, group, rank, dev[: n_frag + 1].to(torch.int32), dev[n_frag + 1: n_frag + 1 + size],
-                     dev[n_frag + 1 + size:], size, len(export_lists[rank]), cu[-1])
-
-
-# torch 2.13 renames the fixed-size collectives (the old names warn); 2.11 has only the old ones.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _HaloExchange(torch.autograd.Function):
-    """The exchange of one or more tensors of the same tokens (q, k, v of one layer): their
-    export rows side by side along the channels, so one collective carries all of them."""
-
-    @staticmethod
-    def forward(ctx, cp, *xs):
-        rows = [x.reshape(-1, x.shape[-1]) for x in xs]
-        widths = [r.shape[1] for r in rows]
-        n = cp.num_exports  # the rest of the buffer is padding (a rank may hold no token at all)
-        send = rows[0].new_zeros(cp.export_size, sum(widths))
-        if n:
-            exports = cp.export_rows[:n]
-            send[:n] = torch.cat([r.index_select(0, exports) for r in rows], dim=1)
-        gathered = send.new_empty(cp.partition.world_size * cp.export_size + 1, send.shape[1])
-        _all_gather(gathered[:-1], send, group=cp.group)
-        gathered[-1].zero_()
-        states = gathered.index_select(0, cp.import_rows)
-        ctx.cp, ctx.shapes, ctx.widths = cp, [x.shape for x in xs], widths
-        return tuple(s.reshape(-1, 3, w) for s, w in zip(states.split(widths, dim=1), widths))
-
-    @staticmethod
-    def backward(ctx, *dstates):
-        cp, widths = ctx.cp, ctx.widths
-        ref = next(d for d in dstates if d is not None)
-        grads = torch.cat([ref.new_zeros(ref.shape[0] * 3, w) if d is None else d.reshape(-1, w)
-                           for d, w in zip(dstates, widths)], dim=1)
-        # FP32 at least: a row imported by several fragments, and the ranks' contributions, are
-        # summed once each before the one rounding back to the inputs' dtype.
-        acc = torch.promote_types(grads.dtype, torch.float32)
-        per_row = grads.new_zeros(cp.partition.world_size * cp.export_size + 1, grads.shape[1], dtype=acc)
-        per_row.index_add_(0, cp.import_rows, grads.to(acc))
-        mine = per_row.new_empty(cp.export_size, grads.shape[1])
-        _reduce_scatter(mine, per_row[:-1].contiguous(), group=cp.group)
-        n = cp.num_exports
-        dxs = []
-        for part, shape in zip(mine[:n].split(widths, dim=1), ctx.shapes):
-            dx = part.new_zeros(cp.num_tokens, part.shape[1])
-            if n:
-                dx.index_add_(0, cp.export_rows[:n], part)
-            dxs.append(dx.to(grads.dtype).view(shape))
-        return (None, *dxs)
-
-
-def halo_exchange_multi(xs, ctx: CPContext) -> list[torch.Tensor]:
-    """:func:`halo_exchange` of several ``[T, C_i]`` / ``[1, T, C_i]`` tensors of this rank's
-    tokens (e.g. the q, k and v of one layer; one dtype and device) with one collective per
-    direction: bitwise the results of separate calls."""
-    xs = list(xs)
-    if not xs:
-        raise ValueError("halo_exchange_multi: xs must hold at least one tensor")
-    for i, x in enumerate(xs):
-        if not (x.dim() == 2 or (x.dim() == 3 and x.shape[0] == 1)) or x.shape[-2] != ctx.num_tokens \
-                or x.dtype != xs[0].dtype or x.device != xs[0].device:
-            raise ValueError(f"halo_exchange_multi: xs[{i}] must have this rank's {ctx.num_tokens} tokens and xs[0]'s "
-                             f"dtype and device, got shape {tuple(x.shape)}, {x.dtype} on {x.device}")
-    return list(_HaloExchange.apply(ctx, *xs))
-
-
-def halo_exchange(x_local: torch.Tensor, ctx: CPContext) -> torch.Tensor:
-    """The local fragments' initial states ``[num_fragments, 3, C]``: the 3 rows before each
-    fragment in its document, gathered from the ranks holding them (zeros before a document's
-    first token), with autograd (the backward returns the gradient to those rows' owners, summed in
-    FP32 at least). ``x_local``: ``[T, C]`` or ``[1, T, C]``. One fixed-size collective per
-    direction: every rank of ``ctx.group`` must call it, and must run its backward too (a loss
-    that does not reach the states on one rank leaves the others waiting: add ``0 * states.sum()``
-    there). The all_gather hands every rank the largest export of any rank times P: small for
-    the contiguous and zigzag layouts (3 to 6 rows per rank), large for zigzag_per_document with
-    many documents (every document exports from every rank)."""
-    return halo_exchange_multi([x_local], ctx)[0]
+    views, at = [], 0
+    for part in parts:
+        views.append(dev[at: at + len(part)])
+        at += len(part)
+    return CPContext(partition, group, rank, *views, size, len(halo_lists[rank]), g_size, cu[-1], len(cu) - 1)

@@ -1,0 +1,310 @@
+"""The conv over a sequence-sharded packed batch: :func:`cake_causal_conv1d_cp` and
+:func:`cake_causal_conv1d_cp_multi`, bitwise the single-GPU :func:`cake_causal_conv1d` of the
+global batch restricted to this rank's tokens.
+
+Forward, per call: the rows other ranks' fragments need as halo leave in one fixed-size
+``all_gather`` (asynchronous) while the main kernel computes every local token as if each
+fragment were a document; then a small pass recomputes the <= 3 head rows of each fragment that
+continues its document, with the gathered halo. Backward: a small pass computes the FP32
+pre-activation gradients g of the head tokens other ranks need and sends them in one fixed-size
+``all_gather`` while the main backward kernel runs (with the halo as the fragments' initial
+states, so dweight/dbias take every tap of this rank's tokens); then a small pass rewrites dx of
+the <= 3 tail rows of each fragment whose document goes on, summing the gathered terms in the
+single-GPU order. Each rank's dweight/dbias is the fixed-order partial sum of its own tokens'
+terms; summed over the ranks (the data-parallel all-reduce does it) it equals the single-GPU
+gradient within FP32 summation order.
+
+No host synchronization; the collectives are the same on every rank whatever the data; CUDA-graph
+capturable (build the context before capturing)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import _checks, jit
+from ..cake_causal_conv1d_train import cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
+from .partition import CPContext
+
+__all__ = ["CPRecomputeHandle", "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"]
+
+_FN, _FN_MULTI = "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"
+_FWD_HEADS, _BWD_HEADS, _BWD_TAILS = 0, 1, 2  # the passes of causal_conv1d_cp.cuh
+
+# torch 2.13 renames the fixed-size collective (the old name warns); 2.11 has only the old one.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _all_gather_async(out: torch.Tensor, send: torch.Tensor, group):
+    """out = every rank's send rows, in rank order, queued after the current stream's work; the
+    returned work's wait() orders the current stream after it. The process group's own call where
+    it has one: the Python wrapper's checks cost ~130 µs of host time per call."""
+    pg = dist.group.WORLD if group is None else group
+    base = getattr(pg, "_allgather_base", None)
+    try:
+        from torch._C._distributed_c10d import AllgatherOptions
+    except ImportError:
+        base = None
+    if base is None:
+        return _all_gather(out, send, group=group, async_op=True)
+    opts = AllgatherOptions()
+    opts.asyncOp = True
+    return base(out, send, opts)
+
+
+class CPRecomputeHandle:
+    """Lets an activation-checkpointed CP conv recompute its forward without communicating.
+
+    Pass the same handle to one call site (one layer) in every step: a forward outside a backward
+    pass exchanges the halo and keeps it in the handle; a forward run inside a backward pass (the
+    recomputation of ``torch.utils.checkpoint``) takes the kept halo and exchanges nothing, so
+    ranks that recompute their layers in different orders cannot deadlock. Refused inside CUDA
+    graph capture (the handle is host state)."""
+
+    def __init__(self):
+        self._halos = None
+
+    def __repr__(self) -> str:
+        return f"CPRecomputeHandle({'holding a halo' if self._halos is not None else 'empty'})"
+
+
+_modules: dict = {}
+
+
+def _module(weight: torch.Tensor, bias: torch.Tensor | None, device: int):
+    """The kernel module of the call's variant (loaded, building it if needed, on first use)."""
+    key = (weight.dtype, None if bias is None else bias.dtype, device)
+    module = _modules.get(key)
+    if module is None:
+        bias_name = "none" if bias is None else _checks.PARAM_DTYPES[bias.dtype]
+        module = jit.load(jit.variant_spec(_checks.PARAM_DTYPES[weight.dtype], bias_name, _checks.arch_of(device)))
+        _modules[key] = module
+    return module
+
+
+def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels read taps and bias 16 bytes at a time: a misaligned view is copied (a few KB)."""
+    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _run_pass(pass_: int, cp: CPContext, x, weight, bias, halo, *, dy=None, out=None, g_out=0, g_in=0, g_ld=0,
+              g_in_rows=0, round_preact=1) -> None:
+    """One pass of causal_conv1d_cp.cuh on the current stream (the FP32 exchange rows as
+    addresses: column slices of the buffers the tensors of a multi call share)."""
+    device = x.device.index
+    module = _module(weight, bias, device)
+    weight, bias = _aligned(weight), _aligned(bias)
+    fields = {"pass": pass_, "x": x.data_ptr(), "dy": 0 if dy is None else dy.data_ptr(),
+              "out": 0 if out is None else out.data_ptr(), "weight": weight.data_ptr(),
+              "bias": 0 if bias is None else bias.data_ptr(), "cu_seqlens": cp.cu_seqlens.data_ptr(),
+              "halo": halo.data_ptr(), "frag_info": cp.frag_info.data_ptr(), "g_rows": cp.g_rows.data_ptr(),
+              "g_out": g_out, "g_in": g_in, "g_import": cp.g_import.data_ptr(), "g_ld": g_ld,
+              "g_in_rows": g_in_rows, "S": x.shape[-2], "C": x.shape[-1], "num_frags": cp.num_fragments,
+              "num_items": cp.g_export_size, "round_preact": round_preact, "device": device,
+              "stream": torch.cuda.current_stream(x.device).cuda_stream}
+    rc = module.causal_conv1d_cp(**fields)
+    if rc != 0:
+        raise RuntimeError(f"{_FN}: {module.last_error_message()} (CUDA error {rc})")
+
+
+# The phases of one call, each on the current stream; the collectives go between them. (Tests run
+# the phases of several ranks in one process, with the gathered rows built by hand.)
+
+def halo_send(cp: CPContext, xs) -> torch.Tensor:
+    """This rank's export rows of every x, side by side: ``[export_size, sum C]`` BF16."""
+    if cp.num_tokens == 0:  # nothing to send: padding
+        return xs[0].new_zeros(cp.export_size, sum(x.shape[-1] for x in xs))
+    rows = [x.reshape(-1, x.shape[-1]).index_select(0, cp.export_rows) for x in xs]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+
+
+def gathered_buffer(cp: CPContext, send: torch.Tensor) -> torch.Tensor:
+    """The all_gather's output: every rank's send rows, and a zero row after them (the halo rows
+    before a document)."""
+    out = send.new_empty(cp.partition.world_size * send.shape[0] + 1, send.shape[1])
+    out[-1].zero_()
+    return out
+
+
+def forward_interior(cp: CPContext, xs, weights, biases) -> list[torch.Tensor]:
+    """y of every local token, each fragment read as a document (head rows of continuing
+    fragments still to fix)."""
+    return [cake_causal_conv1d_train_forward(x, w, cp.cu_seqlens, bias=b) for x, w, b in zip(xs, weights, biases)]
+
+
+def halos_of(cp: CPContext, gathered: torch.Tensor, xs) -> list[torch.Tensor]:
+    """Each x's fragments' halos ``[num_fragments, 3, C]`` from the gathered rows."""
+    halos, at = [], 0
+    for x in xs:
+        C = x.shape[-1]
+        cols = gathered if len(xs) == 1 else gathered[:, at: at + C]
+        halos.append(cols.index_select(0, cp.import_rows).view(cp.num_fragments, 3, C))
+        at += C
+    return halos
+
+
+def forward_heads(cp: CPContext, ys, xs, weights, biases, halos) -> None:
+    """Rewrites y of the head rows of the fragments that continue their documents."""
+    if cp.num_tokens == 0:
+        return
+    for y, x, w, b, h in zip(ys, xs, weights, biases, halos):
+        _run_pass(_FWD_HEADS, cp, x, w, b, h, out=y)
+
+
+def grad_send(cp: CPContext, xs, dys, weights, biases, halos, round_preact: int) -> torch.Tensor:
+    """The FP32 g of the head tokens this rank exports, every tensor side by side:
+    ``[g_export_size, sum C]``."""
+    total = sum(x.shape[-1] for x in xs)
+    send = torch.empty(cp.g_export_size, total, dtype=torch.float32, device=xs[0].device)
+    if cp.num_tokens == 0:  # nothing to send: padding
+        return send.zero_()
+    at = 0
+    for x, dy, w, b, h in zip(xs, dys, weights, biases, halos):
+        _run_pass(_BWD_HEADS, cp, x, w, b, h, dy=dy, g_out=send.data_ptr() + 4 * at, g_ld=total,
+                  round_preact=round_preact)
+        at += x.shape[-1]
+    return send
+
+
+def backward_interior(cp: CPContext, xs, dys, weights, biases, halos, policy: str):
+    """dx (tail rows of continuing fragments still to fix), dweight and dbias of every tensor."""
+    grads = []
+    for x, dy, w, b, h in zip(xs, dys, weights, biases, halos):
+        dx, dw, *rest = cake_causal_conv1d_train_backward(x, w, cp.cu_seqlens, dy, bias=b, initial_states=h,
+                                                          silu_grad_preactivation=policy)
+        grads.append((dx, dw, rest[0] if b is not None else None))
+    return grads
+
+
+def backward_tails(cp: CPContext, dxs, xs, dys, weights, biases, halos, gathered_g: torch.Tensor,
+                   round_preact: int) -> None:
+    """Rewrites dx of the tail rows of the fragments whose documents go on after them."""
+    if cp.num_tokens == 0:
+        return
+    at, total = 0, gathered_g.shape[1]
+    for dx, x, dy, w, b, h in zip(dxs, xs, dys, weights, biases, halos):
+        _run_pass(_BWD_TAILS, cp, x, w, b, h, dy=dy, out=dx, g_in=gathered_g.data_ptr() + 4 * at, g_ld=total,
+                  g_in_rows=gathered_g.shape[0], round_preact=round_preact)
+        at += x.shape[-1]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _CPConv(torch.autograd.Function):
+    """The autograd of one call over n tensors: inputs (cp, handle, policy, n, *xs, *weights,
+    *biases)."""
+
+    @staticmethod
+    def forward(ctx, cp, handle, policy, n, *tensors):
+        xs, weights, biases = list(tensors[:n]), list(tensors[n: 2 * n]), list(tensors[2 * n:])
+        halos = None
+        if handle is not None and _in_backward():  # checkpoint's recomputation: the kept halo
+            if handle._halos is None or len(handle._halos) != n:
+                raise RuntimeError(f"{_FN}: the recompute_handle holds no halo for this call: a forward recomputed "
+                                   "in a backward pass takes the halo its first run kept (use one handle per call "
+                                   "site, and run the call outside the backward first)")
+            halos, handle._halos = list(handle._halos), None
+        work = gathered = None
+        if halos is None:
+            send = halo_send(cp, xs)
+            gathered = gathered_buffer(cp, send)
+            work = _all_gather_async(gathered[:-1], send, cp.group)
+        ys = forward_interior(cp, xs, weights, biases)  # overlaps the exchange
+        if halos is None:
+            work.wait()
+            halos = halos_of(cp, gathered, xs)
+            if handle is not None:
+                handle._halos = tuple(halos)
+        forward_heads(cp, ys, xs, weights, biases, halos)
+        ctx.cp, ctx.policy, ctx.n = cp, policy, n
+        ctx.save_for_backward(*xs, *weights, *biases, *halos)
+        ctx.set_materialize_grads(True)
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        n, cp, policy = ctx.n, ctx.cp, ctx.policy
+        saved = ctx.saved_tensors
+        xs, weights, biases, halos = saved[:n], saved[n: 2 * n], saved[2 * n: 3 * n], saved[3 * n:]
+        dys = [dy.contiguous() for dy in dys]
+        round_preact = 1 if policy == "bf16" else 0
+        send = grad_send(cp, xs, dys, weights, biases, halos, round_preact)
+        gathered = send.new_empty(cp.partition.world_size * send.shape[0], send.shape[1])
+        work = _all_gather_async(gathered, send, cp.group)
+        grads = backward_interior(cp, xs, dys, weights, biases, halos, policy)  # overlaps the exchange
+        work.wait()
+        dxs = [g[0] for g in grads]
+        backward_tails(cp, dxs, xs, dys, weights, biases, halos, gathered, round_preact)
+        return (None, None, None, None, *(dx.view(x.shape) for dx, x in zip(dxs, xs)), *(g[1] for g in grads),
+                *(g[2] for g in grads))
+
+
+def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
+    """Raises the error of the first rule the arguments break."""
+    if not isinstance(cp, CPContext):
+        raise TypeError(f"{fn}: ctx must be a CPContext (flashinfer_cake.cp.build_cp_context), got {type(cp).__name__}")
+    if handle is not None:
+        if not isinstance(handle, CPRecomputeHandle):
+            raise TypeError(f"{fn}: recompute_handle must be a CPRecomputeHandle or None, got {type(handle).__name__}")
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{fn}: recompute_handle is host state and cannot be used inside CUDA graph capture "
+                               "(capture without it: a captured step replays its own exchange)")
+    _checks.check_policy(fn, policy)
+    if not xs or len(weights) != len(xs) or len(biases) != len(xs):
+        raise ValueError(f"{fn}: expected as many weights and biases as inputs (at least one), got {len(xs)} inputs, "
+                         f"{len(weights)} weights, {len(biases)} biases")
+    for i, (x, w, b) in enumerate(zip(xs, weights, biases)):
+        name = "x_local" if fn == _FN else f"xs[{i}]"
+        _checks.check_types(fn, ((name, x), ("weight", w)), (("bias", b),))
+        if x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[0] != 1) or x.shape[-2] != cp.num_tokens:
+            raise ValueError(f"{fn}: {name} must be [T, C] or [1, T, C] with this rank's T = {cp.num_tokens} tokens "
+                             f"(the context's partition), got shape {tuple(x.shape)}")
+        if not x.is_contiguous():
+            raise ValueError(f"{fn}: {name} must be contiguous, got strides {x.stride()}")
+        _checks.check_forward_args(fn, x, w, cp.cu_seqlens, b, None, None, None, None, op="backward")
+        if x.device != xs[0].device:
+            raise ValueError(f"{fn}: every input must be on {xs[0].device}, got {name} on {x.device}")
+
+
+def cake_causal_conv1d_cp_multi(xs, weights, ctx: CPContext, biases=None, *, silu_grad_preactivation: str = "bf16",
+                                recompute_handle: CPRecomputeHandle | None = None) -> list[torch.Tensor]:
+    """:func:`cake_causal_conv1d_cp` of several tensors of the same tokens (the q, k and v of one
+    layer; channel counts and parameter dtypes may differ) with one exchange per direction for
+    all of them: bitwise the results of separate calls. ``biases``: None, or one bias or None per
+    tensor."""
+    xs, weights = list(xs), list(weights)
+    biases = [None] * len(xs) if biases is None else list(biases)
+    _check_call(_FN_MULTI, ctx, xs, weights, biases, silu_grad_preactivation, recompute_handle)
+    return list(_CPConv.apply(ctx, recompute_handle, silu_grad_preactivation, len(xs), *xs, *weights, *biases))
+
+
+def cake_causal_conv1d_cp(x_local: torch.Tensor, weight: torch.Tensor, ctx: CPContext, bias: torch.Tensor | None = None,
+                          *, silu_grad_preactivation: str = "bf16",
+                          recompute_handle: CPRecomputeHandle | None = None) -> torch.Tensor:
+    """The packed conv + SiLU of this rank's tokens of a context-parallel batch, with autograd.
+
+    ``y_local`` and ``dx_local`` are bitwise those of the single-GPU :func:`cake_causal_conv1d`
+    of the global batch restricted to this rank's tokens. ``weight``'s and ``bias``'s gradients
+    are this rank's partial sums (the terms of its own tokens, in a fixed order): all-reduce them
+    over the CP group (as data parallelism does) for the single-GPU gradient, equal to it within
+    FP32 summation order.
+
+    Every rank of ``ctx.group`` must make the same calls in the same order (each call's forward
+    and backward is one ``all_gather`` per direction of a size fixed by the partition), with
+    tensors of the same C and dtypes.
+
+    Args:
+        x_local: BF16 ``[T, C]`` or ``[1, T, C]``, contiguous: this rank's tokens in the order of
+            its fragments (``ctx.partition.fragments[rank]``).
+        weight, bias: as in :func:`cake_causal_conv1d` (FP32 or BF16).
+        ctx: this rank's :class:`CPContext` (:func:`build_cp_context`).
+        silu_grad_preactivation: ``"bf16"`` or ``"fp32"``, as in :func:`cake_causal_conv1d`.
+        recompute_handle: a :class:`CPRecomputeHandle` for activation checkpointing.
+
+    Returns:
+        BF16 ``y_local`` of x_local's shape.
+    """
+    return cake_causal_conv1d_cp_multi([x_local], [weight], ctx, [bias], silu_grad_preactivation=silu_grad_preactivation,
+                                       recompute_handle=recompute_handle)[0]

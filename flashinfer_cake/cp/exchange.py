@@ -1,0 +1,88 @@
+"""The halo exchange with autograd, on its own: each local fragment's initial state gathered from
+the ranks holding the rows before it, and its gradient returned to them (:func:`halo_exchange`).
+The conv itself (:mod:`.conv`) has an exchange of its own, overlapped with its kernels and exact
+in the backward; this one is for callers that feed the states to other ops."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .partition import CPContext
+
+__all__ = ["halo_exchange", "halo_exchange_multi"]
+
+# torch 2.13 renames the fixed-size collectives (the old names warn); 2.11 has only the old ones.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _HaloExchange(torch.autograd.Function):
+    """The exchange of one or more tensors of the same tokens (q, k, v of one layer): their
+    export rows side by side along the channels, so one collective carries all of them."""
+
+    @staticmethod
+    def forward(ctx, cp, *xs):
+        rows = [x.reshape(-1, x.shape[-1]) for x in xs]
+        widths = [r.shape[1] for r in rows]
+        n = cp.num_exports  # the rest of the buffer is padding (a rank may hold no token at all)
+        send = rows[0].new_zeros(cp.export_size, sum(widths))
+        if n:
+            exports = cp.export_rows[:n]
+            send[:n] = torch.cat([r.index_select(0, exports) for r in rows], dim=1)
+        gathered = send.new_empty(cp.partition.world_size * cp.export_size + 1, send.shape[1])
+        _all_gather(gathered[:-1], send, group=cp.group)
+        gathered[-1].zero_()
+        states = gathered.index_select(0, cp.import_rows)
+        ctx.cp, ctx.shapes, ctx.widths = cp, [x.shape for x in xs], widths
+        return tuple(s.reshape(-1, 3, w) for s, w in zip(states.split(widths, dim=1), widths))
+
+    @staticmethod
+    def backward(ctx, *dstates):
+        cp, widths = ctx.cp, ctx.widths
+        ref = next(d for d in dstates if d is not None)
+        grads = torch.cat([ref.new_zeros(ref.shape[0] * 3, w) if d is None else d.reshape(-1, w)
+                           for d, w in zip(dstates, widths)], dim=1)
+        # FP32 at least: a row imported by several fragments, and the ranks' contributions, are
+        # summed once each before the one rounding back to the inputs' dtype.
+        acc = torch.promote_types(grads.dtype, torch.float32)
+        per_row = grads.new_zeros(cp.partition.world_size * cp.export_size + 1, grads.shape[1], dtype=acc)
+        per_row.index_add_(0, cp.import_rows, grads.to(acc))
+        mine = per_row.new_empty(cp.export_size, grads.shape[1])
+        _reduce_scatter(mine, per_row[:-1].contiguous(), group=cp.group)
+        n = cp.num_exports
+        dxs = []
+        for part, shape in zip(mine[:n].split(widths, dim=1), ctx.shapes):
+            dx = part.new_zeros(cp.num_tokens, part.shape[1])
+            if n:
+                dx.index_add_(0, cp.export_rows[:n], part)
+            dxs.append(dx.to(grads.dtype).view(shape))
+        return (None, *dxs)
+
+
+def halo_exchange_multi(xs, ctx: CPContext) -> list[torch.Tensor]:
+    """:func:`halo_exchange` of several ``[T, C_i]`` / ``[1, T, C_i]`` tensors of this rank's
+    tokens (e.g. the q, k and v of one layer; one dtype and device) with one collective per
+    direction: bitwise the results of separate calls."""
+    xs = list(xs)
+    if not xs:
+        raise ValueError("halo_exchange_multi: xs must hold at least one tensor")
+    for i, x in enumerate(xs):
+        if not (x.dim() == 2 or (x.dim() == 3 and x.shape[0] == 1)) or x.shape[-2] != ctx.num_tokens \
+                or x.dtype != xs[0].dtype or x.device != xs[0].device:
+            raise ValueError(f"halo_exchange_multi: xs[{i}] must have this rank's {ctx.num_tokens} tokens and xs[0]'s "
+                             f"dtype and device, got shape {tuple(x.shape)}, {x.dtype} on {x.device}")
+    return list(_HaloExchange.apply(ctx, *xs))
+
+
+def halo_exchange(x_local: torch.Tensor, ctx: CPContext) -> torch.Tensor:
+    """The local fragments' initial states ``[num_fragments, 3, C]``: the 3 rows before each
+    fragment in its document, gathered from the ranks holding them (zeros before a document's
+    first token), with autograd (the backward returns the gradient to those rows' owners, summed in
+    FP32 at least). ``x_local``: ``[T, C]`` or ``[1, T, C]``. One fixed-size collective per
+    direction: every rank of ``ctx.group`` must call it, and must run its backward too (a loss
+    that does not reach the states on one rank leaves the others waiting: add ``0 * states.sum()``
+    there). The all_gather hands every rank the largest export of any rank times P: small for
+    the contiguous and zigzag layouts (3 to 6 rows per rank), large for zigzag_per_document with
+    many documents (every document exports from every rank)."""
+    return halo_exchange_multi([x_local], ctx)[0]

@@ -1,0 +1,157 @@
+"""One rank of tests/test_cp_multi_gpu.py (run by torchrun, one process per GPU): every layout x
+document mix x variant x SiLU' policy through cake_causal_conv1d_cp over NCCL, checked against the
+single-GPU run of the global batch (computed by every rank on its own GPU): y and dx bitwise, the
+all-reduced dweight/dbias within FP32 summation order; then multi, the recompute handle under
+checkpoint, and the capture and replay of a two-layer training step. Writes its failures (a list
+of strings) to <out>/rank<r>.json; exit 0 when it ran to the end."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_cp_gpu import MIXES, assert_partials_sum_to, global_cu, inputs, make_partition, single_gpu  # noqa: E402
+
+from flashinfer_cake.cp import CPRecomputeHandle, build_cp_context, cake_causal_conv1d_cp, cake_causal_conv1d_cp_multi  # noqa: E402
+
+BF16, F32 = torch.bfloat16, torch.float32
+VARIANTS = [(w, b) for w in (F32, BF16) for b in (None, F32, BF16)]
+
+
+def case(rank, P, layout, mix, wd, bd, policy, seed):
+    rng = random.Random(seed)  # the same on every rank: the same batch and partition
+    S, C = 997, 136
+    lengths = MIXES[mix](S, rng)
+    part = make_partition(lengths, P, layout, rng)
+    ctx = build_cp_context(part, dist.group.WORLD, rank, "cuda")
+    x, dy, w, b = inputs(S, C, wd, bd, seed)
+    cu = torch.tensor(global_cu(lengths), dtype=torch.int32, device="cuda")
+    y_ref, dx_ref, dw_ref, db_ref = single_gpu(x, w, b, cu, dy, policy)
+    idx = torch.tensor(part.global_tokens(rank), dtype=torch.long, device="cuda")
+    xl, wl = x[idx].requires_grad_(), w.clone().requires_grad_()
+    bl = None if b is None else b.clone().requires_grad_()
+    y = cake_causal_conv1d_cp(xl, wl, ctx, bl, silu_grad_preactivation=policy)
+    y.backward(dy[idx])
+    assert torch.equal(y, y_ref[idx]), "y differs"
+    assert torch.equal(xl.grad, dx_ref[idx]), "dx differs"
+    parts = [torch.empty_like(wl.grad) for _ in range(P)]
+    dist.all_gather(parts, wl.grad)
+    assert_partials_sum_to(parts, dw_ref, w.dtype, S)
+    if b is not None:
+        parts = [torch.empty_like(bl.grad) for _ in range(P)]
+        dist.all_gather(parts, bl.grad)
+        assert_partials_sum_to(parts, db_ref, b.dtype, S)
+
+
+def multi_recompute_graph(rank, P):
+    rng = random.Random(99)
+    S = 800
+    lengths = MIXES["short"](S, rng)
+    part = make_partition(lengths, P, "fragments", rng)
+    ctx = build_cp_context(part, dist.group.WORLD, rank, "cuda")
+    idx = torch.tensor(part.global_tokens(rank), dtype=torch.long, device="cuda")
+    T = idx.numel()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    shapes = [(64, F32, None), (32, BF16, BF16), (96, F32, F32)]
+    xs = [torch.randn(T, c, device="cuda", generator=g).to(BF16) for c, _, _ in shapes]
+    ws = [torch.randn(c, 4, device="cuda", generator=g).to(wd) for c, wd, _ in shapes]
+    bs = [None if bd is None else torch.randn(c, device="cuda", generator=g).to(bd) for c, _, bd in shapes]
+    dys = [torch.randn(T, c, device="cuda", generator=g).to(BF16) for c, _, _ in shapes]
+
+    def run(mode):
+        lx = [t.clone().requires_grad_() for t in xs]
+        if mode == "multi":
+            ys = cake_causal_conv1d_cp_multi(lx, ws, ctx, bs)
+        elif mode == "separate":
+            ys = [cake_causal_conv1d_cp(a, c, ctx, d) for a, c, d in zip(lx, ws, bs)]
+        else:  # checkpointed: the recomputations exchange nothing (the backward's exchanges remain)
+            hs = [CPRecomputeHandle() for _ in xs]
+            fn = lambda a, i: cake_causal_conv1d_cp(a, ws[i], ctx, bs[i], recompute_handle=hs[i])  # noqa: E731
+            ys = [torch.utils.checkpoint.checkpoint(fn, a, i, use_reentrant=False) for i, a in enumerate(lx)]
+        torch.autograd.backward(ys, dys)
+        return [y.detach() for y in ys] + [t.grad for t in lx]
+
+    ref = run("separate")
+    for mode in ("multi", "ckpt"):
+        for a, c in zip(run(mode), ref):
+            assert torch.equal(a, c), f"{mode} differs from separate calls"
+
+    # capture and replay of a two-layer step
+    C = 64
+    w1 = (0.5 * torch.randn(C, 4, device="cuda", generator=g)).requires_grad_()
+    w2 = (0.5 * torch.randn(C, 4, device="cuda", generator=g)).requires_grad_()
+    xin = torch.empty(T, C, device="cuda", dtype=BF16, requires_grad=True)
+    dyin = torch.empty(T, C, device="cuda", dtype=BF16)
+
+    def step():
+        cake_causal_conv1d_cp(cake_causal_conv1d_cp(xin, w1, ctx), w2, ctx).backward(dyin)
+
+    def fresh(seed):
+        gg = torch.Generator(device="cuda").manual_seed(seed * 10 + rank)
+        with torch.no_grad():
+            xin.copy_(torch.randn(T, C, device="cuda", generator=gg))
+            dyin.copy_(torch.randn(T, C, device="cuda", generator=gg))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fresh(0)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for p in (xin, w1, w2):
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    static = (xin.grad, w1.grad, w2.grad)
+    for seed in (1, 2):
+        fresh(seed)
+        graph.replay()
+        got = [t.clone() for t in static]
+        xe = xin.detach().clone().requires_grad_()
+        we1, we2 = w1.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
+        cake_causal_conv1d_cp(cake_causal_conv1d_cp(xe, we1, ctx), we2, ctx).backward(dyin)
+        for a, c in zip(got, (xe.grad, we1.grad, we2.grad)):
+            assert torch.equal(a, c), "graph replay differs from eager"
+
+
+def main() -> int:
+    out_dir = sys.argv[1]
+    rank, P = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120),
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    failures, n = [], 0
+    for layout in ("contiguous", "zigzag", "zigzag_per_document", "fragments"):
+        for mix in MIXES:
+            for wd, bd in VARIANTS:
+                for policy in ("bf16", "fp32"):
+                    n += 1
+                    try:
+                        case(rank, P, layout, mix, wd, bd, policy, seed=n)
+                    except AssertionError as e:
+                        failures.append(f"{layout}/{mix}/{wd}/{bd}/{policy}: {e}")
+    try:
+        multi_recompute_graph(rank, P)
+    except AssertionError as e:
+        failures.append(f"multi/recompute/graph: {e}")
+    except Exception:  # noqa: BLE001
+        failures.append(traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"cases": n, "failures": failures}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""GPU tests of the context-parallel conv (flashinfer_cake.cp, issue 16) on one GPU.
+
+- The ranks of a CP group simulated in one process (every rank's phases, the all_gathers built by
+  hand): y and dx bitwise equal to the single-GPU cake_causal_conv1d of the global batch, the
+  ranks' dweight/dbias summing to its gradient within FP32 summation order; every layout, explicit
+  ragged fragments (0-3-token pieces, histories over several ranks, a rank's fragments in any
+  order), 1-3-token documents at the cuts, every variant and both SiLU' policies.
+- The autograd path through a real one-rank NCCL group: fragments of the same documents on one
+  rank in shuffled order make every head and tail pass and both exchanges run; multi, the
+  recompute handle under torch.utils.checkpoint, CUDA-graph capture and replay of a two-layer
+  training step, bad arguments.
+Multi-GPU runs: tests/test_cp_multi_gpu.py (torchrun over 2+ GPUs).
+"""
+
+from __future__ import annotations
+
+import datetime
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from doclengths import fill, one_doc, split, tiny_docs
+from flashinfer_cake import cake_causal_conv1d
+from flashinfer_cake.cp import (
+    CPRecomputeHandle,
+    build_cp_context,
+    cake_causal_conv1d_cp,
+    cake_causal_conv1d_cp_multi,
+    cp_partition,
+)
+from flashinfer_cake.cp import conv as cp_conv
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+BF16, F32 = torch.bfloat16, torch.float32
+VARIANTS = [pytest.param(w, b, id=f"w_{wn}-b_{bn}") for w, wn in ((F32, "fp32"), (BF16, "bf16"))
+            for b, bn in ((None, "none"), (F32, "fp32"), (BF16, "bf16"))]
+POLICIES = ["bf16", "fp32"]
+
+
+def random_mix(S, rng):
+    return split(S, rng.randint(2, 12), rng)
+
+
+def short_mix(S, rng):
+    """1-3-token documents among longer ones (they land on the cuts too)."""
+    return fill(S, rng, (1, 2, 3, 3, 9, 40))
+
+
+MIXES = {"one": one_doc, "random": random_mix, "tiny": tiny_docs, "short": short_mix}
+
+
+def random_fragments(lengths, P, rng):
+    """Every document cut into pieces of 0-3 tokens and longer, each on a random rank; each rank's
+    list shuffled (a rank may hold non-adjacent pieces of one document, in any order)."""
+    frags = [[] for _ in range(P)]
+    for d, n in enumerate(lengths):
+        at = 0
+        while True:
+            k = min(n - at, rng.choice((0, 1, 2, 3, 5, 30)))
+            frags[rng.randrange(P)].append((d, at, k))
+            at += k
+            if at == n:
+                break
+    for f in frags:
+        rng.shuffle(f)
+    return frags
+
+
+def global_cu(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def make_partition(lengths, P, layout, rng):
+    cu = global_cu(lengths)
+    if layout == "fragments":
+        return cp_partition(cu, P, fragments=random_fragments(lengths, P, rng))
+    return cp_partition(cu, P, layout)
+
+
+def inputs(S, C, weight_dtype, bias_dtype, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(S, C, device=DEV, generator=g).to(BF16)
+    dy = torch.randn(S, C, device=DEV, generator=g).to(BF16)
+    w = (0.5 * torch.randn(C, 4, device=DEV, generator=g)).to(weight_dtype)
+    b = None if bias_dtype is None else (0.5 * torch.randn(C, device=DEV, generator=g)).to(bias_dtype)
+    return x, dy, w, b
+
+
+def single_gpu(x, w, b, cu, dy, policy):
+    """y, dx, dweight, dbias of the single-GPU autograd call on the global batch."""
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    bg = None if b is None else b.clone().requires_grad_()
+    y = cake_causal_conv1d(xg, wg, cu, bg, silu_grad_preactivation=policy)
+    y.backward(dy)
+    return y.detach(), xg.grad, wg.grad, None if b is None else bg.grad
+
+
+def simulate_ranks(part, x, w, b, dy, policy):
+    """Every rank's phases of cake_causal_conv1d_cp, the all_gathers done by hand: per rank
+    (global token indices, y, dx, dweight, dbias)."""
+    P, C = part.world_size, x.shape[1]
+    ctxs = [build_cp_context(part, None, r, DEV) for r in range(P)]
+    idx = [torch.tensor(part.global_tokens(r), dtype=torch.long, device=DEV) for r in range(P)]
+    xs = [x.index_select(0, i) for i in idx]
+    dys = [dy.index_select(0, i) for i in idx]
+    sends = [cp_conv.halo_send(c, [xl]) for c, xl in zip(ctxs, xs)]
+    gathered = torch.cat([*sends, x.new_zeros(1, C)])
+    ys, halos = [], []
+    for c, xl in zip(ctxs, xs):
+        y = cp_conv.forward_interior(c, [xl], [w], [b])
+        h = cp_conv.halos_of(c, gathered, [xl])
+        for t in y:
+            assert not t.isnan().any()
+        cp_conv.forward_heads(c, y, [xl], [w], [b], h)
+        ys.append(y[0])
+        halos.append(h)
+    rp = 1 if policy == "bf16" else 0
+    g_sends = [cp_conv.grad_send(c, [xl], [d], [w], [b], h, rp) for c, xl, d, h in zip(ctxs, xs, dys, halos)]
+    g_gathered = torch.cat(g_sends)
+    out = []
+    for r, (c, xl, d, h) in enumerate(zip(ctxs, xs, dys, halos)):
+        (dx, dw, db), = cp_conv.backward_interior(c, [xl], [d], [w], [b], h, policy)
+        cp_conv.backward_tails(c, [dx], [xl], [d], [w], [b], h, g_gathered, rp)
+        out.append((idx[r], ys[r], dx, dw, db))
+    return out
+
+
+def assert_partials_sum_to(partials, ref, exact_dtype, tokens):
+    """The ranks' parameter gradients summed equal the single-GPU one within FP32 summation order
+    (terms of magnitude ~1: 2^-18 per token, far below one missing or doubled term) and one BF16
+    rounding per partial for BF16 parameters."""
+    parts = torch.stack([p.double() for p in partials])
+    eps = 2.0**-8 if exact_dtype == BF16 else 0.0
+    tol = eps * (parts.abs().sum(0) + ref.double().abs()) + 2.0**-18 * tokens
+    err = (parts.sum(0) - ref.double()).abs()
+    assert (err <= tol).all(), f"max error {err.max().item():.3g} over tolerance"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("weight_dtype,bias_dtype", VARIANTS)
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "zigzag_per_document", "fragments"])
+@pytest.mark.parametrize("P", [2, 3])
+def test_ranks_are_bitwise_the_single_gpu_run(P, layout, mix, weight_dtype, bias_dtype, policy):
+    seed = hash((P, layout, mix, str(weight_dtype), str(bias_dtype), policy)) % 2**31
+    rng = random.Random(seed)
+    S, C = 601, 72
+    lengths = MIXES[mix](S, rng)
+    part = make_partition(lengths, P, layout, rng)
+    x, dy, w, b = inputs(S, C, weight_dtype, bias_dtype, seed)
+    cu = torch.tensor(global_cu(lengths), dtype=torch.int32, device=DEV)
+    y_ref, dx_ref, dw_ref, db_ref = single_gpu(x, w, b, cu, dy, policy)
+    ranks = simulate_ranks(part, x, w, b, dy, policy)
+    for r, (idx, y, dx, dw, db) in enumerate(ranks):
+        assert torch.equal(y, y_ref[idx]), f"rank {r}: y differs at {(y != y_ref[idx]).any(1).nonzero()[:5].tolist()}"
+        assert torch.equal(dx, dx_ref[idx]), f"rank {r}: dx differs at {(dx != dx_ref[idx]).any(1).nonzero()[:5].tolist()}"
+        assert dw.dtype == w.dtype and (db is None) == (b is None)
+    assert_partials_sum_to([t[3] for t in ranks], dw_ref, w.dtype, S)
+    if b is not None:
+        assert_partials_sum_to([t[4] for t in ranks], db_ref, b.dtype, S)
+
+
+@pytest.mark.parametrize("C", [8, 1032, 2056])
+def test_channel_counts_past_one_block(C):
+    rng = random.Random(C)
+    S = 97
+    lengths = short_mix(S, rng)
+    part = make_partition(lengths, 3, "fragments", rng)
+    x, dy, w, b = inputs(S, C, F32, F32, C)
+    cu = torch.tensor(global_cu(lengths), dtype=torch.int32, device=DEV)
+    y_ref, dx_ref, _, _ = single_gpu(x, w, b, cu, dy, "bf16")
+    for idx, y, dx, _, _ in simulate_ranks(part, x, w, b, dy, "bf16"):
+        assert torch.equal(y, y_ref[idx]) and torch.equal(dx, dx_ref[idx])
+
+
+def test_a_rank_without_tokens():
+    part = cp_partition([0, 5, 5, 12], 3, fragments=[[(0, 0, 5), (2, 0, 3)], [(1, 0, 0)], [(2, 3, 4)]])
+    x, dy, w, b = inputs(12, 16, BF16, None, 7)
+    cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32, device=DEV)
+    y_ref, dx_ref, _, _ = single_gpu(x, w, b, cu, dy, "fp32")
+    for idx, y, dx, dw, _ in simulate_ranks(part, x, w, b, dy, "fp32"):
+        assert torch.equal(y, y_ref[idx]) and torch.equal(dx, dx_ref[idx])
+        if idx.numel() == 0:
+            assert not dw.any()
+
+
+# ---------------------------------------------------------------------------------------------
+# the autograd path through a one-rank NCCL group
+
+
+@pytest.fixture(scope="module")
+def nccl_group():
+    if not dist.is_available() or not dist.is_nccl_available():
+        pytest.skip("NCCL is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60), device_id=torch.device(DEV, 0))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def one_rank_batch(seed, S=300, C=64, weight_dtype=F32, bias_dtype=BF16):
+    """A batch whose documents are cut into pieces held by the one rank in shuffled order."""
+    rng = random.Random(seed)
+    lengths = short_mix(S, rng)
+    cu_global = global_cu(lengths)
+    part = cp_partition(cu_global, 1, fragments=random_fragments(lengths, 1, rng))
+    x, dy, w, b = inputs(S, C, weight_dtype, bias_dtype, seed)
+    idx = torch.tensor(part.global_tokens(0), dtype=torch.long, device=DEV)
+    return part, torch.tensor(cu_global, dtype=torch.int32, device=DEV), x, dy, w, b, idx
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("weight_dtype,bias_dtype", VARIANTS)
+def test_autograd_through_nccl_is_bitwise(nccl_group, weight_dtype, bias_dtype, policy):
+    part, cu, x, dy, w, b, idx = one_rank_batch(11, weight_dtype=weight_dtype, bias_dtype=bias_dtype)
+    ctx = build_cp_context(part, nccl_group, 0, DEV)
+    y_ref, dx_ref, dw_ref, db_ref = single_gpu(x, w, b, cu, dy, policy)
+    xl = x[idx].clone().requires_grad_()
+    wl = w.clone().requires_grad_()
+    bl = None if b is None else b.clone().requires_grad_()
+    y = cake_causal_conv1d_cp(xl, wl, ctx, bl, silu_grad_preactivation=policy)
+    y.backward(dy[idx])
+    assert torch.equal(y, y_ref[idx]) and torch.equal(xl.grad, dx_ref[idx])
+    assert_partials_sum_to([wl.grad], dw_ref, w.dtype, x.shape[0])
+    if b is not None:
+        assert_partials_sum_to([bl.grad], db_ref, b.dtype, x.shape[0])
+
+
+def test_multi_is_bitwise_separate_calls(nccl_group):
+    part, cu, x, dy, w, b, idx = one_rank_batch(12)
+    ctx = build_cp_context(part, nccl_group, 0, DEV)
+    T = idx.numel()
+    g = torch.Generator(device=DEV).manual_seed(5)
+    shapes = [(64, F32, None), (32, BF16, BF16), (96, F32, F32)]
+    xs = [torch.randn(T, c, device=DEV, generator=g).to(BF16) for c, _, _ in shapes]
+    ws = [torch.randn(c, 4, device=DEV, generator=g).to(wd) for c, wd, _ in shapes]
+    bs = [None if bd is None else torch.randn(c, device=DEV, generator=g).to(bd) for c, _, bd in shapes]
+    dys = [torch.randn(T, c, device=DEV, generator=g).to(BF16) for c, _, _ in shapes]
+
+    def run(multi):
+        leaves = [t.clone().requires_grad_() for t in xs + ws] + [None if t is None else t.clone().requires_grad_()
+                                                                  for t in bs]
+        lx, lw, lb = leaves[:3], leaves[3:6], leaves[6:]
+        ys = cake_causal_conv1d_cp_multi(lx, lw, ctx, lb) if multi else [
+            cake_causal_conv1d_cp(a, c, ctx, d) for a, c, d in zip(lx, lw, lb)]
+        torch.autograd.backward(ys, dys)
+        return [y.detach() for y in ys] + [t.grad for t in leaves if t is not None]
+
+    for a, c in zip(run(True), run(False)):
+        assert torch.equal(a, c)
+
+
+def test_recompute_handle_under_checkpoint_exchanges_nothing(nccl_group, monkeypatch):
+    part, cu, x, dy, w, b, idx = one_rank_batch(13)
+    ctx = build_cp_context(part, nccl_group, 0, DEV)
+    calls = []
+    real = cp_conv._all_gather_async
+    monkeypatch.setattr(cp_conv, "_all_gather_async", lambda *a: calls.append(a[1].dtype) or real(*a))
+    handle = CPRecomputeHandle()
+
+    def step(checkpointed):
+        xl = x[idx].clone().requires_grad_()
+        wl = w.clone().requires_grad_()
+
+        def layer(t):
+            return cake_causal_conv1d_cp(t, wl, ctx, b, recompute_handle=handle) * 1.5
+
+        y = torch.utils.checkpoint.checkpoint(layer, xl, use_reentrant=False) if checkpointed else layer(xl)
+        y.backward(dy[idx])
+        return y.detach(), xl.grad, wl.grad
+
+    plain = step(False)
+    calls.clear()
+    ckpt = step(True)
+    # one halo all_gather (BF16) in the first forward, one gradient all_gather (FP32) in the
+    # backward, none in the recomputation
+    assert calls == [BF16, F32], calls
+    assert repr(handle) == "CPRecomputeHandle(empty)"
+    for a, c in zip(plain, ckpt):
+        assert torch.equal(a, c)
+
+
+def test_recompute_without_a_kept_halo_is_refused(nccl_group):
+    part, cu, x, dy, w, b, idx = one_rank_batch(14)
+    ctx = build_cp_context(part, nccl_group, 0, DEV)
+    xl = x[idx].clone().requires_grad_()
+    handle = CPRecomputeHandle()
+    y = torch.utils.checkpoint.checkpoint(lambda t: cake_causal_conv1d_cp(t, w, ctx, b, recompute_handle=handle),
+                                          xl, use_reentrant=False)
+    handle._halos = None  # as if another call site had taken it
+    with pytest.raises(RuntimeError, match="holds no halo"):
+        y.backward(dy[idx])
+
+
+def test_graph_capture_and_replay_of_a_two_layer_step(nccl_group):
+    part, cu, x, dy, w, b, idx = one_rank_batch(15)
+    ctx = build_cp_context(part, nccl_group, 0, DEV)
+    T, C = idx.numel(), x.shape[1]
+    w2 = (0.5 * torch.randn(C, 4, device=DEV)).to(F32)
+    xin = torch.empty(T, C, device=DEV, dtype=BF16, requires_grad=True)
+    wl, wl2 = w.clone().requires_grad_(), w2.clone().requires_grad_()
+    dyin = torch.empty(T, C, device=DEV, dtype=BF16)
+
+    def step():
+        h = cake_causal_conv1d_cp(xin, wl, ctx, b)
+        y = cake_causal_conv1d_cp(h, wl2, ctx)
+        y.backward(dyin)
+        return y
+
+    def fresh(seed):  # new data in the static inputs
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        with torch.no_grad():
+            xin.copy_(torch.randn(T, C, device=DEV, generator=g))
+            dyin.copy_(torch.randn(T, C, device=DEV, generator=g))
+
+    params = (xin, wl, wl2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm up: modules loaded, allocator pools
+            fresh(0)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    fresh(1)
+    for p in params:
+        p.grad = None  # the captured backward allocates the gradients in the graph's pool
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static = step()
+    static = (y_static, *(p.grad for p in params))
+    for seed in (2, 3):
+        fresh(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [t.clone() for t in static]
+        xe = xin.detach().clone().requires_grad_()
+        we, we2 = wl.detach().clone().requires_grad_(), wl2.detach().clone().requires_grad_()
+        h = cake_causal_conv1d_cp(xe, we, ctx, b)
+        ye = cake_causal_conv1d_cp(h, we2, ctx)
+        ye.backward(dyin)
+        for a, c in zip(got, (ye.detach(), xe.grad, we.grad, we2.grad)):
+            assert torch.equal(a, c)
+
+
+def test_recompute_handle_refused_in_capture(nccl_group):
+    part, cu, x, dy, w, b, idx = one_rank_batch(16)
+    ctx = build_cp_context(part, nccl_group, 0, DEV)
+    xl = x[idx].contiguous()
+    cake_causal_conv1d_cp(xl, w, ctx, b)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="inside CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            cake_causal_conv1d_cp(xl, w, ctx, b, recompute_handle=CPRecomputeHandle())
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("tokens", ValueError, "this rank's T"),
+    ("strided", ValueError, "must be contiguous"),
+    ("ctx", TypeError, "CPContext"),
+    ("policy", ValueError, "silu_grad_preactivation"),
+    ("weight", ValueError, "weight must have shape"),
+])
+def test_bad_arguments(nccl_group, case, error, match):
+    part, cu, x, dy, w, b, idx = one_rank_batch(17)
+    ctx = build_cp_context(part, nccl_group, 0, DEV)
+    xl = x[idx].contiguous()
+    kwargs = {}
+    if case == "tokens":
+        xl = xl[1:]
+    elif case == "strided":
+        xl = torch.cat([xl, xl], 1)[:, : xl.shape[1]]
+    elif case == "ctx":
+        ctx = part
+    elif case == "policy":
+        kwargs["silu_grad_preactivation"] = "fp16"
+    elif case == "weight":
+        w = w[:, :3]
+    with pytest.raises(error, match=match):
+        cake_causal_conv1d_cp(xl, w, ctx, b, **kwargs)

@@ -1,0 +1,39 @@
+"""The context-parallel conv over 2+ GPUs of one host (torchrun, NCCL): tests/cp_worker.py on
+every GPU, each rank's checks collected here. Skipped with fewer than 2 GPUs. NVLink multicast
+stays off in every process (NCCL_NVLS_ENABLE=0 and its peers), and the run has a timeout: a hung
+collective fails the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def test_every_layout_mix_and_variant_over_nccl(tmp_path: Path):
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        pytest.skip(f"needs 2 GPUs, found {gpus}")
+    worker = Path(__file__).with_name("cp_worker.py")
+    env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={min(gpus, 4)}",
+           str(worker), str(tmp_path)]
+    try:
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the ranks did not finish in 600 s (a hung collective?): {(e.stderr or '')[-3000:]}")
+    assert run.returncode == 0, run.stderr[-5000:]
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert len(reports) == min(gpus, 4)
+    failures = [f"rank {r}: {f}" for r, rep in enumerate(reports) for f in rep["failures"]]
+    assert not failures, "\n".join(failures[:20])
+    assert all(rep["cases"] == 4 * 4 * 6 * 2 for rep in reports)
