@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,21 +20,32 @@ pytestmark = pytest.mark.gpu
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 def test_every_layout_mix_and_variant_over_nccl(tmp_path: Path):
     gpus = torch.cuda.device_count()
     if gpus < 2:
         pytest.skip(f"needs 2 GPUs, found {gpus}")
-    worker = Path(__file__).with_name("cp_worker.py")
-    env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={min(gpus, 4)}",
-           str(worker), str(tmp_path)]
+    ranks = min(gpus, 4)
+    env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # every module built before the ranks start (a cold cache would build in each, past the timeouts)
+    subprocess.run([sys.executable, "-m", "flashinfer_cake", "build"], env=env, check=True, timeout=900,
+                   capture_output=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           str(Path(__file__).with_name("cp_worker.py")), str(tmp_path)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the ranks did not finish in 600 s (a hung collective?): {(e.stderr or '')[-3000:]}")
-    assert run.returncode == 0, run.stderr[-5000:]
+        _, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank
+        _, stderr = proc.communicate()
+        pytest.fail(f"the ranks did not finish in 600 s (a hung collective?): {stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-5000:]
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
-    assert len(reports) == min(gpus, 4)
+    assert len(reports) == ranks
     failures = [f"rank {r}: {f}" for r, rep in enumerate(reports) for f in rep["failures"]]
     assert not failures, "\n".join(failures[:20])
     assert all(rep["cases"] == 4 * 4 * 6 * 2 for rep in reports)

@@ -19,20 +19,26 @@ capturable (build the context before capturing)."""
 
 from __future__ import annotations
 
+import collections
+
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from .. import _checks, jit
 from ..cake_causal_conv1d_train import cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
+from .exchange import _all_gather
 from .partition import CPContext
+
+try:  # the process group's own collective call (see _all_gather_async)
+    from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions
+except ImportError:  # a torch without distributed support
+    _AllgatherOptions = None
 
 __all__ = ["CPRecomputeHandle", "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"]
 
 _FN, _FN_MULTI = "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"
 _FWD_HEADS, _BWD_HEADS, _BWD_TAILS = 0, 1, 2  # the passes of causal_conv1d_cp.cuh
-
-# torch 2.13 renames the fixed-size collective (the old name warns); 2.11 has only the old one.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _all_gather_async(out: torch.Tensor, send: torch.Tensor, group):
@@ -41,13 +47,9 @@ def _all_gather_async(out: torch.Tensor, send: torch.Tensor, group):
     it has one: the Python wrapper's checks cost ~130 µs of host time per call."""
     pg = dist.group.WORLD if group is None else group
     base = getattr(pg, "_allgather_base", None)
-    try:
-        from torch._C._distributed_c10d import AllgatherOptions
-    except ImportError:
-        base = None
-    if base is None:
+    if base is None or _AllgatherOptions is None or not hasattr(_AllgatherOptions(), "asyncOp"):
         return _all_gather(out, send, group=group, async_op=True)
-    opts = AllgatherOptions()
+    opts = _AllgatherOptions()
     opts.asyncOp = True
     return base(out, send, opts)
 
@@ -55,17 +57,38 @@ def _all_gather_async(out: torch.Tensor, send: torch.Tensor, group):
 class CPRecomputeHandle:
     """Lets an activation-checkpointed CP conv recompute its forward without communicating.
 
-    Pass the same handle to one call site (one layer) in every step: a forward outside a backward
-    pass exchanges the halo and keeps it in the handle; a forward run inside a backward pass (the
-    recomputation of ``torch.utils.checkpoint``) takes the kept halo and exchanges nothing, so
-    ranks that recompute their layers in different orders cannot deadlock. Refused inside CUDA
-    graph capture (the handle is host state)."""
+    Pass one handle to one checkpointed call site (one layer): a forward outside a backward pass
+    exchanges the halo and keeps it in the handle, under the identity of its inputs (their
+    addresses and versions) and context; a forward run inside a backward pass (the recomputation
+    of ``torch.utils.checkpoint``) takes the halo kept for the same inputs and exchanges nothing,
+    so ranks that recompute their layers in different orders cannot deadlock. Several micro-batches
+    in flight (pipeline schedules) each find their own. At most ``max_kept`` halos are kept (the
+    oldest dropped): use the handle only on checkpointed calls. Refused inside CUDA graph capture
+    (the handle is host state)."""
 
-    def __init__(self):
-        self._halos = None
+    def __init__(self, max_kept: int = 64):
+        self._kept: collections.OrderedDict = collections.OrderedDict()
+        self._max_kept = max_kept
+
+    @staticmethod
+    def _key(cp, xs) -> tuple:
+        return (id(cp), *((x.data_ptr(), x._version, tuple(x.shape)) for x in xs))
+
+    def _keep(self, cp, xs, halos) -> None:
+        key = self._key(cp, xs)
+        self._kept.pop(key, None)
+        self._kept[key] = tuple(halos)
+        while len(self._kept) > self._max_kept:
+            self._kept.popitem(last=False)
+
+    def _take(self, cp, xs):
+        return self._kept.pop(self._key(cp, xs), None)
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
     def __repr__(self) -> str:
-        return f"CPRecomputeHandle({'holding a halo' if self._halos is not None else 'empty'})"
+        return f"CPRecomputeHandle(holding {len(self._kept)} halo{'s' if len(self._kept) != 1 else ''})"
 
 
 _modules: dict = {}
@@ -92,6 +115,11 @@ def _run_pass(pass_: int, cp: CPContext, x, weight, bias, halo, *, dy=None, out=
     """One pass of causal_conv1d_cp.cuh on the current stream (the FP32 exchange rows as
     addresses: column slices of the buffers the tensors of a multi call share)."""
     device = x.device.index
+    C = x.shape[-1]
+    if (halo.shape != (cp.num_fragments, 3, C) or halo.dtype != torch.bfloat16 or not halo.is_contiguous()
+            or halo.device != x.device):  # the passes read num_fragments * 3 rows of C
+        raise RuntimeError(f"{_FN}: internal error: a halo of shape {tuple(halo.shape)}, {halo.dtype} on {halo.device} "
+                           f"for {cp.num_fragments} fragments of {C} channels on {x.device}")
     module = _module(weight, bias, device)
     weight, bias = _aligned(weight), _aligned(bias)
     fields = {"pass": pass_, "x": x.data_ptr(), "dy": 0 if dy is None else dy.data_ptr(),
@@ -99,7 +127,7 @@ def _run_pass(pass_: int, cp: CPContext, x, weight, bias, halo, *, dy=None, out=
               "bias": 0 if bias is None else bias.data_ptr(), "cu_seqlens": cp.cu_seqlens.data_ptr(),
               "halo": halo.data_ptr(), "frag_info": cp.frag_info.data_ptr(), "g_rows": cp.g_rows.data_ptr(),
               "g_out": g_out, "g_in": g_in, "g_import": cp.g_import.data_ptr(), "g_ld": g_ld,
-              "g_in_rows": g_in_rows, "S": x.shape[-2], "C": x.shape[-1], "num_frags": cp.num_fragments,
+              "g_in_rows": g_in_rows, "S": x.shape[-2], "C": C, "num_frags": cp.num_fragments,
               "num_items": cp.g_export_size, "round_preact": round_preact, "device": device,
               "stream": torch.cuda.current_stream(x.device).cuda_stream}
     rc = module.causal_conv1d_cp(**fields)
@@ -188,6 +216,13 @@ def backward_tails(cp: CPContext, dxs, xs, dys, weights, biases, halos, gathered
         at += x.shape[-1]
 
 
+def _as_rows(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """An incoming gradient as the passes read it: BF16, contiguous, 16-byte aligned, x's shape."""
+    if dy.dtype == torch.bfloat16 and dy.is_contiguous() and dy.data_ptr() % 16 == 0:
+        return dy
+    return torch.empty_like(x, memory_format=torch.contiguous_format).copy_(dy)
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -201,11 +236,12 @@ class _CPConv(torch.autograd.Function):
         xs, weights, biases = list(tensors[:n]), list(tensors[n: 2 * n]), list(tensors[2 * n:])
         halos = None
         if handle is not None and _in_backward():  # checkpoint's recomputation: the kept halo
-            if handle._halos is None or len(handle._halos) != n:
-                raise RuntimeError(f"{_FN}: the recompute_handle holds no halo for this call: a forward recomputed "
-                                   "in a backward pass takes the halo its first run kept (use one handle per call "
-                                   "site, and run the call outside the backward first)")
-            halos, handle._halos = list(handle._halos), None
+            halos = handle._take(cp, xs)
+            if halos is None:
+                raise RuntimeError(f"{_FN}: the recompute_handle holds no halo for these inputs: a forward recomputed "
+                                   "in a backward pass takes the halo its first run kept (one handle per checkpointed "
+                                   "call site; the first run must happen outside the backward)")
+            halos = list(halos)
         work = gathered = None
         if halos is None:
             send = halo_send(cp, xs)
@@ -216,7 +252,7 @@ class _CPConv(torch.autograd.Function):
             work.wait()
             halos = halos_of(cp, gathered, xs)
             if handle is not None:
-                handle._halos = tuple(halos)
+                handle._keep(cp, xs, halos)
         forward_heads(cp, ys, xs, weights, biases, halos)
         ctx.cp, ctx.policy, ctx.n = cp, policy, n
         ctx.save_for_backward(*xs, *weights, *biases, *halos)
@@ -224,11 +260,12 @@ class _CPConv(torch.autograd.Function):
         return tuple(ys)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *dys):
         n, cp, policy = ctx.n, ctx.cp, ctx.policy
         saved = ctx.saved_tensors
         xs, weights, biases, halos = saved[:n], saved[n: 2 * n], saved[2 * n: 3 * n], saved[3 * n:]
-        dys = [dy.contiguous() for dy in dys]
+        dys = [_as_rows(dy, x) for dy, x in zip(dys, xs)]
         round_preact = 1 if policy == "bf16" else 0
         send = grad_send(cp, xs, dys, weights, biases, halos, round_preact)
         gathered = send.new_empty(cp.partition.world_size * send.shape[0], send.shape[1])

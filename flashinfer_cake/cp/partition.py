@@ -193,11 +193,13 @@ class CPContext:
 def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPContext:
     """Rank ``rank``'s tables of ``partition`` on ``device``, computed on the host from the
     partition alone (no communication: every rank derives the same plan) and moved with one
-    asynchronous copy. The exchanges' sizes are the same on every rank: the largest number of
-    rows a rank exports."""
+    asynchronous copy on the current stream (use the context on that stream, or order other
+    streams after it). The exchanges' sizes are the same on every rank: the largest number of
+    rows a rank exports. ``group``: the CP group (None: the default group), whose size and this
+    process's rank in it must match."""
     if not 0 <= rank < partition.world_size:
         raise ValueError(f"build_cp_context: rank must be in [0, {partition.world_size}), got {rank}")
-    if group is not None and dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():  # (group None: the default group)
         size, group_rank = dist.get_world_size(group), dist.get_rank(group)
         if size != partition.world_size or group_rank != rank:
             raise ValueError(f"build_cp_context: the partition is for {partition.world_size} ranks and this is rank "
