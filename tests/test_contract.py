@@ -14,6 +14,8 @@ import subprocess
 import pytest
 
 from flashinfer_cake import _checks, _plan
+from flashinfer_cake.cp import conv as cp_conv
+from flashinfer_cake.cp import partition as cp_partition
 from flashinfer_cake.jit import env
 
 SIZES = [(S, C) for C in (8, 40, 128, 136, 2048, 8192, 65536)
@@ -31,6 +33,7 @@ int main() {
               "\"fwd_workspace_counters\": %lld},\n",
               (long long)kMaxDevices, (long long)kFwdMaxS, (long long)kFwdMaxElements, (long long)kBwdMaxS,
               (long long)kBwdMaxElements, (long long)kMaxC, (long long)kMaxCuSeqlens, (long long)kFwdWorkspaceCounters);
+  std::printf("\"cp\": [%d, %d, %d, %d, %d],\n", kCpFwdHeads, kCpBwdHeads, kCpBwdTails, kCpHeadMask, kCpContinues);
   std::printf("\"fwd_args\": \"%s\", \"bwd_args\": \"%s\", \"plan\": [", kFwdArgNames, kBwdArgNames);
   long long S, C;
   const char* sep = "";
@@ -81,6 +84,12 @@ def test_argument_structs_hold_what_the_binding_and_tools_pass(header):
                                           "counters", "counters_bytes", "dweight", "dbias", "S", "C", "x_row_stride",
                                           "dy_row_stride", "dx_row_stride", "num_docs", "item_tokens",
                                           "round_preact", "device", "stream"]
+
+
+def test_context_parallel_constants_match(header):
+    """The CP passes' ids and frag_info bits (flashinfer_cake/cp) and the CP entry's fields."""
+    assert header["cp"] == [cp_conv.FWD_HEADS, cp_conv.BWD_HEADS, cp_conv.BWD_TAILS, cp_partition.FRAG_HEAD_MASK,
+                            cp_partition.FRAG_CONTINUES]
 
 
 def test_backward_plan_matches(header):

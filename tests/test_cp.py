@@ -98,20 +98,28 @@ def gathered_states(part, x_global: torch.Tensor, rank: int) -> torch.Tensor:
     return buf.index_select(0, ctxs[rank].import_rows).view(-1, 3, x_global.shape[1])
 
 
+def partition_of(cu, world_size, layout):
+    """The layout's partition, or (layout "fragments") random 0-4-token pieces on random ranks in
+    shuffled order: histories from several ranks, a rank holding pieces of one document apart."""
+    if layout != "fragments":
+        return cp_partition(cu, world_size, layout)
+    rng, frags = random.Random(len(cu) * world_size), [[] for _ in range(world_size)]
+    for d, n in enumerate(b - a for a, b in zip(cu, cu[1:])):
+        at = 0
+        while at < n:
+            k = min(n - at, rng.choice((0, 1, 1, 2, 4)))
+            frags[rng.randrange(world_size)].append((d, at, k))
+            at += k
+    for f in frags:
+        rng.shuffle(f)
+    return cp_partition(cu, world_size, fragments=frags)
+
+
 @pytest.mark.parametrize("cu", CUS)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("layout", [*LAYOUTS, "fragments"])
 def test_tables_give_each_fragment_its_documents_previous_rows(cu, world_size, layout):
-    frags = None
-    if layout == "fragments":  # 1- and 0-token pieces: histories from several ranks
-        rng, frags = random.Random(len(cu) * world_size), [[] for _ in range(world_size)]
-        for d, n in enumerate(b - a for a, b in zip(cu, cu[1:])):
-            at = 0
-            while at < n:
-                k = min(n - at, rng.choice((0, 1, 1, 2, 4)))
-                frags[rng.randrange(world_size)].append((d, at, k))
-                at += k
-    part = cp_partition(cu, world_size, "contiguous" if frags else layout, fragments=frags)
+    part = partition_of(cu, world_size, layout)
     C = 4
     x = torch.arange(1, cu[-1] * C + 1, dtype=F64).view(-1, C)
     for r in range(world_size):
@@ -217,3 +225,62 @@ def test_halo_exchange_with_gloo_matches_the_unsplit_reference(world_size, layou
     results = run_ranks(world_size, cfg, str(tmp_path / "store"))
     assert [r["rank"] for r in results] == list(range(world_size))
     assert all(r["y"] and r["dx"] and r["multi"] for r in results), results
+
+
+@pytest.mark.parametrize("cu", CUS)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "fragments"])
+def test_backward_tables_give_each_fragment_the_next_tokens(cu, world_size, layout):
+    """The conv's backward tables (cp/conv.py, causal_conv1d_cp.cuh): each rank exports the head
+    tokens listed in g_rows (4 * fragment + position < 3); every fragment's g_import row j is the
+    exported slot of the j-th token after it in its document (-1 past the document, or for an empty
+    fragment); frag_info is min(offset, 3) | 4 when the document goes on. Checked against the
+    global token index of every row."""
+    part = partition_of(cu, world_size, layout)
+    ctxs = [build_cp_context(part, None, r, "cpu") for r in range(world_size)]
+    size = ctxs[0].g_export_size
+    exported = []  # global token of every gathered row (None: padding)
+    for r, c in enumerate(ctxs):
+        assert c.g_export_size == size and c.g_rows.numel() == size
+        starts, frags = part.local_cu_seqlens(r), part.fragments[r]
+        for code in c.g_rows.tolist():
+            if code < 0:
+                exported.append(None)
+                continue
+            f, pos = code >> 2, code & 3
+            d, o, n = frags[f]
+            assert pos < min(n, 3), (r, code)
+            exported.append(cu[d] + o + pos)
+        assert c.frag_info.tolist() == [min(o, 3) | (4 if o + n < cu[d + 1] - cu[d] else 0) for d, o, n in frags]
+        assert len(starts) == len(frags) + 1
+    for r, c in enumerate(ctxs):
+        imports = c.g_import.view(-1, 3).tolist()
+        for (d, o, n), row in zip(part.fragments[r], imports):
+            for j in range(3):
+                p = o + n + j
+                if n == 0 or cu[d] + p >= cu[d + 1]:
+                    assert row[j] == -1, (r, d, o, n, j)
+                else:
+                    assert row[j] >= 0 and exported[row[j]] == cu[d] + p, (r, d, o, n, j)
+
+
+def test_recompute_handle_keeps_one_halo_per_input_identity():
+    """CPRecomputeHandle (the conv's activation-checkpointing aid): a halo kept under the
+    identity of the inputs it was exchanged for (address, version, shape, context) is taken back
+    only for the same inputs, once; at most max_kept are kept, the oldest dropped."""
+    from flashinfer_cake.cp import CPRecomputeHandle
+    handle = CPRecomputeHandle(max_kept=2)
+    ctx_a, ctx_b = object(), object()
+    x, y, z = torch.zeros(4, 8), torch.ones(4, 8), torch.full((4, 8), 2.0)
+    handle._keep(ctx_a, [x], ["halo x"])
+    handle._keep(ctx_a, [y], ["halo y"])
+    assert len(handle) == 2 and "2 halos" in repr(handle)
+    assert handle._take(ctx_b, [x]) is None  # another context
+    x.add_(1)  # a new version of x: not the inputs the halo was exchanged for
+    assert handle._take(ctx_a, [x]) is None
+    assert handle._take(ctx_a, [y]) == ("halo y",)
+    assert handle._take(ctx_a, [y]) is None  # taken once
+    handle._keep(ctx_a, [x], ["x1"])
+    handle._keep(ctx_a, [y], ["y1"])
+    handle._keep(ctx_a, [z], ["z1"])  # the oldest (x) dropped
+    assert len(handle) == 2 and handle._take(ctx_a, [x]) is None and handle._take(ctx_a, [z]) == ("z1",)

@@ -38,7 +38,7 @@ except ImportError:  # a torch without distributed support
 __all__ = ["CPRecomputeHandle", "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"]
 
 _FN, _FN_MULTI = "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"
-_FWD_HEADS, _BWD_HEADS, _BWD_TAILS = 0, 1, 2  # the passes of causal_conv1d_cp.cuh
+FWD_HEADS, BWD_HEADS, BWD_TAILS = 0, 1, 2  # the passes of causal_conv1d_cp.cuh (causal_conv1d_contract.h)
 
 
 def _all_gather_async(out: torch.Tensor, send: torch.Tensor, group):
@@ -176,7 +176,7 @@ def forward_heads(cp: CPContext, ys, xs, weights, biases, halos) -> None:
     if cp.num_tokens == 0:
         return
     for y, x, w, b, h in zip(ys, xs, weights, biases, halos):
-        _run_pass(_FWD_HEADS, cp, x, w, b, h, out=y)
+        _run_pass(FWD_HEADS, cp, x, w, b, h, out=y)
 
 
 def grad_send(cp: CPContext, xs, dys, weights, biases, halos, round_preact: int) -> torch.Tensor:
@@ -188,7 +188,7 @@ def grad_send(cp: CPContext, xs, dys, weights, biases, halos, round_preact: int)
         return send.zero_()
     at = 0
     for x, dy, w, b, h in zip(xs, dys, weights, biases, halos):
-        _run_pass(_BWD_HEADS, cp, x, w, b, h, dy=dy, g_out=send.data_ptr() + 4 * at, g_ld=total,
+        _run_pass(BWD_HEADS, cp, x, w, b, h, dy=dy, g_out=send.data_ptr() + 4 * at, g_ld=total,
                   round_preact=round_preact)
         at += x.shape[-1]
     return send
@@ -211,7 +211,7 @@ def backward_tails(cp: CPContext, dxs, xs, dys, weights, biases, halos, gathered
         return
     at, total = 0, gathered_g.shape[1]
     for dx, x, dy, w, b, h in zip(dxs, xs, dys, weights, biases, halos):
-        _run_pass(_BWD_TAILS, cp, x, w, b, h, dy=dy, out=dx, g_in=gathered_g.data_ptr() + 4 * at, g_ld=total,
+        _run_pass(BWD_TAILS, cp, x, w, b, h, dy=dy, out=dx, g_in=gathered_g.data_ptr() + 4 * at, g_ld=total,
                   g_in_rows=gathered_g.shape[0], round_preact=round_preact)
         at += x.shape[-1]
 

@@ -20,6 +20,9 @@ import torch.distributed as dist
 __all__ = ["CPContext", "CPPartition", "build_cp_context", "cp_partition"]
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag_per_document")
+# frag_info: min(a fragment's offset in its document, 3) | FRAG_CONTINUES when its document has
+# tokens after it (causal_conv1d_contract.h)
+FRAG_HEAD_MASK, FRAG_CONTINUES = 3, 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +251,8 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
     g_import = [-1 if t is None else t[0] * g_size + g_slot[t[0]][t[1]] for t in g_needs[rank]]
     mine = halo_lists[rank] + [0] * (size - len(halo_lists[rank]))  # padding: sent, never read
     g_rows = [g_exports[rank][row] for row in g_lists[rank]] + [-1] * (g_size - len(g_lists[rank]))
-    frag_info = [min(o, 3) | (4 if o + n < lengths[d] else 0) for d, o, n in partition.fragments[rank]]
+    frag_info = [min(o, FRAG_HEAD_MASK) | (FRAG_CONTINUES if o + n < lengths[d] else 0)
+                 for d, o, n in partition.fragments[rank]]
     cu = partition.local_cu_seqlens(rank)
     parts = [cu, mine, imports, frag_info, g_rows, g_import]
     host = torch.tensor([v for part in parts for v in part], dtype=torch.int32)

@@ -30,6 +30,15 @@ constexpr int64_t kMaxCuSeqlens = (int64_t(1) << 31) - 1;  // inclusive: num_doc
 // entry, left zero). No route of today reads or writes them.
 constexpr int64_t kFwdWorkspaceCounters = 2;
 
+// The context-parallel passes (causal_conv1d_cp.cuh; flashinfer_cake/cp): the pass argument, and
+// the bits of a fragment's frag_info table entry: min(its offset in its document, 3), and
+// whether its document has tokens after it.
+constexpr int kCpFwdHeads = 0;
+constexpr int kCpBwdHeads = 1;
+constexpr int kCpBwdTails = 2;
+constexpr int kCpHeadMask = 3;
+constexpr int kCpContinues = 4;
+
 // The C entries take one struct of int64 fields (device addresses, sizes, flags, the stream):
 // one ctypes argument instead of 15 or 25 (the eager host budget), filled by name in the binding.
 // The [S, C] tensors are BF16 rows of C channels, *_row_stride elements apart (a multiple of 8,

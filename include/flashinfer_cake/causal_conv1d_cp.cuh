@@ -26,15 +26,9 @@
 
 #include "causal_conv1d_bwd.cuh"
 #include "causal_conv1d_common.cuh"
+#include "causal_conv1d_contract.h"  // the pass ids and frag_info bits
 
 namespace flashinfer_cake {
-
-enum CpPass : int { kCpFwdHeads = 0, kCpBwdHeads = 1, kCpBwdTails = 2 };
-
-// frag_info bits: min(offset of the fragment in its document, 3), and whether the document has
-// tokens after the fragment.
-constexpr int kCpHeadMask = 3;
-constexpr int kCpContinues = 4;
 
 struct CausalConv1dCpParams {
   const __nv_bfloat16* x;     // [S, C] contiguous: this rank's tokens
