@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # One whole round on a lent GPU machine (the device tool), results under $OUT:
-# install + AOT build + full test suite (ci_gpu.sh), SASS and resource report, the three benchmarks.
-#   bash scripts/gpu_round.sh [--quick]      (carry .whl for the peers' wheels)
+# install + AOT build + full test suite (ci_gpu.sh), SASS and resource report, the benchmarks
+# (bench_cp.py under torchrun when the machine has 2+ GPUs).
+#   bash scripts/gpu_round.sh [tests|bench] [--quick]      (carry .whl for the peers' wheels)
+# The whole round takes over 10 minutes on one H200 (the suite alone ~7): one device call each.
 set -uo pipefail
+phase=all
+case "${1:-}" in tests|bench) phase=$1; shift ;; esac
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cake_out}
 mkdir -p "$OUT"
@@ -14,7 +18,13 @@ fi
 export FLASHINFER_CAKE_CACHE_DIR=/tmp/cake_cache
 { nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$OUT/machine.txt" 2>&1
 
-PIP_INSTALL_FLAGS="--no-build-isolation --no-deps -q" bash scripts/ci_gpu.sh -q --maxfail=20 -p no:cacheprovider --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; tail -5 "$OUT/tests.log"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
+if [ "$phase" != bench ]; then
+  PIP_INSTALL_FLAGS="--no-build-isolation --no-deps -q" bash scripts/ci_gpu.sh -q --maxfail=20 -p no:cacheprovider --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; tail -5 "$OUT/tests.log"
+else
+  python3 -m pip install --no-build-isolation --no-deps -q -e . > "$OUT/install.log" 2>&1
+fi
+[ "$phase" = tests ] && exit 0
 python3 -m flashinfer_cake  # the CLI's default action: build what is needed, check, GB/s
 
 # Evidence from the build: registers/spills per kernel, and the SASS of the main loop.
@@ -30,3 +40,8 @@ python3 scripts/bench_bwd.py "$@" --json "$OUT/bench_bwd.json" --md "$OUT/bench_
 tail -30 "$OUT/bench_bwd.log"
 python3 scripts/bench_states.py "$@" --json "$OUT/bench_states.json" --md "$OUT/bench_states.md" > "$OUT/bench_states.log" 2>&1
 tail -12 "$OUT/bench_states.log"
+gpus=$(nvidia-smi -L | wc -l)
+if [ "$gpus" -ge 2 ]; then
+  (cd scripts && timeout 580 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" bench_cp.py "$@" \
+     --json "$OUT/bench_cp.json" > "$OUT/bench_cp.log" 2>&1); grep -A40 "## bench_cp" "$OUT/bench_cp.log"
+fi
