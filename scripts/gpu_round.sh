@@ -2,11 +2,14 @@
 # One whole round on a lent GPU machine (the device tool), results under $OUT:
 # install + AOT build + full test suite (ci_gpu.sh), SASS and resource report, the benchmarks
 # (bench_cp.py under torchrun when the machine has 2+ GPUs).
-#   bash scripts/gpu_round.sh [tests|bench] [--quick]      (carry .whl for the peers' wheels)
+#   bash scripts/gpu_round.sh [tests|bench|cp] [--quick]      (carry .whl for the peers' wheels)
 # The whole round takes over 10 minutes on one H200 (the suite alone ~7): one device call each.
+# cp: the context-parallel round on a 2-GPU machine (nvidia-h200-x2): the CP tests (torchrun
+# included), then bench_cp.py. Every step has a timeout: a hung collective fails, it does not
+# eat the budget.
 set -uo pipefail
 phase=all
-case "${1:-}" in tests|bench) phase=$1; shift ;; esac
+case "${1:-}" in tests|bench|cp) phase=$1; shift ;; esac
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cake_out}
 mkdir -p "$OUT"
@@ -19,6 +22,20 @@ export FLASHINFER_CAKE_CACHE_DIR=/tmp/cake_cache
 { nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$OUT/machine.txt" 2>&1
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
+bench_cp() {
+  local gpus; gpus=$(nvidia-smi -L | wc -l)
+  [ "$gpus" -ge 2 ] || return 0
+  (cd scripts && timeout 400 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" bench_cp.py "$@" \
+     --json "$OUT/bench_cp.json" > "$OUT/bench_cp.log" 2>&1); grep -A40 "## bench_cp" "$OUT/bench_cp.log" || tail -20 "$OUT/bench_cp.log"
+}
+if [ "$phase" = cp ]; then
+  python3 -m pip install --no-build-isolation --no-deps -q -e ".[test]" > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+  python3 -m flashinfer_cake build > "$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
+  FLASHINFER_CAKE_REQUIRE_GPU=1 timeout 300 python3 -m pytest tests/test_cp_gpu.py tests/test_cp_multi_gpu.py -q \
+    -p no:cacheprovider --junitxml="$OUT/junit_cp.xml" > "$OUT/tests_cp.log" 2>&1; tail -15 "$OUT/tests_cp.log"
+  bench_cp "$@"
+  exit 0
+fi
 if [ "$phase" != bench ]; then
   PIP_INSTALL_FLAGS="--no-build-isolation --no-deps -q" bash scripts/ci_gpu.sh -q --maxfail=20 -p no:cacheprovider --junitxml="$OUT/junit.xml" > "$OUT/tests.log" 2>&1; tail -5 "$OUT/tests.log"
 else
@@ -40,8 +57,4 @@ python3 scripts/bench_bwd.py "$@" --json "$OUT/bench_bwd.json" --md "$OUT/bench_
 tail -30 "$OUT/bench_bwd.log"
 python3 scripts/bench_states.py "$@" --json "$OUT/bench_states.json" --md "$OUT/bench_states.md" > "$OUT/bench_states.log" 2>&1
 tail -12 "$OUT/bench_states.log"
-gpus=$(nvidia-smi -L | wc -l)
-if [ "$gpus" -ge 2 ]; then
-  (cd scripts && timeout 580 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" bench_cp.py "$@" \
-     --json "$OUT/bench_cp.json" > "$OUT/bench_cp.log" 2>&1); grep -A40 "## bench_cp" "$OUT/bench_cp.log"
-fi
+bench_cp "$@"

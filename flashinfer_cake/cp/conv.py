@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import _checks, jit
 from ..cake_causal_conv1d_train import cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
-from .exchange import _all_gather
+from .exchange import _all_gather, gathered_buffer, halo_send, halos_of
 from .partition import CPContext
 
 try:  # the process group's own collective call (see _all_gather_async)
@@ -135,40 +135,14 @@ def _run_pass(pass_: int, cp: CPContext, x, weight, bias, halo, *, dy=None, out=
         raise RuntimeError(f"{_FN}: {module.last_error_message()} (CUDA error {rc})")
 
 
-# The phases of one call, each on the current stream; the collectives go between them. (Tests run
-# the phases of several ranks in one process, with the gathered rows built by hand.)
-
-def halo_send(cp: CPContext, xs) -> torch.Tensor:
-    """This rank's export rows of every x, side by side: ``[export_size, sum C]`` BF16."""
-    if cp.num_tokens == 0:  # nothing to send: padding
-        return xs[0].new_zeros(cp.export_size, sum(x.shape[-1] for x in xs))
-    rows = [x.reshape(-1, x.shape[-1]).index_select(0, cp.export_rows) for x in xs]
-    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
-
-
-def gathered_buffer(cp: CPContext, send: torch.Tensor) -> torch.Tensor:
-    """The all_gather's output: every rank's send rows, and a zero row after them (the halo rows
-    before a document)."""
-    out = send.new_empty(cp.partition.world_size * send.shape[0] + 1, send.shape[1])
-    out[-1].zero_()
-    return out
-
+# The phases of one call, each on the current stream; the collectives go between them (the halo's
+# send rows and gathered buffer: exchange.py). Tests run the phases of several ranks in one
+# process, with the gathered rows built by hand.
 
 def forward_interior(cp: CPContext, xs, weights, biases) -> list[torch.Tensor]:
     """y of every local token, each fragment read as a document (head rows of continuing
     fragments still to fix)."""
     return [cake_causal_conv1d_train_forward(x, w, cp.cu_seqlens, bias=b) for x, w, b in zip(xs, weights, biases)]
-
-
-def halos_of(cp: CPContext, gathered: torch.Tensor, xs) -> list[torch.Tensor]:
-    """Each x's fragments' halos ``[num_fragments, 3, C]`` from the gathered rows."""
-    halos, at = [], 0
-    for x in xs:
-        C = x.shape[-1]
-        cols = gathered if len(xs) == 1 else gathered[:, at: at + C]
-        halos.append(cols.index_select(0, cp.import_rows).view(cp.num_fragments, 3, C))
-        at += C
-    return halos
 
 
 def forward_heads(cp: CPContext, ys, xs, weights, biases, halos) -> None:

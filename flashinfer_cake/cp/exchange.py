@@ -17,25 +17,44 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def halo_send(cp: CPContext, xs) -> torch.Tensor:
+    """This rank's export rows of every x, side by side: ``[export_size, sum C]`` BF16."""
+    if cp.num_tokens == 0:  # nothing to send: padding
+        return xs[0].new_zeros(cp.export_size, sum(x.shape[-1] for x in xs))
+    rows = [x.reshape(-1, x.shape[-1]).index_select(0, cp.export_rows) for x in xs]
+    return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+
+
+def gathered_buffer(cp: CPContext, send: torch.Tensor) -> torch.Tensor:
+    """The all_gather's output: every rank's send rows, and a zero row after them (the halo rows
+    before a document)."""
+    out = send.new_empty(cp.partition.world_size * send.shape[0] + 1, send.shape[1])
+    out[-1].zero_()
+    return out
+
+
+def halos_of(cp: CPContext, gathered: torch.Tensor, xs) -> list[torch.Tensor]:
+    """Each x's fragments' halos ``[num_fragments, 3, C]`` from the gathered rows."""
+    halos, at = [], 0
+    for x in xs:
+        C = x.shape[-1]
+        cols = gathered if len(xs) == 1 else gathered[:, at: at + C]
+        halos.append(cols.index_select(0, cp.import_rows).view(cp.num_fragments, 3, C))
+        at += C
+    return halos
+
+
 class _HaloExchange(torch.autograd.Function):
     """The exchange of one or more tensors of the same tokens (q, k, v of one layer): their
     export rows side by side along the channels, so one collective carries all of them."""
 
     @staticmethod
     def forward(ctx, cp, *xs):
-        rows = [x.reshape(-1, x.shape[-1]) for x in xs]
-        widths = [r.shape[1] for r in rows]
-        n = cp.num_exports  # the rest of the buffer is padding (a rank may hold no token at all)
-        send = rows[0].new_zeros(cp.export_size, sum(widths))
-        if n:
-            exports = cp.export_rows[:n]
-            send[:n] = torch.cat([r.index_select(0, exports) for r in rows], dim=1)
-        gathered = send.new_empty(cp.partition.world_size * cp.export_size + 1, send.shape[1])
+        send = halo_send(cp, xs)
+        gathered = gathered_buffer(cp, send)
         _all_gather(gathered[:-1], send, group=cp.group)
-        gathered[-1].zero_()
-        states = gathered.index_select(0, cp.import_rows)
-        ctx.cp, ctx.shapes, ctx.widths = cp, [x.shape for x in xs], widths
-        return tuple(s.reshape(-1, 3, w) for s, w in zip(states.split(widths, dim=1), widths))
+        ctx.cp, ctx.shapes, ctx.widths = cp, [x.shape for x in xs], [x.shape[-1] for x in xs]
+        return tuple(halos_of(cp, gathered, xs))
 
     @staticmethod
     def backward(ctx, *dstates):
