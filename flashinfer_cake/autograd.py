@@ -11,6 +11,7 @@ from .cake_causal_conv1d_train import cake_causal_conv1d_train_forward
 __all__ = ["CakeCausalConv1dFunction", "cake_causal_conv1d"]
 
 _AUTOGRAD = "cake_causal_conv1d"
+_is_compiling, _is_tracing = torch.compiler.is_compiling, torch._C._is_tracing
 
 
 class CakeCausalConv1dFunction(torch.autograd.Function):
@@ -96,15 +97,18 @@ def cake_causal_conv1d(
         As the forward; and a ValueError up front when x is outside the backward's range
         (S < 2^30, S * C < 2^34).
     """
-    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # the binding is opaque to both
+    # The binding is opaque to both torch.compile and torch.jit.trace. (Under dynamo the first test
+    # is the constant True; _is_tracing is the C call under torch.jit.is_tracing: 0.1 us less.)
+    if _is_compiling() or _is_tracing():
         _checks.check_autograd_early(_AUTOGRAD, x, return_final_states, silu_grad_preactivation)
         return CakeCausalConv1dFunction.apply(x, weight, cu_seqlens, bias, initial_states, return_final_states,
                                               silu_grad_preactivation)
     # Eager: the binding's C++ autograd node (a Python autograd.Function costs ~6 us more per call).
     binding = _dispatch.binding
-    args = (x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation)
-    y = None if binding is None else binding.try_autograd_forward(*args)
+    y = None if binding is None else binding.try_autograd_forward(x, weight, cu_seqlens, bias, initial_states,
+                                                                  return_final_states, silu_grad_preactivation)
     if y is None:  # a bad argument (raised here, before anything is built), or a first call
+        args = (x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation)
         device = _checks.check_autograd_args(_AUTOGRAD, *args)
         y = _dispatch.binding_for(device, weight, bias).try_autograd_forward(*args)
         if y is None:

@@ -66,6 +66,9 @@ def tolerances(x, w, cu, dy, b, policy: str, dx, dweight, dbias) -> dict:
     return tol
 
 
+TRAINING_CALL = "cake_causal_conv1d fwd (x a recorded op's output; weight, bias accumulators held)"
+
+
 class BackwardBench(Bench):
     NAME = "bench_bwd"
     DESCRIPTION = ("Benchmark cake_causal_conv1d_train_backward against copy bandwidth (a copy of 3*S*C bytes = the "
@@ -84,10 +87,14 @@ class BackwardBench(Bench):
                   "bwd(out=)", "fwd raw (defaults)": "fwd", "cake_causal_conv1d fwd (no input requires grad)":
                   "autograd fwd (no grad)", "cake_causal_conv1d fwd (x, weight, bias require grad)": "autograd fwd",
                   "ours-ag bwd (autograd.grad, retained graph)": "autograd bwd", "torch.ops.flashinfer_cake."
-                  "causal_conv1d_fwd": "op fwd", "torch.ops.flashinfer_cake.causal_conv1d_bwd": "op bwd"}
+                  "causal_conv1d_fwd": "op fwd", "torch.ops.flashinfer_cake.causal_conv1d_bwd": "op bwd",
+                  "x.clone(), x a leaf requiring grad (torch's own node)": "clone (grad)", TRAINING_CALL: "autograd fwd "
+                  "(training)"}
     HOST_DELTAS = {"custom-op dispatch (fwd op - fwd raw)": ("op fwd", "fwd"),  # what the op and autograd add
                    "autograd entry, no grad (- fwd raw)": ("autograd fwd (no grad)", "fwd"),
                    "autograd entry, grad (- fwd raw)": ("autograd fwd", "fwd"),
+                   "autograd entry, training-shaped call (- fwd raw)": ("autograd fwd (training)", "fwd"),
+                   "torch's node + a fresh leaf's accumulator (clone with grad - clone)": ("clone (grad)", "clone"),
                    "custom-op dispatch (bwd op - bwd raw)": ("op bwd", "bwd")}
     CHECK_COLUMNS = {"dx": "dx err", "dweight": "dw err", "dbias": "db err"}
     GOALS = (Goal("pct_copy_large>=80", "pct_copy", 80), Goal("speedup_vs_fla_large>=1.3", "speedup:fla", 1.3),
@@ -174,7 +181,15 @@ class BackwardBench(Bench):
                             cake.CakeCausalConv1dFunction, torch.ops.flashinfer_cake)
         y, fws = torch.empty_like(x), cake.cake_causal_conv1d_train_forward_workspace(case.S, case.C, x.device)
         xg, wg, bg = leaf(x), leaf(w), leaf(b)
+        # The training shape of the call: x is a recorded op's output (a projection's), and the
+        # parameters' AccumulateGrad nodes outlive each step (DDP, FSDP and Megatron hold them for
+        # their hooks). With fresh leaves every call also builds one AccumulateGrad per leaf, as
+        # any torch op does (see "x.clone(), x a leaf requiring grad").
+        xn, wt, bt = leaf(x) * 1, leaf(w), leaf(b)
+        held = [t.view_as(t).grad_fn.next_functions[0][0] for t in (wt, bt)]
         return cands + [
+            ("x.clone(), x a leaf requiring grad (torch's own node)", lambda: xg.clone(), None),
+            (TRAINING_CALL, lambda held=held: ag(xn, wt, cu, bt, silu_grad_preactivation=pol), None),
             ("fwd raw (defaults)", lambda: fwd(x, w, cu, bias=b), None),
             ("fwd raw (out=, workspace=)", lambda: fwd(x, w, cu, bias=b, out=y, workspace=fws), None),
             ("cake_causal_conv1d fwd (no input requires grad)", lambda: ag(x, w, cu, b), None),
