@@ -264,7 +264,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const Row* __restrict__ init_v = reinterpret_cast<const Row*>(p.initial_states);
   const Row* __restrict__ dfinal_v = reinterpret_cast<const Row*>(p.dfinal_states);
   Row* __restrict__ dinit_v = reinterpret_cast<Row*>(p.dinitial_states);
-  const auto state_off = [&](int d, int i) { return (static_cast<size_t>(d) * 3 + i) * vecs_per_row; };
+  const auto state_off = [&](int d, int i) { return detail::state_row_offset(d, i, vecs_per_row); };
   if constexpr (kStates) {
     detail::scan_documents<T, L, Traits::kLanesC>(
         p.cu_seqlens, p.num_docs, p.S, item_t0, p.item_tokens + 3, item_end, s_first_idx, s_last_idx, s_pos, s_doc,
@@ -307,16 +307,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       detail::row_to_float(my_xring[(i + 1) * T], xm[i + 1]);
     }
     if constexpr (kStates) {
-      // The strip starts 1 or 2 tokens into a document with an initial state: the window's rows
-      // before the document are the state's last rows.
-      const int c0 = pos_row[0], p0 = c0 & detail::kPosMask;
-      if (init_v && active && (c0 & detail::kInDoc) && (p0 == 1 || p0 == 2)) {
-        const size_t off = state_off(doc_row[0], 0) + vec;
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          if (i < 3 - p0) detail::row_to_float(__ldg(init_v + off + (i + p0) * vecs_per_row), xm[i + 1]);
-        }
-      }
+      detail::strip_start_state_rows<V>(pos_row[0], init_v && active, doc_row, init_v, vecs_per_row, vec, xm);
     }
     // Loop state, stepped once per row or per step (no per-row multiplies): the ring slots of the
     // step's 4 rows (cur) and of the 4 rows before them (prev), the token and offset of the next

@@ -291,6 +291,30 @@ constexpr int kPosMask = 3;
 constexpr int kEndShift = 2;
 constexpr int kInDoc = 16;
 
+// Conv states [num_docs][3] rows of C channels: row i of document d starts (3 d + i) C / V
+// vectors in.
+__device__ __forceinline__ size_t state_row_offset(int d, int i, uint32_t vecs_per_row) {
+  return (static_cast<size_t>(d) * 3 + i) * vecs_per_row;
+}
+
+// A strip whose first token (code: its scan_documents code, *doc: its document) is 1 or 2 tokens
+// into a document with an initial state (given when `given`): the window rows before the document
+// (xm[1], xm[2]: 3 and 2 tokens back) are the state's last rows, for vector column vec. The forward
+// and the backward start their strips with it.
+template <int V>
+__device__ __forceinline__ void strip_start_state_rows(int code, bool given, const int32_t* doc,
+                                                       const Row<V>* __restrict__ init_v, uint32_t vecs_per_row,
+                                                       int vec, float (&xm)[4][V]) {
+  const int p0 = code & kPosMask;
+  if (given && (code & kInDoc) && (p0 == 1 || p0 == 2)) {
+    const size_t off = state_row_offset(*doc, 0, vecs_per_row) + vec;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (i < 3 - p0) row_to_float(__ldg(init_v + off + (i + p0) * vecs_per_row), xm[i + 1]);
+    }
+  }
+}
+
 // scan_positions plus what the per-document conv states need, for tokens first_token + j, j = 0 ..
 // count - 1 (every thread must call it; it contains barriers): code[j] (above) and doc[j], the
 // token's document when the token is less than 3 tokens into it (the last entry equal to its

@@ -138,7 +138,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   // State rows: [num_docs][3] rows of C / V vectors; row i of document d at (3 d + i) C / V.
   const Row* __restrict__ init_v = reinterpret_cast<const Row*>(p.initial_states);
   Row* __restrict__ final_v = reinterpret_cast<Row*>(p.final_states);
-  const auto state_off = [&](int d, int i) { return (static_cast<size_t>(d) * 3 + i) * vecs_per_row; };
+  const auto state_off = [&](int d, int i) { return detail::state_row_offset(d, i, vecs_per_row); };
   if constexpr (kStates) {
     detail::scan_documents<T, L, Traits::kLanesC>(
         p.cu_seqlens, p.num_docs, p.S, tile_t0, tile_len, tile_t0 + tile_len, s_first_idx, s_last_idx, s_pos, s_doc,
@@ -196,16 +196,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
     detail::row_to_float(my_ring[(i + 1) * T], xm[i + 1]);
   }
   if constexpr (kStates) {
-    // The strip starts 1 or 2 tokens into a document with an initial state: the window's rows
-    // before the document are the state's last rows.
-    const int c0 = pos_row[0], p0 = c0 & detail::kPosMask;
-    if (init_v && active && (c0 & detail::kInDoc) && (p0 == 1 || p0 == 2)) {
-      const size_t off = state_off(doc_row[0], 0) + vec;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        if (i < 3 - p0) detail::row_to_float(__ldg(init_v + off + (i + p0) * vecs_per_row), xm[i + 1]);
-      }
-    }
+    detail::strip_start_state_rows<V>(pos_row[0], init_v && active, doc_row, init_v, vecs_per_row, vec, xm);
   }
   // Loop state, stepped once per row or per step (no per-row multiplies): the ring slots of the
   // step's 4 rows (cur) and of the 4 rows before them (prev), the offset of the next row to
