@@ -93,8 +93,6 @@ class BackwardBench(Bench):
     HOST_DELTAS = {"custom-op dispatch (fwd op - fwd raw)": ("op fwd", "fwd"),  # what the op and autograd add
                    "autograd entry, no grad (- fwd raw)": ("autograd fwd (no grad)", "fwd"),
                    "autograd entry, grad (- fwd raw)": ("autograd fwd", "fwd"),
-                   "autograd entry, training-shaped call (- fwd raw)": ("autograd fwd (training)", "fwd"),
-                   "torch's node + a fresh leaf's accumulator (clone with grad - clone)": ("clone (grad)", "clone"),
                    "custom-op dispatch (bwd op - bwd raw)": ("op bwd", "bwd")}
     CHECK_COLUMNS = {"dx": "dx err", "dweight": "dw err", "dbias": "db err"}
     GOALS = (Goal("pct_copy_large>=80", "pct_copy", 80), Goal("speedup_vs_fla_large>=1.3", "speedup:fla", 1.3),
@@ -181,10 +179,8 @@ class BackwardBench(Bench):
                             cake.CakeCausalConv1dFunction, torch.ops.flashinfer_cake)
         y, fws = torch.empty_like(x), cake.cake_causal_conv1d_train_forward_workspace(case.S, case.C, x.device)
         xg, wg, bg = leaf(x), leaf(w), leaf(b)
-        # The training shape of the call: x is a recorded op's output (a projection's), and the
-        # parameters' AccumulateGrad nodes outlive each step (DDP, FSDP and Megatron hold them for
-        # their hooks). With fresh leaves every call also builds one AccumulateGrad per leaf, as
-        # any torch op does (see "x.clone(), x a leaf requiring grad").
+        # Training: x comes from a recorded op, the parameters' AccumulateGrad nodes outlive the step
+        # (DDP/FSDP/Megatron hold them); fresh leaves build one per leaf per call, as any torch op.
         xn, wt, bt = leaf(x) * 1, leaf(w), leaf(b)
         held = [t.view_as(t).grad_fn.next_functions[0][0] for t in (wt, bt)]
         return cands + [

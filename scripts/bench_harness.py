@@ -242,13 +242,10 @@ class Dev:
                 "p10_us": 1e6 * per[len(per) // 10], "calls": len(per), "batches": batches}
 
     def host_us_rounds(self, cands, calls: int, context, rounds: int = 5) -> dict:
-        """host_us of every candidate, name -> result, for (name, fn, env) triples, in `rounds`
-        interleaved rounds of calls / rounds calls each: the host's speed drifts during a run
-        (x.clone() took 7.9 to 11.5 µs within one process on the H200 host), and interleaving
-        moves every candidate alike. A result holds median_us (median over the rounds of each
-        round's median), mean_us (over every call), min_round_us, rounds_us and vs_first (median
-        over the rounds of the round's median / the first candidate's), or error: a candidate
-        that raises leaves the rounds. context(env) is entered around a candidate's calls."""
+        """host_us of each (name, fn, env) candidate in `rounds` interleaved rounds (the host's
+        speed drifts: x.clone() took 7.9 to 11.5 µs in one process on the H200 host). A result:
+        median_us (of the round medians), mean_us, min_round_us, rounds_us, vs_first (median of
+        round median / the first candidate's), or error (it raised). context(env) wraps calls."""
         acc = {name: {"rounds_us": [], "total_s": 0.0, "calls": 0, "ratios": []} for name, _, _ in cands}
         for _ in range(rounds):
             first = None
