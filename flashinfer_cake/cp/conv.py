@@ -129,7 +129,7 @@ def _run_pass(pass_: int, cp: CPContext, x, weight, bias, halo, *, dy=None, out=
               "g_out": g_out, "g_in": g_in, "g_import": cp.g_import.data_ptr(), "g_ld": g_ld,
               "g_in_rows": g_in_rows, "S": x.shape[-2], "C": C, "num_frags": cp.num_fragments,
               "num_items": cp.g_export_size, "round_preact": round_preact, "device": device,
-              "stream": torch._C._cuda_getCurrentRawStream(device)}  # 0.15 us; a torch.cuda.Stream object: 5.7 us
+              "stream": torch._C._cuda_getCurrentRawStream(device)}  # private (inductor uses it): 0.15 us
     rc = module.causal_conv1d_cp(**fields)
     if rc != 0:
         raise RuntimeError(f"{_FN}: {module.last_error_message()} (CUDA error {rc})")
