@@ -67,6 +67,7 @@ def tolerances(x, w, cu, dy, b, policy: str, dx, dweight, dbias) -> dict:
 
 
 TRAINING_CALL = "cake_causal_conv1d fwd (x a recorded op's output; weight, bias accumulators held)"
+CLONE_RECORDED = "x.clone(), x a recorded op's output (torch's own node, no AccumulateGrad built)"
 
 
 class BackwardBench(Bench):
@@ -89,7 +90,7 @@ class BackwardBench(Bench):
                   "ours-ag bwd (autograd.grad, retained graph)": "autograd bwd", "torch.ops.flashinfer_cake."
                   "causal_conv1d_fwd": "op fwd", "torch.ops.flashinfer_cake.causal_conv1d_bwd": "op bwd",
                   "x.clone(), x a leaf requiring grad (torch's own node)": "clone (grad)", TRAINING_CALL: "autograd fwd "
-                  "(training)"}
+                  "(training)", CLONE_RECORDED: "clone (grad, recorded x)"}
     HOST_DELTAS = {"custom-op dispatch (fwd op - fwd raw)": ("op fwd", "fwd"),  # what the op and autograd add
                    "autograd entry, no grad (- fwd raw)": ("autograd fwd (no grad)", "fwd"),
                    "autograd entry, grad (- fwd raw)": ("autograd fwd", "fwd"),
@@ -185,6 +186,7 @@ class BackwardBench(Bench):
         held = [t.view_as(t).grad_fn.next_functions[0][0] for t in (wt, bt)]
         return cands + [
             ("x.clone(), x a leaf requiring grad (torch's own node)", lambda: xg.clone(), None),
+            (CLONE_RECORDED, lambda: xn.clone(), None),
             (TRAINING_CALL, lambda held=held: ag(xn, wt, cu, bt, silu_grad_preactivation=pol), None),
             ("fwd raw (defaults)", lambda: fwd(x, w, cu, bias=b), None),
             ("fwd raw (out=, workspace=)", lambda: fwd(x, w, cu, bias=b, out=y, workspace=fws), None),

@@ -7,10 +7,14 @@ takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME mac
 variant (default fp32 taps + fp32 bias); all are built in parallel, then timed against a device
 copy of the same DRAM bytes on each shape (forward: read x, write y; backward: read x and dy,
 write dx): eager CUDA-event medians over rotated inputs, and for small shapes the kernel time from
-a replayed CUDA graph. Every config must give bitwise the same result.
+a replayed CUDA graph. Every config must give bitwise the same result (the exit code says if not:
+an experiment may time a config that computes something else). With --states each config also
+runs with per-document states (forward: initial_states and final_states_out; backward:
+initial_states and dfinal_states, giving dinitial_states), timed beside its stateless run.
 
     python scripts/tune.py --op fwd --configs 128/16/8/4,128/16/12/4 [--variant bf16/none] [--json out.json]
     python scripts/tune.py --op bwd --configs 128/64/8/4/4,128/64/8/4/8
+    python scripts/tune.py --op bwd --states --configs 128/64/8/4 [--shapes 8192x4096x1,8192x4096x1024]
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ def main() -> None:
     parser.add_argument("--op", choices=("fwd", "bwd"), default="fwd")
     parser.add_argument("--configs", required=True, help="threads/strip/ring/min_ctas[/vec][/NAME=VALUE...],...")
     parser.add_argument("--variant", default="fp32/fp32", help="weight/bias dtypes, e.g. bf16/none")
+    parser.add_argument("--states", action="store_true", help="also time each config with per-document states")
+    parser.add_argument("--shapes", help="SxCxDOCS,... (default: the tuning set)")
     parser.add_argument("--json")
     args = parser.parse_args()
     configs = args.configs.split(",")
@@ -84,9 +90,10 @@ def main() -> None:
         used = sorted({r.split("Used ")[1].split(",")[0] for r in regs if "Used" in r})
         spills = sorted({r.strip() for r in regs if "spill" in r and " 0 bytes spill stores" not in r})
         print(c, used, "spills:", spills or "none")
-    results = []
+    results, differs = [], []
     dev = torch.cuda.current_device()
-    for S, C, docs in SHAPES:
+    shapes = [tuple(int(v) for v in t.split("x")) for t in args.shapes.split(",")] if args.shapes else SHAPES
+    for S, C, docs in shapes:
         k = max(1, int(4e8 // (4 * S * C)) + 1)
         xs = [torch.randn(S, C, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
         ys = [torch.empty_like(xs[0]) for _ in range(k)]
@@ -101,6 +108,8 @@ def main() -> None:
         cuts = torch.randperm(S - 1, device="cuda")[: docs - 1] + 1
         cu = torch.cat([torch.tensor([0, S], device="cuda"), cuts]).sort().values.int()
         ws = torch.zeros(2, dtype=torch.int32, device="cuda")
+        init, fin = (torch.randn(docs, 3, C, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        fin_out = torch.empty_like(init)  # forward: final_states_out; backward: dinitial_states
         row = {"S": S, "C": C, "docs": docs}
         small = S * C <= 16 * 2**20
         # A copy moving the op's DRAM bytes: 4 S C (forward) or 6 S C (backward).
@@ -113,19 +122,20 @@ def main() -> None:
         row["copy"] = median_ms(copy, k)
         if small:
             row["copy_graph"] = graph_ms(copy, k)
-        ref = None
+        ref = ref_states = None
         for c, m in mods.items():
-            def fwd(i, m=m):
+            def fwd(i, m=m, states=False):
                 stream = torch._C._cuda_getCurrentRawStream(dev)
+                st = lambda t: t.data_ptr() if states else 0  # noqa: E731
                 if args.op == "fwd":
                     rc = m.causal_conv1d_fwd(x=xs[i % k].data_ptr(), y=ys[i % k].data_ptr(), weight=w.data_ptr(),
                                              bias=b.data_ptr(), cu_seqlens=cu.data_ptr(), workspace=ws.data_ptr(),
-                                             initial_states=0, final_states=0, S=S, C=C, x_row_stride=C,
+                                             initial_states=st(init), final_states=st(fin_out), S=S, C=C, x_row_stride=C,
                                              y_row_stride=C, num_docs=docs, device=dev, stream=stream)
                 else:
                     rc = m.causal_conv1d_bwd(x=xs[i % k].data_ptr(), dy=dys[i % k].data_ptr(), dx=ys[i % k].data_ptr(),
                                              weight=w.data_ptr(), bias=b.data_ptr(), cu_seqlens=cu.data_ptr(),
-                                             initial_states=0, dfinal_states=0, dinitial_states=0,
+                                             initial_states=st(init), dfinal_states=st(fin), dinitial_states=st(fin_out),
                                              workspace=pws.data_ptr(), workspace_bytes=pws.shape[0] * 4,
                                              counters=counters.data_ptr(), counters_bytes=counters.shape[0] * 4,
                                              dweight=dw.data_ptr(), dbias=db.data_ptr(), S=S, C=C, x_row_stride=C,
@@ -135,10 +145,18 @@ def main() -> None:
             fwd(0)
             if ref is None:
                 ref = ys[0].clone()
-            assert torch.equal(ys[0], ref), f"{c} differs from {configs[0]}"
+            if not torch.equal(ys[0], ref):
+                differs.append(f"{S}x{C} d{docs}: {c} differs from {configs[0]}")
             row[c] = median_ms(fwd, k)
             if small:
                 row[c + " graph"] = graph_ms(fwd, k)
+            if args.states:
+                fwd(0, states=True)
+                if ref_states is None:
+                    ref_states = (ys[0].clone(), fin_out.clone())
+                if not (torch.equal(ys[0], ref_states[0]) and torch.equal(fin_out, ref_states[1])):
+                    differs.append(f"{S}x{C} d{docs}: {c} with states differs from {configs[0]}")
+                row[c + " states"] = median_ms(lambda i, f=fwd: f(i, states=True), k)
         results.append(row)
         gb = (4 if args.op == "fwd" else 6) * S * C / 1e6
         cells = " ".join(f"{c}:{row[c] * 1e3:.1f}us({row['copy'] / row[c] * 100:.0f}%)" for c in configs)
@@ -146,10 +164,15 @@ def main() -> None:
             cells += " | graph " + " ".join(
                 f"{c}:{row[c + ' graph'] * 1e3:.1f}us({row['copy_graph'] / row[c + ' graph'] * 100:.0f}%)" for c in configs)
             cells += f" copy graph {row['copy_graph'] * 1e3:.1f}us"
+        if args.states:
+            cells += " | states " + " ".join(
+                f"{c}:{row[c + ' states'] * 1e3:.1f}us({row[c + ' states'] / row[c]:.3f}x)" for c in configs)
         print(f"{S}x{C} d{docs} copy {row['copy'] * 1e3:.1f}us {gb / row['copy']:.0f}GB/s | {cells}", flush=True)
         del xs, ys
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
+    if differs:
+        raise SystemExit("NOT BITWISE EQUAL:\n" + "\n".join(differs))
 
 
 if __name__ == "__main__":
