@@ -84,18 +84,38 @@ def test_bad_partitions_are_value_errors(cu, world_size, layout, frags, match):
         cp_partition(cu, world_size, layout or "contiguous", fragments=frags)
 
 
+def exchanged_by_hand(ctxs, sends, kind: str) -> list[torch.Tensor]:
+    """What each rank receives from the all_to_all of `kind` ("halo": the forward's rows, "g": the
+    backward's), done on one process: from each rank s in rank order, s's rows for it. Checks that
+    the senders' and the receivers' sizes agree."""
+    P = len(ctxs)
+    parts = [send.split(list(getattr(c, f"{kind}_send_splits")), dim=0) for c, send in zip(ctxs, sends)]
+    for s in range(P):
+        for t in range(P):
+            assert parts[s][t].shape[0] == getattr(ctxs[t], f"{kind}_recv_splits")[s], (kind, s, t)
+    return [torch.cat([parts[s][t] for s in range(P)]) for t in range(P)]
+
+
 def gathered_states(part, x_global: torch.Tensor, rank: int) -> torch.Tensor:
     """What halo_exchange gives `rank`, computed from the tables alone on one process: every
-    rank's export rows gathered, then this rank's import rows."""
+    rank's rows for it, then a zero row, indexed by its import rows."""
     ctxs = [build_cp_context(part, None, r, "cpu") for r in range(part.world_size)]
-    blocks = []
+    C, sends = x_global.shape[1], []
     for r, c in enumerate(ctxs):
         local = x_global[torch.tensor(part.global_tokens(r), dtype=torch.long)]
-        rows = torch.zeros(c.export_size, x_global.shape[1], dtype=x_global.dtype)
-        rows[: c.num_exports] = local.index_select(0, c.export_rows[: c.num_exports])
-        blocks.append(rows)
-    buf = torch.cat(blocks + [torch.zeros(1, x_global.shape[1], dtype=x_global.dtype)])
-    return buf.index_select(0, ctxs[rank].import_rows).view(-1, 3, x_global.shape[1])
+        sends.append(local.index_select(0, c.export_rows) if c.num_tokens else
+                     torch.zeros(sum(c.halo_send_splits), C, dtype=x_global.dtype))
+    received = torch.cat([exchanged_by_hand(ctxs, sends, "halo")[rank], torch.zeros(1, C, dtype=x_global.dtype)])
+    return received.index_select(0, ctxs[rank].import_rows).view(-1, 3, C)
+
+
+def assert_receives_only_what_it_needs(ctx, imported: list[int], kind: str) -> None:
+    """From each sender, the rows the rank's fragments import, each once, or one padding row."""
+    base = 0
+    for s, n in enumerate(getattr(ctx, f"{kind}_recv_splits")):
+        used = {i for i in imported if base <= i < base + n}
+        assert n == max(1, len(used)), (kind, s, n, sorted(used))
+        base += n
 
 
 def partition_of(cu, world_size, layout):
@@ -125,6 +145,9 @@ def test_tables_give_each_fragment_its_documents_previous_rows(cu, world_size, l
     for r in range(world_size):
         states = gathered_states(part, x, r)
         assert states.shape[0] == len(part.fragments[r])
+        c = build_cp_context(part, None, r, "cpu")
+        zero_row = sum(c.halo_recv_splits)
+        assert_receives_only_what_it_needs(c, [i for i in c.import_rows.tolist() if i != zero_row], "halo")
         for i, (d, o, _) in enumerate(part.fragments[r]):
             for j in range(3):
                 p = o - 3 + j
@@ -232,27 +255,30 @@ def test_halo_exchange_with_gloo_matches_the_unsplit_reference(world_size, layou
 @pytest.mark.parametrize("layout", [*LAYOUTS, "fragments"])
 def test_backward_tables_give_each_fragment_the_next_tokens(cu, world_size, layout):
     """The conv's backward tables (cp/conv.py, causal_conv1d_cp.cuh): each rank exports the head
-    tokens listed in g_rows (4 * fragment + position < 3); every fragment's g_import row j is the
-    exported slot of the j-th token after it in its document (-1 past the document, or for an empty
-    fragment); frag_info is min(offset, 3) | 4 when the document goes on. Checked against the
-    global token index of every row."""
+    tokens listed in g_rows (4 * fragment + position < 3), rank by rank; every fragment's g_import
+    row j is the received row of the j-th token after it in its document (-1 past the document, or
+    for an empty fragment); frag_info is min(offset, 3) | 4 when the document goes on. Checked
+    against the global token index of every row, the all_to_all done by hand; each rank receives
+    only the rows it imports (or one padding row per sender)."""
     part = partition_of(cu, world_size, layout)
     ctxs = [build_cp_context(part, None, r, "cpu") for r in range(world_size)]
-    size = ctxs[0].g_export_size
-    exported = []  # global token of every gathered row (None: padding)
+    sends = []  # global token of every row each rank sends (-1: padding)
     for r, c in enumerate(ctxs):
-        assert c.g_export_size == size and c.g_rows.numel() == size
+        assert c.g_rows.numel() == sum(c.g_send_splits)
         starts, frags = part.local_cu_seqlens(r), part.fragments[r]
+        tokens = []
         for code in c.g_rows.tolist():
             if code < 0:
-                exported.append(None)
+                tokens.append(-1)
                 continue
             f, pos = code >> 2, code & 3
             d, o, n = frags[f]
             assert pos < min(n, 3), (r, code)
-            exported.append(cu[d] + o + pos)
+            tokens.append(cu[d] + o + pos)
+        sends.append(torch.tensor(tokens, dtype=torch.long).view(-1, 1))
         assert c.frag_info.tolist() == [min(o, 3) | (4 if o + n < cu[d + 1] - cu[d] else 0) for d, o, n in frags]
         assert len(starts) == len(frags) + 1
+    received = exchanged_by_hand(ctxs, sends, "g")
     for r, c in enumerate(ctxs):
         imports = c.g_import.view(-1, 3).tolist()
         for (d, o, n), row in zip(part.fragments[r], imports):
@@ -261,7 +287,8 @@ def test_backward_tables_give_each_fragment_the_next_tokens(cu, world_size, layo
                 if n == 0 or cu[d] + p >= cu[d + 1]:
                     assert row[j] == -1, (r, d, o, n, j)
                 else:
-                    assert row[j] >= 0 and exported[row[j]] == cu[d] + p, (r, d, o, n, j)
+                    assert row[j] >= 0 and received[r][row[j], 0].item() == cu[d] + p, (r, d, o, n, j)
+        assert_receives_only_what_it_needs(c, [i for i in c.g_import.tolist() if i >= 0], "g")
 
 
 def test_recompute_handle_keeps_one_halo_per_input_identity():

@@ -1,6 +1,6 @@
 """GPU tests of the context-parallel conv (flashinfer_cake.cp, issue 16) on one GPU.
 
-- The ranks of a CP group simulated in one process (every rank's phases, the all_gathers built by
+- The ranks of a CP group simulated in one process (every rank's phases, the all_to_alls done by
   hand): y and dx bitwise equal to the single-GPU cake_causal_conv1d of the global batch, the
   ranks' dweight/dbias summing to its gradient within FP32 summation order; every layout, explicit
   ragged fragments (0-3-token pieces, histories over several ranks, a rank's fragments in any
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from doclengths import fill, one_doc, split, tiny_docs
+from test_cp import exchanged_by_hand
 from flashinfer_cake import cake_causal_conv1d
 from flashinfer_cake.cp import (
     CPRecomputeHandle,
@@ -104,19 +105,18 @@ def single_gpu(x, w, b, cu, dy, policy):
 
 
 def simulate_ranks(part, x, w, b, dy, policy):
-    """Every rank's phases of cake_causal_conv1d_cp, the all_gathers done by hand: per rank
+    """Every rank's phases of cake_causal_conv1d_cp, the all_to_alls done by hand: per rank
     (global token indices, y, dx, dweight, dbias)."""
     P, C = part.world_size, x.shape[1]
     ctxs = [build_cp_context(part, None, r, DEV) for r in range(P)]
     idx = [torch.tensor(part.global_tokens(r), dtype=torch.long, device=DEV) for r in range(P)]
     xs = [x.index_select(0, i) for i in idx]
     dys = [dy.index_select(0, i) for i in idx]
-    sends = [cp_conv.halo_send(c, [xl]) for c, xl in zip(ctxs, xs)]
-    gathered = torch.cat([*sends, x.new_zeros(1, C)])
+    received = exchanged_by_hand(ctxs, [cp_conv.halo_send(c, [xl]) for c, xl in zip(ctxs, xs)], "halo")
     ys, halos = [], []
-    for c, xl in zip(ctxs, xs):
+    for c, xl, rows in zip(ctxs, xs, received):
         y = cp_conv.forward_interior(c, [xl], [w], [b])
-        h = cp_conv.halos_of(c, gathered, [xl])
+        h = cp_conv.halos_of(c, torch.cat([rows, x.new_zeros(1, C)]), [xl])
         for t in y:
             assert not t.isnan().any()
         cp_conv.forward_heads(c, y, [xl], [w], [b], h)
@@ -124,11 +124,11 @@ def simulate_ranks(part, x, w, b, dy, policy):
         halos.append(h)
     rp = 1 if policy == "bf16" else 0
     g_sends = [cp_conv.grad_send(c, [xl], [d], [w], [b], h, rp) for c, xl, d, h in zip(ctxs, xs, dys, halos)]
-    g_gathered = torch.cat(g_sends)
+    g_received = exchanged_by_hand(ctxs, g_sends, "g")
     out = []
     for r, (c, xl, d, h) in enumerate(zip(ctxs, xs, dys, halos)):
         (dx, dw, db), = cp_conv.backward_interior(c, [xl], [d], [w], [b], h, policy)
-        cp_conv.backward_tails(c, [dx], [xl], [d], [w], [b], h, g_gathered, rp)
+        cp_conv.backward_tails(c, [dx], [xl], [d], [w], [b], h, g_received[r], rp)
         out.append((idx[r], ys[r], dx, dw, db))
     return out
 
@@ -264,8 +264,8 @@ def test_recompute_handle_under_checkpoint_exchanges_nothing(nccl_group, monkeyp
     part, cu, x, dy, w, b, idx = one_rank_batch(13)
     ctx = build_cp_context(part, nccl_group, 0, DEV)
     calls = []
-    real = cp_conv._all_gather_async
-    monkeypatch.setattr(cp_conv, "_all_gather_async", lambda *a: calls.append(a[1].dtype) or real(*a))
+    real = cp_conv._exchange_async
+    monkeypatch.setattr(cp_conv, "_exchange_async", lambda *a: calls.append(a[1].dtype) or real(*a))
     handle = CPRecomputeHandle()
 
     def step(checkpointed):
@@ -282,7 +282,7 @@ def test_recompute_handle_under_checkpoint_exchanges_nothing(nccl_group, monkeyp
     plain = step(False)
     calls.clear()
     ckpt = step(True)
-    # one halo all_gather (BF16) in the first forward, one gradient all_gather (FP32) in the
+    # one halo exchange (BF16) in the first forward, one gradient exchange (FP32) in the
     # backward, none in the recomputation
     assert calls == [BF16, F32], calls
     assert len(handle) == 0, handle

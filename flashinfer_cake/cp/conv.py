@@ -2,15 +2,15 @@
 :func:`cake_causal_conv1d_cp_multi`, bitwise the single-GPU :func:`cake_causal_conv1d` of the
 global batch restricted to this rank's tokens.
 
-Forward, per call: the rows other ranks' fragments need as halo leave in one fixed-size
-``all_gather`` (asynchronous) while the main kernel computes every local token as if each
-fragment were a document; then a small pass recomputes the <= 3 head rows of each fragment that
-continues its document, with the gathered halo. Backward: a small pass computes the FP32
-pre-activation gradients g of the head tokens other ranks need and sends them in one fixed-size
-``all_gather`` while the main backward kernel runs (with the halo as the fragments' initial
-states, so dweight/dbias take every tap of this rank's tokens); then a small pass rewrites dx of
-the <= 3 tail rows of each fragment whose document goes on, summing the gathered terms in the
-single-GPU order. Each rank's dweight/dbias is the fixed-order partial sum of its own tokens'
+Forward, per call: the rows other ranks' fragments need as halo leave in one ``all_to_all``
+(asynchronous; each rank receives what its fragments need, sizes fixed by the partition) while
+the main kernel computes every local token as if each fragment were a document; then a small
+pass recomputes the <= 3 head rows of each fragment that continues its document, with the
+received halo. Backward: a small pass computes the FP32 pre-activation gradients g of the head
+tokens other ranks need and sends them in one ``all_to_all`` while the main backward kernel runs
+(with the halo as the fragments' initial states, so dweight/dbias take every tap of this rank's
+tokens); then a small pass rewrites dx of the <= 3 tail rows of each fragment whose document goes
+on, summing the received terms in the single-GPU order. Each rank's dweight/dbias is the fixed-order partial sum of its own tokens'
 terms; summed over the ranks (the data-parallel all-reduce does it) it equals the single-GPU
 gradient within FP32 summation order.
 
@@ -27,13 +27,8 @@ from torch.autograd.function import once_differentiable
 
 from .. import _checks, jit
 from ..cake_causal_conv1d_train import cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
-from .exchange import _all_gather, gathered_buffer, halo_send, halos_of
+from .exchange import exchange_rows, halo_send, halos_of, received_buffer
 from .partition import CPContext
-
-try:  # the process group's own collective call (see _all_gather_async)
-    from torch._C._distributed_c10d import AllgatherOptions as _AllgatherOptions
-except ImportError:  # a torch without distributed support
-    _AllgatherOptions = None
 
 __all__ = ["CPRecomputeHandle", "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"]
 
@@ -41,17 +36,10 @@ _FN, _FN_MULTI = "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"
 FWD_HEADS, BWD_HEADS, BWD_TAILS = 0, 1, 2  # the passes of causal_conv1d_cp.cuh (causal_conv1d_contract.h)
 
 
-def _all_gather_async(out: torch.Tensor, send: torch.Tensor, group):
-    """out = every rank's send rows, in rank order, queued after the current stream's work; the
-    returned work's wait() orders the current stream after it. The process group's own call where
-    it has one: the Python wrapper's checks cost ~130 µs of host time per call."""
-    pg = dist.group.WORLD if group is None else group
-    base = getattr(pg, "_allgather_base", None)
-    if base is None or _AllgatherOptions is None or not hasattr(_AllgatherOptions(), "asyncOp"):
-        return _all_gather(out, send, group=group, async_op=True)
-    opts = _AllgatherOptions()
-    opts.asyncOp = True
-    return base(out, send, opts)
+def _exchange_async(out: torch.Tensor, send: torch.Tensor, out_splits, send_splits, group):
+    """exchange_rows queued after the current stream's work; wait() on the result orders the
+    current stream after it."""
+    return exchange_rows(out, send, out_splits, send_splits, group, async_op=True)
 
 
 class CPRecomputeHandle:
@@ -128,7 +116,7 @@ def _run_pass(pass_: int, cp: CPContext, x, weight, bias, halo, *, dy=None, out=
               "halo": halo.data_ptr(), "frag_info": cp.frag_info.data_ptr(), "g_rows": cp.g_rows.data_ptr(),
               "g_out": g_out, "g_in": g_in, "g_import": cp.g_import.data_ptr(), "g_ld": g_ld,
               "g_in_rows": g_in_rows, "S": x.shape[-2], "C": C, "num_frags": cp.num_fragments,
-              "num_items": cp.g_export_size, "round_preact": round_preact, "device": device,
+              "num_items": cp.g_rows.numel(), "round_preact": round_preact, "device": device,
               "stream": torch._C._cuda_getCurrentRawStream(device)}  # private (inductor uses it): 0.15 us
     rc = module.causal_conv1d_cp(**fields)
     if rc != 0:
@@ -136,8 +124,8 @@ def _run_pass(pass_: int, cp: CPContext, x, weight, bias, halo, *, dy=None, out=
 
 
 # The phases of one call, each on the current stream; the collectives go between them (the halo's
-# send rows and gathered buffer: exchange.py). Tests run the phases of several ranks in one
-# process, with the gathered rows built by hand.
+# send rows and received buffer: exchange.py). Tests run the phases of several ranks in one
+# process, with the exchanged rows built by hand.
 
 def forward_interior(cp: CPContext, xs, weights, biases) -> list[torch.Tensor]:
     """y of every local token, each fragment read as a document (head rows of continuing
@@ -154,10 +142,10 @@ def forward_heads(cp: CPContext, ys, xs, weights, biases, halos) -> None:
 
 
 def grad_send(cp: CPContext, xs, dys, weights, biases, halos, round_preact: int) -> torch.Tensor:
-    """The FP32 g of the head tokens this rank exports, every tensor side by side:
-    ``[g_export_size, sum C]``."""
+    """The FP32 g of the head tokens this rank sends each rank, every tensor side by side:
+    ``[sum(g_send_splits), sum C]``."""
     total = sum(x.shape[-1] for x in xs)
-    send = torch.empty(cp.g_export_size, total, dtype=torch.float32, device=xs[0].device)
+    send = torch.empty(cp.g_rows.numel(), total, dtype=torch.float32, device=xs[0].device)
     if cp.num_tokens == 0:  # nothing to send: padding
         return send.zero_()
     at = 0
@@ -178,15 +166,15 @@ def backward_interior(cp: CPContext, xs, dys, weights, biases, halos, policy: st
     return grads
 
 
-def backward_tails(cp: CPContext, dxs, xs, dys, weights, biases, halos, gathered_g: torch.Tensor,
+def backward_tails(cp: CPContext, dxs, xs, dys, weights, biases, halos, received_g: torch.Tensor,
                    round_preact: int) -> None:
     """Rewrites dx of the tail rows of the fragments whose documents go on after them."""
     if cp.num_tokens == 0:
         return
-    at, total = 0, gathered_g.shape[1]
+    at, total = 0, received_g.shape[1]
     for dx, x, dy, w, b, h in zip(dxs, xs, dys, weights, biases, halos):
-        _run_pass(BWD_TAILS, cp, x, w, b, h, dy=dy, out=dx, g_in=gathered_g.data_ptr() + 4 * at, g_ld=total,
-                  g_in_rows=gathered_g.shape[0], round_preact=round_preact)
+        _run_pass(BWD_TAILS, cp, x, w, b, h, dy=dy, out=dx, g_in=received_g.data_ptr() + 4 * at, g_ld=total,
+                  g_in_rows=received_g.shape[0], round_preact=round_preact)
         at += x.shape[-1]
 
 
@@ -216,15 +204,15 @@ class _CPConv(torch.autograd.Function):
                                    "in a backward pass takes the halo its first run kept (one handle per checkpointed "
                                    "call site; the first run must happen outside the backward)")
             halos = list(halos)
-        work = gathered = None
+        work = received = None
         if halos is None:
             send = halo_send(cp, xs)
-            gathered = gathered_buffer(cp, send)
-            work = _all_gather_async(gathered[:-1], send, cp.group)
+            received = received_buffer(cp, send)
+            work = _exchange_async(received[:-1], send, cp.halo_recv_splits, cp.halo_send_splits, cp.group)
         ys = forward_interior(cp, xs, weights, biases)  # overlaps the exchange
         if halos is None:
             work.wait()
-            halos = halos_of(cp, gathered, xs)
+            halos = halos_of(cp, received, xs)
             if handle is not None:
                 handle._keep(cp, xs, halos)
         forward_heads(cp, ys, xs, weights, biases, halos)
@@ -242,12 +230,12 @@ class _CPConv(torch.autograd.Function):
         dys = [_as_rows(dy, x) for dy, x in zip(dys, xs)]
         round_preact = 1 if policy == "bf16" else 0
         send = grad_send(cp, xs, dys, weights, biases, halos, round_preact)
-        gathered = send.new_empty(cp.partition.world_size * send.shape[0], send.shape[1])
-        work = _all_gather_async(gathered, send, cp.group)
+        received = send.new_empty(sum(cp.g_recv_splits), send.shape[1])
+        work = _exchange_async(received, send, cp.g_recv_splits, cp.g_send_splits, cp.group)
         grads = backward_interior(cp, xs, dys, weights, biases, halos, policy)  # overlaps the exchange
         work.wait()
         dxs = [g[0] for g in grads]
-        backward_tails(cp, dxs, xs, dys, weights, biases, halos, gathered, round_preact)
+        backward_tails(cp, dxs, xs, dys, weights, biases, halos, received, round_preact)
         return (None, None, None, None, *(dx.view(x.shape) for dx, x in zip(dxs, xs)), *(g[1] for g in grads),
                 *(g[2] for g in grads))
 
@@ -303,7 +291,7 @@ def cake_causal_conv1d_cp(x_local: torch.Tensor, weight: torch.Tensor, ctx: CPCo
     FP32 summation order.
 
     Every rank of ``ctx.group`` must make the same calls in the same order (each call's forward
-    and backward is one ``all_gather`` per direction of a size fixed by the partition), with
+    and backward is one ``all_to_all`` per direction of sizes fixed by the partition), with
     tensors of the same C and dtypes.
 
     Args:

@@ -10,35 +10,54 @@ import torch.distributed as dist
 
 from .partition import CPContext
 
+try:  # the process group's own collective call (see exchange_rows)
+    from torch._C._distributed_c10d import AllToAllOptions as _AllToAllOptions
+except ImportError:  # a torch without distributed support
+    _AllToAllOptions = None
+
 __all__ = ["halo_exchange", "halo_exchange_multi"]
 
-# torch 2.13 renames the fixed-size collectives (the old names warn); 2.11 has only the old ones.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def exchange_rows(out: torch.Tensor, send: torch.Tensor, out_splits, send_splits, group, async_op: bool = False):
+    """One all_to_all of rows: ``send``'s rows, ``send_splits[t]`` for rank t in rank order, and
+    ``out``'s, ``out_splits[s]`` from rank s. The process group's own call where it has one (the
+    Python wrappers' checks cost ~130 µs of host time per all_gather call: NOTES_cp.md): the
+    returned work's wait() orders the current stream after it (async_op), or it has been waited
+    for."""
+    pg = dist.group.WORLD if group is None else group
+    base = getattr(pg, "alltoall_base", None)
+    if base is None or _AllToAllOptions is None or not hasattr(_AllToAllOptions(), "asyncOp"):
+        return dist.all_to_all_single(out, send, list(out_splits), list(send_splits), group=group, async_op=async_op)
+    opts = _AllToAllOptions()
+    opts.asyncOp = async_op
+    work = base(out, send, list(out_splits), list(send_splits), opts)
+    if not async_op:
+        work.wait()
+    return work
 
 
 def halo_send(cp: CPContext, xs) -> torch.Tensor:
-    """This rank's export rows of every x, side by side: ``[export_size, sum C]`` BF16."""
+    """This rank's halo rows for every rank, of every x side by side: ``[sum(halo_send_splits),
+    sum C]`` BF16."""
     if cp.num_tokens == 0:  # nothing to send: padding
-        return xs[0].new_zeros(cp.export_size, sum(x.shape[-1] for x in xs))
+        return xs[0].new_zeros(sum(cp.halo_send_splits), sum(x.shape[-1] for x in xs))
     rows = [x.reshape(-1, x.shape[-1]).index_select(0, cp.export_rows) for x in xs]
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
 
 
-def gathered_buffer(cp: CPContext, send: torch.Tensor) -> torch.Tensor:
-    """The all_gather's output: every rank's send rows, and a zero row after them (the halo rows
-    before a document)."""
-    out = send.new_empty(cp.partition.world_size * send.shape[0] + 1, send.shape[1])
+def received_buffer(cp: CPContext, send: torch.Tensor) -> torch.Tensor:
+    """The exchange's output: the rows every rank sends this one, and a zero row after them (the
+    halo rows before a document)."""
+    out = send.new_empty(sum(cp.halo_recv_splits) + 1, send.shape[1])
     out[-1].zero_()
     return out
 
 
-def halos_of(cp: CPContext, gathered: torch.Tensor, xs) -> list[torch.Tensor]:
-    """Each x's fragments' halos ``[num_fragments, 3, C]`` from the gathered rows."""
+def halos_of(cp: CPContext, received: torch.Tensor, xs) -> list[torch.Tensor]:
+    """Each x's fragments' halos ``[num_fragments, 3, C]`` from the received rows."""
     halos, at = [], 0
     for x in xs:
         C = x.shape[-1]
-        cols = gathered if len(xs) == 1 else gathered[:, at: at + C]
+        cols = received if len(xs) == 1 else received[:, at: at + C]
         halos.append(cols.index_select(0, cp.import_rows).view(cp.num_fragments, 3, C))
         at += C
     return halos
@@ -46,15 +65,15 @@ def halos_of(cp: CPContext, gathered: torch.Tensor, xs) -> list[torch.Tensor]:
 
 class _HaloExchange(torch.autograd.Function):
     """The exchange of one or more tensors of the same tokens (q, k, v of one layer): their
-    export rows side by side along the channels, so one collective carries all of them."""
+    rows side by side along the channels, so one collective carries all of them."""
 
     @staticmethod
     def forward(ctx, cp, *xs):
         send = halo_send(cp, xs)
-        gathered = gathered_buffer(cp, send)
-        _all_gather(gathered[:-1], send, group=cp.group)
+        received = received_buffer(cp, send)
+        exchange_rows(received[:-1], send, cp.halo_recv_splits, cp.halo_send_splits, cp.group)
         ctx.cp, ctx.shapes, ctx.widths = cp, [x.shape for x in xs], [x.shape[-1] for x in xs]
-        return tuple(halos_of(cp, gathered, xs))
+        return tuple(halos_of(cp, received, xs))
 
     @staticmethod
     def backward(ctx, *dstates):
@@ -62,19 +81,18 @@ class _HaloExchange(torch.autograd.Function):
         ref = next(d for d in dstates if d is not None)
         grads = torch.cat([ref.new_zeros(ref.shape[0] * 3, w) if d is None else d.reshape(-1, w)
                            for d, w in zip(dstates, widths)], dim=1)
-        # FP32 at least: a row imported by several fragments, and the ranks' contributions, are
+        # FP32 at least: a row imported by several fragments, and a row sent to several ranks, are
         # summed once each before the one rounding back to the inputs' dtype.
         acc = torch.promote_types(grads.dtype, torch.float32)
-        per_row = grads.new_zeros(cp.partition.world_size * cp.export_size + 1, grads.shape[1], dtype=acc)
+        per_row = grads.new_zeros(sum(cp.halo_recv_splits) + 1, grads.shape[1], dtype=acc)
         per_row.index_add_(0, cp.import_rows, grads.to(acc))
-        mine = per_row.new_empty(cp.export_size, grads.shape[1])
-        _reduce_scatter(mine, per_row[:-1].contiguous(), group=cp.group)
-        n = cp.num_exports
+        back = per_row.new_empty(sum(cp.halo_send_splits), grads.shape[1])  # the exchange reversed
+        exchange_rows(back, per_row[:-1], cp.halo_send_splits, cp.halo_recv_splits, cp.group)
         dxs = []
-        for part, shape in zip(mine[:n].split(widths, dim=1), ctx.shapes):
+        for part, shape in zip(back.split(widths, dim=1), ctx.shapes):
             dx = part.new_zeros(cp.num_tokens, part.shape[1])
-            if n:
-                dx.index_add_(0, cp.export_rows[:n], part)
+            if cp.num_tokens:  # (padding rows: zeros, added to row 0)
+                dx.index_add_(0, cp.export_rows, part)
             dxs.append(dx.to(grads.dtype).view(shape))
         return (None, *dxs)
 
@@ -101,7 +119,5 @@ def halo_exchange(x_local: torch.Tensor, ctx: CPContext) -> torch.Tensor:
     FP32 at least). ``x_local``: ``[T, C]`` or ``[1, T, C]``. One fixed-size collective per
     direction: every rank of ``ctx.group`` must call it, and must run its backward too (a loss
     that does not reach the states on one rank leaves the others waiting: add ``0 * states.sum()``
-    there). The all_gather hands every rank the largest export of any rank times P: small for
-    the contiguous and zigzag layouts (3 to 6 rows per rank), large for zigzag_per_document with
-    many documents (every document exports from every rank)."""
+    there). Each rank receives the rows its fragments need (and one padding row per rank)."""
     return halo_exchange_multi([x_local], ctx)[0]

@@ -6,8 +6,8 @@ packed batch in the partition's order. A fragment starting at offset ``o > 0`` o
 continues the rows at positions ``o - 3 .. o - 1`` (its halo), which may live on other ranks
 (several, when fragments are shorter than 3 tokens) or on the same rank; a fragment whose
 document goes on after it needs, in the backward, the gradient terms of the next 3 tokens. The
-tables say, for every rank alike, which rows each rank sends and where each fragment finds what
-it needs in the gathered rows: fixed sizes, derived from the partition alone."""
+tables say, for every rank alike, which rows each rank sends to each other rank and where each
+fragment finds what it needs in the received rows: fixed sizes, derived from the partition alone."""
 
 from __future__ import annotations
 
@@ -178,17 +178,19 @@ class CPContext:
     group: object
     rank: int
     cu_seqlens: torch.Tensor   # [num_fragments + 1]: the local batch, one local document per fragment
-    export_rows: torch.Tensor  # [export_size]: local rows other fragments' halos need (padded with row 0)
-    import_rows: torch.Tensor  # [num_fragments * 3]: each halo row's row of the gathered exports, or the zero
-                               # row P * export_size (before its document)
+    export_rows: torch.Tensor  # [sum(halo_send_splits)]: the local rows each rank's halos need, rank by rank
+                               # (a row sent to two ranks twice; a pair's padding row is row 0)
+    import_rows: torch.Tensor  # [num_fragments * 3]: each halo row's row of the received rows, or the zero row
+                               # after them, sum(halo_recv_splits) (before its document)
     frag_info: torch.Tensor    # [num_fragments]: min(offset, 3) | 4 when its document goes on after it
-    g_rows: torch.Tensor       # [g_export_size]: 4 * fragment + position of the head tokens whose gradient
-                               # terms other fragments need, -1 padding
-    g_import: torch.Tensor     # [num_fragments * 3]: row of the gathered head terms of the j-th token after
+    g_rows: torch.Tensor       # [sum(g_send_splits)]: 4 * fragment + position of the head tokens whose gradient
+                               # terms each rank needs, rank by rank, -1 padding
+    g_import: torch.Tensor     # [num_fragments * 3]: row of the received head terms of the j-th token after
                                # each fragment, -1 past its document (or for an empty fragment)
-    export_size: int           # halo rows each rank exports (the largest count)
-    num_exports: int           # halo rows this rank exports (the first num_exports of export_rows)
-    g_export_size: int         # head-token rows each rank exports in the backward (the largest count)
+    halo_send_splits: tuple    # halo rows this rank sends to rank 0, 1, ... (at least 1 each: padding)
+    halo_recv_splits: tuple    # halo rows it receives from rank 0, 1, ...
+    g_send_splits: tuple       # head-token rows (backward) it sends to each rank, likewise
+    g_recv_splits: tuple
     num_tokens: int            # local tokens
     num_fragments: int
 
@@ -197,9 +199,9 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
     """Rank ``rank``'s tables of ``partition`` on ``device``, computed on the host from the
     partition alone (no communication: every rank derives the same plan) and moved with one
     asynchronous copy on the current stream (use the context on that stream, or order other
-    streams after it). The exchanges' sizes are the same on every rank: the largest number of
-    rows a rank exports. ``group``: the CP group (None: the default group), whose size and this
-    process's rank in it must match."""
+    streams after it). Each exchange is one ``all_to_all`` whose sizes, pair by pair, are the rows
+    the receiver needs from the sender (at least one), the same on every rank. ``group``: the CP
+    group (None: the default group), whose size and this process's rank in it must match."""
     if not 0 <= rank < partition.world_size:
         raise ValueError(f"build_cp_context: rank must be in [0, {partition.world_size}), got {rank}")
     if dist.is_available() and dist.is_initialized():  # (group None: the default group)
@@ -226,9 +228,10 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
         return r, row + p - o, f, p - o
 
     # Forward: the halo rows (3 before each fragment) by owner; backward: the head tokens (the 3
-    # after each non-empty fragment whose document goes on), by owner.
+    # after each non-empty fragment whose document goes on), by owner; each by (sender, receiver).
     halo_needs, g_needs = [[] for _ in range(P)], [[] for _ in range(P)]
-    halo_exports, g_exports = [set() for _ in range(P)], [dict() for _ in range(P)]
+    halo_pairs = [[set() for _ in range(P)] for _ in range(P)]  # [sender][receiver]: sender's local rows
+    g_pairs = [[{} for _ in range(P)] for _ in range(P)]  # [sender][receiver]: local row -> 4 * fragment + position
     for r in range(P):
         for d, o, n in partition.fragments[r]:
             for j in range(3):
@@ -236,21 +239,35 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
                 h = owner(d, p)[:2] if p >= 0 else None
                 halo_needs[r].append(h)
                 if h is not None:
-                    halo_exports[h[0]].add(h[1])
+                    halo_pairs[h[0]][r].add(h[1])
                 p = o + n + j
                 t = owner(d, p) if n and p < lengths[d] else None
                 g_needs[r].append(None if t is None else t[:2])
                 if t is not None:
-                    g_exports[t[0]][t[1]] = 4 * t[2] + t[3]
-    halo_lists = [sorted(e) for e in halo_exports]
-    g_lists = [sorted(e) for e in g_exports]
-    size, g_size = max(1, max(map(len, halo_lists))), max(1, max(map(len, g_lists)))
-    halo_slot = [{row: i for i, row in enumerate(e)} for e in halo_lists]
-    g_slot = [{row: i for i, row in enumerate(e)} for e in g_lists]
-    imports = [P * size if h is None else h[0] * size + halo_slot[h[0]][h[1]] for h in halo_needs[rank]]
-    g_import = [-1 if t is None else t[0] * g_size + g_slot[t[0]][t[1]] for t in g_needs[rank]]
-    mine = halo_lists[rank] + [0] * (size - len(halo_lists[rank]))  # padding: sent, never read
-    g_rows = [g_exports[rank][row] for row in g_lists[rank]] + [-1] * (g_size - len(g_lists[rank]))
+                    g_pairs[t[0]][r][t[1]] = 4 * t[2] + t[3]
+    # One all_to_all per direction: each pair's rows (at least one: a padding row, so no collective
+    # is ever empty) in the sender's local order; the receiver finds sender s's rows after those of
+    # the ranks before s.
+    halo_lists = [[sorted(halo_pairs[s][t]) for t in range(P)] for s in range(P)]
+    g_lists = [[sorted(g_pairs[s][t]) for t in range(P)] for s in range(P)]
+
+    def splits(lists, s, t):
+        return max(1, len(lists[s][t]))
+
+    def received_at(lists, rows_needed) -> list[int]:
+        """Each needed (sender, row)'s row in this rank's received rows; None stays None."""
+        base = [0]
+        for s in range(P):
+            base.append(base[-1] + splits(lists, s, rank))
+        slot = [{row: i for i, row in enumerate(lists[s][rank])} for s in range(P)]
+        return [None if h is None else base[h[0]] + slot[h[0]][h[1]] for h in rows_needed]
+
+    halo_at, g_at = received_at(halo_lists, halo_needs[rank]), received_at(g_lists, g_needs[rank])
+    halo_recv = sum(splits(halo_lists, s, rank) for s in range(P))
+    imports = [halo_recv if i is None else i for i in halo_at]  # the zero row after the received rows
+    g_import = [-1 if i is None else i for i in g_at]
+    mine = [row for t in range(P) for row in halo_lists[rank][t] or [0]]  # padding: row 0, sent, never read
+    g_rows = [code for t in range(P) for code in [g_pairs[rank][t][row] for row in g_lists[rank][t]] or [-1]]
     frag_info = [min(o, FRAG_HEAD_MASK) | (FRAG_CONTINUES if o + n < lengths[d] else 0)
                  for d, o, n in partition.fragments[rank]]
     cu = partition.local_cu_seqlens(rank)
@@ -262,4 +279,6 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
     for part in parts:
         views.append(dev[at: at + len(part)])
         at += len(part)
-    return CPContext(partition, group, rank, *views, size, len(halo_lists[rank]), g_size, cu[-1], len(cu) - 1)
+    return CPContext(partition, group, rank, *views, tuple(splits(halo_lists, rank, t) for t in range(P)),
+                     tuple(splits(halo_lists, s, rank) for s in range(P)), tuple(splits(g_lists, rank, t) for t in range(P)),
+                     tuple(splits(g_lists, s, rank) for s in range(P)), cu[-1], len(cu) - 1)
