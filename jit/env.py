@@ -157,13 +157,16 @@ def output_dir(path: Path) -> Path:
 
 def installed_package_dir() -> Path | None:
     """Where pip installed flashinfer_cake (not editable), or None: a process running a checkout's
-    sources (python -m from the checkout root) may be another copy than the installed one."""
-    try:
-        dist = importlib.metadata.distribution("flashinfer_cake")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    init = Path(dist.locate_file("flashinfer_cake/__init__.py"))
-    return init.parent.resolve() if init.is_file() else None
+    sources (python -m from the checkout root) may be another copy than the installed one. A
+    checkout's own metadata (the egg-info `pip install .` leaves there, found first from its root)
+    names no installer: it is not an install."""
+    for dist in importlib.metadata.distributions(name="flashinfer_cake"):
+        if dist.read_text("INSTALLER") is None:
+            continue
+        init = Path(dist.locate_file("flashinfer_cake/__init__.py"))
+        if init.is_file():
+            return init.parent.resolve()
+    return None
 
 
 def aot_dirs() -> list[Path]:

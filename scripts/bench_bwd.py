@@ -164,8 +164,7 @@ class BackwardBench(Bench):
         """The raw backward and, on the same shape, the forward's entries: raw, autograd, custom ops."""
         f, pol, x, dy, dx, w, b, cu, ws = (self.backward, self.args.policy, case.sets["x"][0], case.sets["dy"][0],
                                            case.sets["dx"][0], case.w, case.b, case.cu, case.ws)
-        xl = leaf(x)
-        y_silu = torch.nn.functional.silu(xl)  # the autograd engine's own cost, through one native op
+        y_silu = torch.nn.functional.silu(xl := leaf(x))  # the autograd engine's own cost, through one native op
         cands = [("torch silu bwd (autograd.grad, retained graph)",
                   lambda: torch.autograd.grad(y_silu, xl, dy, retain_graph=True), None)]
         if f is None:
@@ -180,8 +179,7 @@ class BackwardBench(Bench):
                             cake.CakeCausalConv1dFunction, torch.ops.flashinfer_cake)
         y, fws = torch.empty_like(x), cake.cake_causal_conv1d_train_forward_workspace(case.S, case.C, x.device)
         xg, wg, bg = leaf(x), leaf(w), leaf(b)
-        # Training: x comes from a recorded op, the parameters' AccumulateGrad nodes outlive the step
-        # (DDP/FSDP/Megatron hold them); fresh leaves build one per leaf per call, as any torch op.
+        # Training: x from a recorded op, the parameters' AccumulateGrad nodes held (as DDP/FSDP/Megatron do).
         xn, wt, bt = leaf(x) * 1, leaf(w), leaf(b)
         held = [t.view_as(t).grad_fn.next_functions[0][0] for t in (wt, bt)]
         return cands + [

@@ -70,6 +70,107 @@ def graph_ms(fn, k: int) -> float:
     return measure_graph(DEV, fn, k, TIMING)[0]["ms"]
 
 
+def build(args) -> dict:
+    """Every config's kernel module, built in one parallel ninja run; prints their registers."""
+    out = Path(tempfile.mkdtemp())
+    specs = {c: config_spec(args.op, c, args.variant) for c in args.configs.split(",")}
+    built = jit.prebuild(list(specs.values()), out, progress=print)
+    log = (out / "build" / "prebuild" / "build.log").read_text()
+    for c, spec in specs.items():
+        regs = resource_lines(log, spec.uri)
+        used = sorted({r.split("Used ")[1].split(",")[0] for r in regs if "Used" in r})
+        spills = sorted({r.strip() for r in regs if "spill" in r and " 0 bytes spill stores" not in r})
+        print(c, used, "spills:", spills or "none")
+    return {c: jit.core.open_artifact(spec, built[spec]) for c, spec in specs.items()}
+
+
+def buffers(S: int, C: int, docs: int, args) -> argparse.Namespace:
+    """Rotated inputs and outputs of one shape (k sets: 400 MB or more in all), the parameters, a
+    random document mix, states, and a copy of the op's DRAM bytes (4 S C forward, 6 S C backward)."""
+    k = max(1, int(4e8 // (4 * S * C)) + 1)
+    b = argparse.Namespace(S=S, C=C, docs=docs, k=k, item_tokens=_plan.item_tokens(S, C))
+    b.xs = [torch.randn(S, C, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
+    b.ys = [torch.empty_like(b.xs[0]) for _ in range(k)]
+    b.dys = [torch.randn_like(b.xs[0]) for _ in range(k)] if args.op == "bwd" else None
+    b.dw, b.db = torch.empty(C, 4, device="cuda"), torch.empty(C, device="cuda")
+    b.pws = torch.empty(_plan.workspace_bytes(S, C) // 4 + 1, device="cuda")  # any content
+    b.counters = torch.zeros(_plan.counter_bytes(S, C) // 4 + 1, dtype=torch.int32, device="cuda")  # left zero
+    wdt, bdt = (torch.bfloat16 if d == "bf16" else torch.float32 for d in args.variant.split("/"))
+    b.w, b.b = torch.randn(C, 4, device="cuda", dtype=wdt), torch.randn(C, device="cuda", dtype=bdt)  # b: unused by "none"
+    cuts = torch.randperm(S - 1, device="cuda")[: docs - 1] + 1
+    b.cu = torch.cat([torch.tensor([0, S], device="cuda"), cuts]).sort().values.int()
+    b.ws = torch.zeros(2, dtype=torch.int32, device="cuda")
+    b.init, b.fin = (torch.randn(docs, 3, C, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    b.fin_out = torch.empty_like(b.init)  # forward: final_states_out; backward: dinitial_states
+    if args.op == "fwd":
+        b.copy = lambda i: b.ys[i % k].copy_(b.xs[i % k])
+    else:
+        src = [torch.empty(3 * S * C // 2, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
+        dst = [torch.empty_like(t) for t in src]
+        b.copy = lambda i: dst[i % k].copy_(src[i % k])
+    return b
+
+
+def launcher(m, b: argparse.Namespace, op: str):
+    """call(i, states=False): one launch of module m on rotation i through its C entry."""
+    dev, S, C, k = torch.cuda.current_device(), b.S, b.C, b.k
+
+    def call(i, states=False):
+        stream = torch._C._cuda_getCurrentRawStream(dev)
+        st = lambda t: t.data_ptr() if states else 0  # noqa: E731
+        if op == "fwd":
+            rc = m.causal_conv1d_fwd(x=b.xs[i % k].data_ptr(), y=b.ys[i % k].data_ptr(), weight=b.w.data_ptr(),
+                                     bias=b.b.data_ptr(), cu_seqlens=b.cu.data_ptr(), workspace=b.ws.data_ptr(),
+                                     initial_states=st(b.init), final_states=st(b.fin_out), S=S, C=C, x_row_stride=C,
+                                     y_row_stride=C, num_docs=b.docs, device=dev, stream=stream)
+        else:
+            rc = m.causal_conv1d_bwd(x=b.xs[i % k].data_ptr(), dy=b.dys[i % k].data_ptr(), dx=b.ys[i % k].data_ptr(),
+                                     weight=b.w.data_ptr(), bias=b.b.data_ptr(), cu_seqlens=b.cu.data_ptr(),
+                                     initial_states=st(b.init), dfinal_states=st(b.fin), dinitial_states=st(b.fin_out),
+                                     workspace=b.pws.data_ptr(), workspace_bytes=b.pws.shape[0] * 4,
+                                     counters=b.counters.data_ptr(), counters_bytes=b.counters.shape[0] * 4,
+                                     dweight=b.dw.data_ptr(), dbias=b.db.data_ptr(), S=S, C=C, x_row_stride=C,
+                                     dy_row_stride=C, dx_row_stride=C, num_docs=b.docs, item_tokens=b.item_tokens,
+                                     round_preact=1, device=dev, stream=stream)
+        assert rc == 0, m.last_error_message()
+    return call
+
+
+def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
+    """The copy and every config on one shape (with states too when asked); a config whose
+    result is not bitwise the first config's is listed in differs."""
+    small = b.S * b.C <= 16 * 2**20
+    row = {"S": b.S, "C": b.C, "docs": b.docs, "copy": median_ms(b.copy, b.k)}
+    if small:
+        row["copy_graph"] = graph_ms(b.copy, b.k)
+    refs = {}
+    for c, m in mods.items():
+        call = launcher(m, b, args.op)
+        for states in (False, True) if args.states else (False,):
+            call(0, states=states)
+            got = (b.ys[0].clone(), b.fin_out.clone() if states else None)
+            ref = refs.setdefault(states, got)
+            if not all(r is None or torch.equal(r, g) for r, g in zip(ref, got)):
+                differs.append(f"{b.S}x{b.C} d{b.docs}: {c}{' with states' if states else ''} differs from the first")
+            row[c + (" states" if states else "")] = median_ms(lambda i: call(i, states=states), b.k)
+        if small:
+            row[c + " graph"] = graph_ms(call, b.k)
+    return row
+
+
+def row_text(row: dict, configs: list, op: str) -> str:
+    gb = (4 if op == "fwd" else 6) * row["S"] * row["C"] / 1e6
+    text = " ".join(f"{c}:{row[c] * 1e3:.1f}us({row['copy'] / row[c] * 100:.0f}%)" for c in configs)
+    if "copy_graph" in row:
+        text += " | graph " + " ".join(
+            f"{c}:{row[c + ' graph'] * 1e3:.1f}us({row['copy_graph'] / row[c + ' graph'] * 100:.0f}%)" for c in configs)
+        text += f" copy graph {row['copy_graph'] * 1e3:.1f}us"
+    if configs[0] + " states" in row:
+        text += " | states " + " ".join(f"{c}:{row[c + ' states'] * 1e3:.1f}us({row[c + ' states'] / row[c]:.3f}x)"
+                                        for c in configs)
+    return f"{row['S']}x{row['C']} d{row['docs']} copy {row['copy'] * 1e3:.1f}us {gb / row['copy']:.0f}GB/s | {text}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--op", choices=("fwd", "bwd"), default="fwd")
@@ -79,96 +180,13 @@ def main() -> None:
     parser.add_argument("--shapes", help="SxCxDOCS,... (default: the tuning set)")
     parser.add_argument("--json")
     args = parser.parse_args()
-    configs = args.configs.split(",")
-    out = Path(tempfile.mkdtemp())
-    specs = {c: config_spec(args.op, c, args.variant) for c in configs}
-    built = jit.prebuild(list(specs.values()), out, progress=print)  # one parallel ninja run
-    mods = {c: jit.core.open_artifact(spec, built[spec]) for c, spec in specs.items()}
-    log = (out / "build" / "prebuild" / "build.log").read_text()
-    for c, spec in specs.items():
-        regs = resource_lines(log, spec.uri)
-        used = sorted({r.split("Used ")[1].split(",")[0] for r in regs if "Used" in r})
-        spills = sorted({r.strip() for r in regs if "spill" in r and " 0 bytes spill stores" not in r})
-        print(c, used, "spills:", spills or "none")
+    mods = build(args)
     results, differs = [], []
-    dev = torch.cuda.current_device()
     shapes = [tuple(int(v) for v in t.split("x")) for t in args.shapes.split(",")] if args.shapes else SHAPES
     for S, C, docs in shapes:
-        k = max(1, int(4e8 // (4 * S * C)) + 1)
-        xs = [torch.randn(S, C, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
-        ys = [torch.empty_like(xs[0]) for _ in range(k)]
-        dys = [torch.randn_like(xs[0]) for _ in range(k)] if args.op == "bwd" else None
-        dw, db = torch.empty(C, 4, device="cuda"), torch.empty(C, device="cuda")
-        item_tokens = _plan.item_tokens(S, C)
-        pws = torch.empty(_plan.workspace_bytes(S, C) // 4 + 1, device="cuda")  # any content
-        counters = torch.zeros(_plan.counter_bytes(S, C) // 4 + 1, dtype=torch.int32, device="cuda")  # left zero
-        wdt, bdt = (torch.bfloat16 if d == "bf16" else torch.float32 for d in args.variant.split("/"))
-        w = torch.randn(C, 4, device="cuda", dtype=wdt)
-        b = torch.randn(C, device="cuda", dtype=bdt)  # unused by a "none" variant
-        cuts = torch.randperm(S - 1, device="cuda")[: docs - 1] + 1
-        cu = torch.cat([torch.tensor([0, S], device="cuda"), cuts]).sort().values.int()
-        ws = torch.zeros(2, dtype=torch.int32, device="cuda")
-        init, fin = (torch.randn(docs, 3, C, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        fin_out = torch.empty_like(init)  # forward: final_states_out; backward: dinitial_states
-        row = {"S": S, "C": C, "docs": docs}
-        small = S * C <= 16 * 2**20
-        # A copy moving the op's DRAM bytes: 4 S C (forward) or 6 S C (backward).
-        if args.op == "fwd":
-            copy = lambda i: ys[i % k].copy_(xs[i % k])  # noqa: E731
-        else:
-            src = [torch.empty(3 * S * C // 2, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
-            dst = [torch.empty_like(t) for t in src]
-            copy = lambda i: dst[i % k].copy_(src[i % k])  # noqa: E731
-        row["copy"] = median_ms(copy, k)
-        if small:
-            row["copy_graph"] = graph_ms(copy, k)
-        ref = ref_states = None
-        for c, m in mods.items():
-            def fwd(i, m=m, states=False):
-                stream = torch._C._cuda_getCurrentRawStream(dev)
-                st = lambda t: t.data_ptr() if states else 0  # noqa: E731
-                if args.op == "fwd":
-                    rc = m.causal_conv1d_fwd(x=xs[i % k].data_ptr(), y=ys[i % k].data_ptr(), weight=w.data_ptr(),
-                                             bias=b.data_ptr(), cu_seqlens=cu.data_ptr(), workspace=ws.data_ptr(),
-                                             initial_states=st(init), final_states=st(fin_out), S=S, C=C, x_row_stride=C,
-                                             y_row_stride=C, num_docs=docs, device=dev, stream=stream)
-                else:
-                    rc = m.causal_conv1d_bwd(x=xs[i % k].data_ptr(), dy=dys[i % k].data_ptr(), dx=ys[i % k].data_ptr(),
-                                             weight=w.data_ptr(), bias=b.data_ptr(), cu_seqlens=cu.data_ptr(),
-                                             initial_states=st(init), dfinal_states=st(fin), dinitial_states=st(fin_out),
-                                             workspace=pws.data_ptr(), workspace_bytes=pws.shape[0] * 4,
-                                             counters=counters.data_ptr(), counters_bytes=counters.shape[0] * 4,
-                                             dweight=dw.data_ptr(), dbias=db.data_ptr(), S=S, C=C, x_row_stride=C,
-                                             dy_row_stride=C, dx_row_stride=C, num_docs=docs,
-                                             item_tokens=item_tokens, round_preact=1, device=dev, stream=stream)
-                assert rc == 0, m.last_error_message()
-            fwd(0)
-            if ref is None:
-                ref = ys[0].clone()
-            if not torch.equal(ys[0], ref):
-                differs.append(f"{S}x{C} d{docs}: {c} differs from {configs[0]}")
-            row[c] = median_ms(fwd, k)
-            if small:
-                row[c + " graph"] = graph_ms(fwd, k)
-            if args.states:
-                fwd(0, states=True)
-                if ref_states is None:
-                    ref_states = (ys[0].clone(), fin_out.clone())
-                if not (torch.equal(ys[0], ref_states[0]) and torch.equal(fin_out, ref_states[1])):
-                    differs.append(f"{S}x{C} d{docs}: {c} with states differs from {configs[0]}")
-                row[c + " states"] = median_ms(lambda i, f=fwd: f(i, states=True), k)
+        row = time_shape(mods, buffers(S, C, docs, args), args, differs)
         results.append(row)
-        gb = (4 if args.op == "fwd" else 6) * S * C / 1e6
-        cells = " ".join(f"{c}:{row[c] * 1e3:.1f}us({row['copy'] / row[c] * 100:.0f}%)" for c in configs)
-        if small:
-            cells += " | graph " + " ".join(
-                f"{c}:{row[c + ' graph'] * 1e3:.1f}us({row['copy_graph'] / row[c + ' graph'] * 100:.0f}%)" for c in configs)
-            cells += f" copy graph {row['copy_graph'] * 1e3:.1f}us"
-        if args.states:
-            cells += " | states " + " ".join(
-                f"{c}:{row[c + ' states'] * 1e3:.1f}us({row[c + ' states'] / row[c]:.3f}x)" for c in configs)
-        print(f"{S}x{C} d{docs} copy {row['copy'] * 1e3:.1f}us {gb / row['copy']:.0f}GB/s | {cells}", flush=True)
-        del xs, ys
+        print(row_text(row, list(mods), args.op), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if differs:

@@ -43,10 +43,11 @@ def listed_modules(stdout: str, directory: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """`flashinfer-cake build` into an empty tmp cache: (cache, completed process)."""
+    """`flashinfer-cake build` into an empty tmp cache, under FLASHINFER_CAKE_DISABLE_JIT=1 (which
+    build ignores: prebuilding is its job, README): (cache, completed process)."""
     root = tmp_path_factory.mktemp("cli")
     cache = root / "cache"
-    return cache, flashinfer_cake("build", cache=cache, cwd=root, timeout=900)
+    return cache, flashinfer_cake("build", cache=cache, cwd=root, timeout=900, FLASHINFER_CAKE_DISABLE_JIT="1")
 
 
 def test_build(built):
@@ -61,6 +62,8 @@ def test_build(built):
     assert sorted(uri for uri, _ in progress) == sorted(URIS) and [n for _, n in progress] == list("1234567"), r.stdout
     assert re.search(rf"^built 7 module\(s\) into {re.escape(str(cache))} in \d+\.\d s$", r.stdout, re.M), r.stdout
     assert "ptxas" not in r.stdout + r.stderr and len(r.stdout.splitlines()) <= 20, r.stdout
+    log = (cache / "build" / "prebuild" / "build.log").read_text()
+    assert len(re.findall(r"^ptxas info\s*: Used \d+ registers", log, re.M)) >= 7, log[-2000:]
 
 
 @pytest.mark.parametrize("state", ["built", "empty"])
@@ -248,6 +251,19 @@ def test_build_destination(argv, where, tmp_path, monkeypatch, capsys):
         assert "not the installed one" in out and f"export FLASHINFER_CAKE_AOT_DIR={package_aot}" in out, out
     else:
         assert f"export FLASHINFER_CAKE_AOT_DIR={tmp_path / 'dir'}" in out
+
+
+def test_a_checkouts_own_metadata_is_not_the_installed_package(tmp_path, monkeypatch):
+    """From a checkout's root, `pip install .` has left flashinfer_cake.egg-info there, found first
+    on sys.path: installed_package_dir() must not take the checkout for the install (build --aot
+    then skipped its "not the installed one" note)."""
+    (tmp_path / "flashinfer_cake.egg-info").mkdir()
+    (tmp_path / "flashinfer_cake.egg-info" / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: flashinfer_cake\n"
+                                                                    "Version: 0.1.0\n")
+    (tmp_path / "flashinfer_cake").mkdir()
+    (tmp_path / "flashinfer_cake" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))  # as python -m from the checkout root
+    assert jit_env.installed_package_dir() != (tmp_path / "flashinfer_cake").resolve()
 
 
 def test_aot_build_script_is_build_aot(monkeypatch):

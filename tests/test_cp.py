@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 
+from cp_by_hand import exchanged_by_hand
 from flashinfer_cake.cp import LAYOUTS, build_cp_context, cp_partition
 
 F64 = torch.float64
@@ -84,18 +85,6 @@ def test_bad_partitions_are_value_errors(cu, world_size, layout, frags, match):
         cp_partition(cu, world_size, layout or "contiguous", fragments=frags)
 
 
-def exchanged_by_hand(ctxs, sends, kind: str) -> list[torch.Tensor]:
-    """What each rank receives from the all_to_all of `kind` ("halo": the forward's rows, "g": the
-    backward's), done on one process: from each rank s in rank order, s's rows for it. Checks that
-    the senders' and the receivers' sizes agree."""
-    P = len(ctxs)
-    parts = [send.split(list(getattr(c, f"{kind}_send_splits")), dim=0) for c, send in zip(ctxs, sends)]
-    for s in range(P):
-        for t in range(P):
-            assert parts[s][t].shape[0] == getattr(ctxs[t], f"{kind}_recv_splits")[s], (kind, s, t)
-    return [torch.cat([parts[s][t] for s in range(P)]) for t in range(P)]
-
-
 def gathered_states(part, x_global: torch.Tensor, rank: int) -> torch.Tensor:
     """What halo_exchange gives `rank`, computed from the tables alone on one process: every
     rank's rows for it, then a zero row, indexed by its import rows."""
@@ -103,19 +92,19 @@ def gathered_states(part, x_global: torch.Tensor, rank: int) -> torch.Tensor:
     C, sends = x_global.shape[1], []
     for r, c in enumerate(ctxs):
         local = x_global[torch.tensor(part.global_tokens(r), dtype=torch.long)]
-        sends.append(local.index_select(0, c.export_rows) if c.num_tokens else
-                     torch.zeros(sum(c.halo_send_splits), C, dtype=x_global.dtype))
+        sends.append(local.index_select(0, c.export_rows))
     received = torch.cat([exchanged_by_hand(ctxs, sends, "halo")[rank], torch.zeros(1, C, dtype=x_global.dtype)])
     return received.index_select(0, ctxs[rank].import_rows).view(-1, 3, C)
 
 
 def assert_receives_only_what_it_needs(ctx, imported: list[int], kind: str) -> None:
-    """From each sender, the rows the rank's fragments import, each once, or one padding row."""
+    """From each sender, the rows the rank's fragments import, each once (none when none)."""
     base = 0
     for s, n in enumerate(getattr(ctx, f"{kind}_recv_splits")):
         used = {i for i in imported if base <= i < base + n}
-        assert n == max(1, len(used)), (kind, s, n, sorted(used))
+        assert n == len(used), (kind, s, n, sorted(used))
         base += n
+    assert all(0 <= i < base for i in imported), (kind, base, imported)
 
 
 def partition_of(cu, world_size, layout):
@@ -158,6 +147,7 @@ def test_tables_give_each_fragment_its_documents_previous_rows(cu, world_size, l
 _WORKER = textwrap.dedent("""
     import datetime, json, os, sys, torch, torch.distributed as dist
     from flashinfer_cake.cp import build_cp_context, cp_partition, halo_exchange, halo_exchange_multi
+    from flashinfer_cake.cp.exchange import exchange_head_grads
     from flashinfer_cake.reference import causal_conv1d_backward_reference, causal_conv1d_reference
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method="file://" + os.environ["CP_TEST_STORE"], rank=rank, world_size=world,
@@ -190,7 +180,21 @@ _WORKER = textwrap.dedent("""
     multi_grads = torch.autograd.grad(together, qkv, gs)
     alone_grads = torch.autograd.grad(alone, qkv, gs)
     ok_multi = ok_multi and all(torch.equal(a, b) for a, b in zip(multi_grads, alone_grads))
-    print(json.dumps({"rank": rank, "y": ok_y, "dx": ok_dx, "multi": ok_multi,
+    # the conv's backward exchange (exchange_head_grads): rows carrying their global token, found
+    # through g_import as the j-th token after each fragment
+    starts = [0]
+    for n in part.doc_lengths:
+        starts.append(starts[-1] + n)
+    tokens = [starts[frag[0]] + frag[1] + (code & 3) for code in ctx.g_rows.tolist()
+              for frag in [part.fragments[rank][code >> 2]]]
+    _, got = exchange_head_grads(ctx, torch.tensor(tokens, dtype=torch.float64).view(-1, 1))
+    ok_g = True
+    for (d, o, n), row in zip(part.fragments[rank], ctx.g_import.view(-1, 3).tolist()):
+        for j in range(3):
+            p = o + n + j
+            want = starts[d] + p if n and p < part.doc_lengths[d] else None
+            ok_g = ok_g and (row[j] == -1 if want is None else got[row[j], 0].item() == want)
+    print(json.dumps({"rank": rank, "y": ok_y, "dx": ok_dx, "multi": ok_multi, "g": ok_g,
                       "fragments": len(part.fragments[rank])}), flush=True)
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
@@ -247,7 +251,7 @@ def test_halo_exchange_with_gloo_matches_the_unsplit_reference(world_size, layou
     cfg = {"cu": cu, "C": 8, "seed": 11, "layout": layout or "contiguous", "fragments": fragments}
     results = run_ranks(world_size, cfg, str(tmp_path / "store"))
     assert [r["rank"] for r in results] == list(range(world_size))
-    assert all(r["y"] and r["dx"] and r["multi"] for r in results), results
+    assert all(r["y"] and r["dx"] and r["multi"] and r["g"] for r in results), results
 
 
 @pytest.mark.parametrize("cu", CUS)
@@ -259,18 +263,15 @@ def test_backward_tables_give_each_fragment_the_next_tokens(cu, world_size, layo
     row j is the received row of the j-th token after it in its document (-1 past the document, or
     for an empty fragment); frag_info is min(offset, 3) | 4 when the document goes on. Checked
     against the global token index of every row, the all_to_all done by hand; each rank receives
-    only the rows it imports (or one padding row per sender)."""
+    only the rows it imports."""
     part = partition_of(cu, world_size, layout)
     ctxs = [build_cp_context(part, None, r, "cpu") for r in range(world_size)]
-    sends = []  # global token of every row each rank sends (-1: padding)
+    sends = []  # global token of every row each rank sends
     for r, c in enumerate(ctxs):
         assert c.g_rows.numel() == sum(c.g_send_splits)
         starts, frags = part.local_cu_seqlens(r), part.fragments[r]
         tokens = []
         for code in c.g_rows.tolist():
-            if code < 0:
-                tokens.append(-1)
-                continue
             f, pos = code >> 2, code & 3
             d, o, n = frags[f]
             assert pos < min(n, 3), (r, code)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from doclengths import fill, one_doc, split, tiny_docs
-from test_cp import exchanged_by_hand
+from cp_by_hand import exchanged_by_hand
 from flashinfer_cake import cake_causal_conv1d
 from flashinfer_cake.cp import (
     CPRecomputeHandle,
@@ -33,6 +33,7 @@ from flashinfer_cake.cp import (
     cp_partition,
 )
 from flashinfer_cake.cp import conv as cp_conv
+from flashinfer_cake.cp import exchange as cp_exchange
 
 pytestmark = pytest.mark.gpu
 
@@ -236,6 +237,38 @@ def test_autograd_through_nccl_is_bitwise(nccl_group, weight_dtype, bias_dtype, 
         assert_partials_sum_to([bl.grad], db_ref, b.dtype, x.shape[0])
 
 
+def test_nothing_to_exchange_runs_empty_exchanges(nccl_group):
+    """Whole documents on the rank: every split is zero, both all_to_alls carry nothing (still
+    called, as every rank must), and the result is the single-GPU one."""
+    _, cu, x, dy, w, b, _ = one_rank_batch(14)
+    part = cp_partition(cu.tolist(), 1)
+    ctx = build_cp_context(part, nccl_group, 0, DEV)
+    assert sum(ctx.halo_recv_splits) == sum(ctx.g_send_splits) == 0
+    y_ref, dx_ref, _, _ = single_gpu(x, w, b, cu, dy, "bf16")
+    xl = x.clone().requires_grad_()
+    y = cake_causal_conv1d_cp(xl, w, ctx, b)
+    y.backward(dy)
+    assert torch.equal(y, y_ref) and torch.equal(xl.grad, dx_ref)
+
+
+def test_halo_exchange_through_nccl(nccl_group):
+    """The standalone halo_exchange on the GPU (its backward sums with index_put_): states and the
+    gradient equal the tables applied by hand (FP64, integer-valued: every sum exact)."""
+    from flashinfer_cake.cp import halo_exchange
+    part, _, x, _, _, _, idx = one_rank_batch(15)
+    ctx = build_cp_context(part, nccl_group, 0, DEV)
+    g = torch.Generator(device=DEV).manual_seed(6)
+    xl = torch.randint(-8, 8, (idx.numel(), 24), device=DEV, generator=g).double().requires_grad_()
+    dstates = torch.randint(-8, 8, (ctx.num_fragments, 3, 24), device=DEV, generator=g).double()
+    states = halo_exchange(xl, ctx)
+    (dx,) = torch.autograd.grad(states, xl, dstates)
+    xr = xl.detach().clone().requires_grad_()
+    rows = torch.cat([xr.index_select(0, ctx.export_rows.long()), xr.new_zeros(1, 24)])  # one rank: sent to itself
+    ref = rows.index_select(0, ctx.import_rows.long()).view(-1, 3, 24)
+    (dx_ref,) = torch.autograd.grad(ref, xr, dstates)
+    assert torch.equal(states, ref) and torch.equal(dx, dx_ref)
+
+
 def test_multi_is_bitwise_separate_calls(nccl_group):
     part, cu, x, dy, w, b, idx = one_rank_batch(12)
     ctx = build_cp_context(part, nccl_group, 0, DEV)
@@ -264,8 +297,8 @@ def test_recompute_handle_under_checkpoint_exchanges_nothing(nccl_group, monkeyp
     part, cu, x, dy, w, b, idx = one_rank_batch(13)
     ctx = build_cp_context(part, nccl_group, 0, DEV)
     calls = []
-    real = cp_conv._exchange_async
-    monkeypatch.setattr(cp_conv, "_exchange_async", lambda *a: calls.append(a[1].dtype) or real(*a))
+    real = cp_exchange.exchange_rows
+    monkeypatch.setattr(cp_exchange, "exchange_rows", lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
     handle = CPRecomputeHandle()
 
     def step(checkpointed):

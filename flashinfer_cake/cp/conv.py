@@ -10,9 +10,9 @@ received halo. Backward: a small pass computes the FP32 pre-activation gradients
 tokens other ranks need and sends them in one ``all_to_all`` while the main backward kernel runs
 (with the halo as the fragments' initial states, so dweight/dbias take every tap of this rank's
 tokens); then a small pass rewrites dx of the <= 3 tail rows of each fragment whose document goes
-on, summing the received terms in the single-GPU order. Each rank's dweight/dbias is the fixed-order partial sum of its own tokens'
-terms; summed over the ranks (the data-parallel all-reduce does it) it equals the single-GPU
-gradient within FP32 summation order.
+on, summing the received terms in the single-GPU order. Each rank's dweight/dbias is the
+fixed-order partial sum of its own tokens' terms; summed over the ranks (the data-parallel
+all-reduce does it) it equals the single-GPU gradient within FP32 summation order.
 
 No host synchronization; the collectives are the same on every rank whatever the data; CUDA-graph
 capturable (build the context before capturing)."""
@@ -27,19 +27,13 @@ from torch.autograd.function import once_differentiable
 
 from .. import _checks, jit
 from ..cake_causal_conv1d_train import cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
-from .exchange import exchange_rows, halo_send, halos_of, received_buffer
+from .exchange import exchange_halo, exchange_head_grads, halo_send, halos_of
 from .partition import CPContext
 
 __all__ = ["CPRecomputeHandle", "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"]
 
 _FN, _FN_MULTI = "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"
 FWD_HEADS, BWD_HEADS, BWD_TAILS = 0, 1, 2  # the passes of causal_conv1d_cp.cuh (causal_conv1d_contract.h)
-
-
-def _exchange_async(out: torch.Tensor, send: torch.Tensor, out_splits, send_splits, group):
-    """exchange_rows queued after the current stream's work; wait() on the result orders the
-    current stream after it."""
-    return exchange_rows(out, send, out_splits, send_splits, group, async_op=True)
 
 
 class CPRecomputeHandle:
@@ -146,8 +140,8 @@ def grad_send(cp: CPContext, xs, dys, weights, biases, halos, round_preact: int)
     ``[sum(g_send_splits), sum C]``."""
     total = sum(x.shape[-1] for x in xs)
     send = torch.empty(cp.g_rows.numel(), total, dtype=torch.float32, device=xs[0].device)
-    if cp.num_tokens == 0:  # nothing to send: padding
-        return send.zero_()
+    if send.shape[0] == 0:  # nothing to send (the pass takes no empty buffer)
+        return send
     at = 0
     for x, dy, w, b, h in zip(xs, dys, weights, biases, halos):
         _run_pass(BWD_HEADS, cp, x, w, b, h, dy=dy, g_out=send.data_ptr() + 4 * at, g_ld=total,
@@ -206,9 +200,7 @@ class _CPConv(torch.autograd.Function):
             halos = list(halos)
         work = received = None
         if halos is None:
-            send = halo_send(cp, xs)
-            received = received_buffer(cp, send)
-            work = _exchange_async(received[:-1], send, cp.halo_recv_splits, cp.halo_send_splits, cp.group)
+            work, received = exchange_halo(cp, halo_send(cp, xs), async_op=True)
         ys = forward_interior(cp, xs, weights, biases)  # overlaps the exchange
         if halos is None:
             work.wait()
@@ -229,9 +221,8 @@ class _CPConv(torch.autograd.Function):
         xs, weights, biases, halos = saved[:n], saved[n: 2 * n], saved[2 * n: 3 * n], saved[3 * n:]
         dys = [_as_rows(dy, x) for dy, x in zip(dys, xs)]
         round_preact = 1 if policy == "bf16" else 0
-        send = grad_send(cp, xs, dys, weights, biases, halos, round_preact)
-        received = send.new_empty(sum(cp.g_recv_splits), send.shape[1])
-        work = _exchange_async(received, send, cp.g_recv_splits, cp.g_send_splits, cp.group)
+        work, received = exchange_head_grads(cp, grad_send(cp, xs, dys, weights, biases, halos, round_preact),
+                                             async_op=True)
         grads = backward_interior(cp, xs, dys, weights, biases, halos, policy)  # overlaps the exchange
         work.wait()
         dxs = [g[0] for g in grads]

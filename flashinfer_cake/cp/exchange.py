@@ -5,6 +5,8 @@ in the backward; this one is for callers that feed the states to other ops."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -17,39 +19,50 @@ except ImportError:  # a torch without distributed support
 
 __all__ = ["halo_exchange", "halo_exchange_multi"]
 
+
+@functools.cache
+def _options_take_async() -> bool:
+    return _AllToAllOptions is not None and hasattr(_AllToAllOptions(), "asyncOp")
+
+
 def exchange_rows(out: torch.Tensor, send: torch.Tensor, out_splits, send_splits, group, async_op: bool = False):
     """One all_to_all of rows: ``send``'s rows, ``send_splits[t]`` for rank t in rank order, and
-    ``out``'s, ``out_splits[s]`` from rank s. The process group's own call where it has one (the
-    Python wrappers' checks cost ~130 µs of host time per all_gather call: NOTES_cp.md): the
-    returned work's wait() orders the current stream after it (async_op), or it has been waited
-    for."""
+    ``out``'s, ``out_splits[s]`` from rank s (a pair may have none). The process group's own call
+    where it has one (the public wrappers' checks cost ~130 µs of host time per all_gather call,
+    NOTES_cp.md): the returned work's wait() orders the current stream after it (async_op), or it
+    has been waited for."""
     pg = dist.group.WORLD if group is None else group
-    base = getattr(pg, "alltoall_base", None)
-    if base is None or _AllToAllOptions is None or not hasattr(_AllToAllOptions(), "asyncOp"):
+    call = getattr(pg, "all_to_all_single", None) or getattr(pg, "alltoall_base", None)  # torch 2.13 / 2.11
+    if call is None or not _options_take_async():
         return dist.all_to_all_single(out, send, list(out_splits), list(send_splits), group=group, async_op=async_op)
     opts = _AllToAllOptions()
     opts.asyncOp = async_op
-    work = base(out, send, list(out_splits), list(send_splits), opts)
+    work = call(out, send, list(out_splits), list(send_splits), opts)
     if not async_op:
         work.wait()
     return work
 
 
+def exchange_halo(cp: CPContext, send: torch.Tensor, async_op: bool = False):
+    """The forward's exchange of halo_send's rows: (work, the rows every rank sends this one and a
+    zero row after them, the halo rows before a document)."""
+    received = send.new_empty(sum(cp.halo_recv_splits) + 1, send.shape[1])
+    received[-1].zero_()
+    return exchange_rows(received[:-1], send, cp.halo_recv_splits, cp.halo_send_splits, cp.group, async_op), received
+
+
+def exchange_head_grads(cp: CPContext, send: torch.Tensor, async_op: bool = False):
+    """The backward's exchange of the head tokens' rows (g_rows order): (work, the rows every rank
+    sends this one, which g_import indexes)."""
+    received = send.new_empty(sum(cp.g_recv_splits), send.shape[1])
+    return exchange_rows(received, send, cp.g_recv_splits, cp.g_send_splits, cp.group, async_op), received
+
+
 def halo_send(cp: CPContext, xs) -> torch.Tensor:
     """This rank's halo rows for every rank, of every x side by side: ``[sum(halo_send_splits),
     sum C]`` BF16."""
-    if cp.num_tokens == 0:  # nothing to send: padding
-        return xs[0].new_zeros(sum(cp.halo_send_splits), sum(x.shape[-1] for x in xs))
     rows = [x.reshape(-1, x.shape[-1]).index_select(0, cp.export_rows) for x in xs]
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
-
-
-def received_buffer(cp: CPContext, send: torch.Tensor) -> torch.Tensor:
-    """The exchange's output: the rows every rank sends this one, and a zero row after them (the
-    halo rows before a document)."""
-    out = send.new_empty(sum(cp.halo_recv_splits) + 1, send.shape[1])
-    out[-1].zero_()
-    return out
 
 
 def halos_of(cp: CPContext, received: torch.Tensor, xs) -> list[torch.Tensor]:
@@ -69,9 +82,7 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, cp, *xs):
-        send = halo_send(cp, xs)
-        received = received_buffer(cp, send)
-        exchange_rows(received[:-1], send, cp.halo_recv_splits, cp.halo_send_splits, cp.group)
+        _, received = exchange_halo(cp, halo_send(cp, xs))
         ctx.cp, ctx.shapes, ctx.widths = cp, [x.shape for x in xs], [x.shape[-1] for x in xs]
         return tuple(halos_of(cp, received, xs))
 
@@ -82,17 +93,17 @@ class _HaloExchange(torch.autograd.Function):
         grads = torch.cat([ref.new_zeros(ref.shape[0] * 3, w) if d is None else d.reshape(-1, w)
                            for d, w in zip(dstates, widths)], dim=1)
         # FP32 at least: a row imported by several fragments, and a row sent to several ranks, are
-        # summed once each before the one rounding back to the inputs' dtype.
+        # summed once each before the one rounding back to the inputs' dtype; in a fixed order
+        # (index_put_'s accumulation sorts the indices; index_add_ on a GPU adds duplicates in any order).
         acc = torch.promote_types(grads.dtype, torch.float32)
         per_row = grads.new_zeros(sum(cp.halo_recv_splits) + 1, grads.shape[1], dtype=acc)
-        per_row.index_add_(0, cp.import_rows, grads.to(acc))
+        per_row.index_put_((cp.import_rows.long(),), grads.to(acc), accumulate=True)
         back = per_row.new_empty(sum(cp.halo_send_splits), grads.shape[1])  # the exchange reversed
         exchange_rows(back, per_row[:-1], cp.halo_send_splits, cp.halo_recv_splits, cp.group)
         dxs = []
         for part, shape in zip(back.split(widths, dim=1), ctx.shapes):
             dx = part.new_zeros(cp.num_tokens, part.shape[1])
-            if cp.num_tokens:  # (padding rows: zeros, added to row 0)
-                dx.index_add_(0, cp.export_rows, part)
+            dx.index_put_((cp.export_rows.long(),), part, accumulate=True)
             dxs.append(dx.to(grads.dtype).view(shape))
         return (None, *dxs)
 
@@ -117,7 +128,8 @@ def halo_exchange(x_local: torch.Tensor, ctx: CPContext) -> torch.Tensor:
     fragment in its document, gathered from the ranks holding them (zeros before a document's
     first token), with autograd (the backward returns the gradient to those rows' owners, summed in
     FP32 at least). ``x_local``: ``[T, C]`` or ``[1, T, C]``. One fixed-size collective per
-    direction: every rank of ``ctx.group`` must call it, and must run its backward too (a loss
+    direction (an all_to_all: each rank receives the rows its fragments need): every rank of
+    ``ctx.group`` must call it, and must run its backward too (a loss
     that does not reach the states on one rank leaves the others waiting: add ``0 * states.sum()``
-    there). Each rank receives the rows its fragments need (and one padding row per rank)."""
+    there)."""
     return halo_exchange_multi([x_local], ctx)[0]

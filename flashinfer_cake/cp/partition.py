@@ -179,15 +179,15 @@ class CPContext:
     rank: int
     cu_seqlens: torch.Tensor   # [num_fragments + 1]: the local batch, one local document per fragment
     export_rows: torch.Tensor  # [sum(halo_send_splits)]: the local rows each rank's halos need, rank by rank
-                               # (a row sent to two ranks twice; a pair's padding row is row 0)
+                               # (a row sent to two ranks twice)
     import_rows: torch.Tensor  # [num_fragments * 3]: each halo row's row of the received rows, or the zero row
                                # after them, sum(halo_recv_splits) (before its document)
     frag_info: torch.Tensor    # [num_fragments]: min(offset, 3) | 4 when its document goes on after it
     g_rows: torch.Tensor       # [sum(g_send_splits)]: 4 * fragment + position of the head tokens whose gradient
-                               # terms each rank needs, rank by rank, -1 padding
+                               # terms each rank needs, rank by rank
     g_import: torch.Tensor     # [num_fragments * 3]: row of the received head terms of the j-th token after
                                # each fragment, -1 past its document (or for an empty fragment)
-    halo_send_splits: tuple    # halo rows this rank sends to rank 0, 1, ... (at least 1 each: padding)
+    halo_send_splits: tuple    # halo rows this rank sends to rank 0, 1, ...
     halo_recv_splits: tuple    # halo rows it receives from rank 0, 1, ...
     g_send_splits: tuple       # head-token rows (backward) it sends to each rank, likewise
     g_recv_splits: tuple
@@ -200,7 +200,7 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
     partition alone (no communication: every rank derives the same plan) and moved with one
     asynchronous copy on the current stream (use the context on that stream, or order other
     streams after it). Each exchange is one ``all_to_all`` whose sizes, pair by pair, are the rows
-    the receiver needs from the sender (at least one), the same on every rank. ``group``: the CP
+    the receiver needs from the sender, the same on every rank. ``group``: the CP
     group (None: the default group), whose size and this process's rank in it must match."""
     if not 0 <= rank < partition.world_size:
         raise ValueError(f"build_cp_context: rank must be in [0, {partition.world_size}), got {rank}")
@@ -245,29 +245,25 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
                 g_needs[r].append(None if t is None else t[:2])
                 if t is not None:
                     g_pairs[t[0]][r][t[1]] = 4 * t[2] + t[3]
-    # One all_to_all per direction: each pair's rows (at least one: a padding row, so no collective
-    # is ever empty) in the sender's local order; the receiver finds sender s's rows after those of
-    # the ranks before s.
+    # One all_to_all per direction: each pair's rows (a pair may have none) in the sender's local
+    # order; the receiver finds sender s's rows after those of the ranks before s.
     halo_lists = [[sorted(halo_pairs[s][t]) for t in range(P)] for s in range(P)]
     g_lists = [[sorted(g_pairs[s][t]) for t in range(P)] for s in range(P)]
-
-    def splits(lists, s, t):
-        return max(1, len(lists[s][t]))
 
     def received_at(lists, rows_needed) -> list[int]:
         """Each needed (sender, row)'s row in this rank's received rows; None stays None."""
         base = [0]
         for s in range(P):
-            base.append(base[-1] + splits(lists, s, rank))
+            base.append(base[-1] + len(lists[s][rank]))
         slot = [{row: i for i, row in enumerate(lists[s][rank])} for s in range(P)]
         return [None if h is None else base[h[0]] + slot[h[0]][h[1]] for h in rows_needed]
 
     halo_at, g_at = received_at(halo_lists, halo_needs[rank]), received_at(g_lists, g_needs[rank])
-    halo_recv = sum(splits(halo_lists, s, rank) for s in range(P))
+    halo_recv = sum(len(halo_lists[s][rank]) for s in range(P))
     imports = [halo_recv if i is None else i for i in halo_at]  # the zero row after the received rows
     g_import = [-1 if i is None else i for i in g_at]
-    mine = [row for t in range(P) for row in halo_lists[rank][t] or [0]]  # padding: row 0, sent, never read
-    g_rows = [code for t in range(P) for code in [g_pairs[rank][t][row] for row in g_lists[rank][t]] or [-1]]
+    mine = [row for t in range(P) for row in halo_lists[rank][t]]
+    g_rows = [g_pairs[rank][t][row] for t in range(P) for row in g_lists[rank][t]]
     frag_info = [min(o, FRAG_HEAD_MASK) | (FRAG_CONTINUES if o + n < lengths[d] else 0)
                  for d, o, n in partition.fragments[rank]]
     cu = partition.local_cu_seqlens(rank)
@@ -279,6 +275,6 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
     for part in parts:
         views.append(dev[at: at + len(part)])
         at += len(part)
-    return CPContext(partition, group, rank, *views, tuple(splits(halo_lists, rank, t) for t in range(P)),
-                     tuple(splits(halo_lists, s, rank) for s in range(P)), tuple(splits(g_lists, rank, t) for t in range(P)),
-                     tuple(splits(g_lists, s, rank) for s in range(P)), cu[-1], len(cu) - 1)
+    sends = [tuple(len(lists[rank][t]) for t in range(P)) for lists in (halo_lists, g_lists)]
+    recvs = [tuple(len(lists[s][rank]) for s in range(P)) for lists in (halo_lists, g_lists)]
+    return CPContext(partition, group, rank, *views, sends[0], recvs[0], sends[1], recvs[1], cu[-1], len(cu) - 1)

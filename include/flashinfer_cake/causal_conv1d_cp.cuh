@@ -6,14 +6,14 @@
 // fragment). Around the main kernels, which run on the local batch as if each fragment were a
 // document:
 //   kFwdHeads: y of the first <= 3 tokens of a fragment that continues its document (offset > 0),
-//     reading the 3 rows before it (the halo, gathered from the ranks that hold them; zeros before
+//     reading the 3 rows before it (the halo, received from the ranks that hold them; zeros before
 //     the document). The main forward ran without them.
 //   kBwdHeads: g = dy * silu'(a) (FP32) of listed head tokens (position < 3 in their fragment):
 //     what the rank holding the 3 tokens before them needs for its dx. Written into one exchange
 //     buffer row each (a row of padding: zeros).
 //   kBwdTails: dx of the last <= 3 tokens of a fragment whose document continues after it: the
 //     single-GPU sum w3 g[s] + w2 g[s + 1] + w1 g[s + 2] + w0 g[s + 3], in that order, its own
-//     terms recomputed and the others read from the gathered head g (as FP32, not a rounded state
+//     terms recomputed and the others read from the received head g (as FP32, not a rounded state
 //     gradient). The main backward wrote these rows without the later terms.
 // A token at fragment position i (document position o + i) reads the taps k with
 // min(o + i, 3) >= 3 - k, as the single-GPU kernels do; the FP32 expressions are the kernels'
@@ -41,7 +41,7 @@ struct CausalConv1dCpParams {
   const int32_t* frag_info;   // [num_frags]
   const int32_t* g_rows;      // kBwdHeads: [num_items] 4 * fragment + position (< 3), or -1: padding
   float* g_out;               // kBwdHeads: [num_items] rows, g_ld floats apart
-  const float* g_in;          // kBwdTails: the gathered head g, rows g_ld floats apart
+  const float* g_in;          // kBwdTails: the received head g, rows g_ld floats apart
   const int32_t* g_import;    // kBwdTails: [num_frags * 3] row of g_in of the j-th token after the
                               // fragment, -1 when past its document
   int64_t g_ld;
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(detail::kCpThreads) causal_conv1d_cp_kernel(co
 #pragma unroll
     for (int j = 0; j < V; ++j) d[j] = w[3][j] * gm[0][j];
 #pragma unroll
-    for (int m = 1; m < 4; ++m) {  // the term of token s + m: own (m < k) or gathered
+    for (int m = 1; m < 4; ++m) {  // the term of token s + m: own (m < k) or received
       if (m < k) {
 #pragma unroll
         for (int j = 0; j < V; ++j) d[j] = fmaf(w[3 - m][j], gm[m][j], d[j]);
