@@ -38,7 +38,7 @@ def exchange_rows(out: torch.Tensor, send: torch.Tensor, out_splits, send_splits
     opts = _AllToAllOptions()
     opts.asyncOp = async_op
     work = call(out, send, list(out_splits), list(send_splits), opts)
-    if not async_op:
+    if not async_op and work is not None:  # (a backend may have waited itself: no work)
         work.wait()
     return work
 
