@@ -345,6 +345,20 @@ def test_no_top_level_jit_module(fresh_import):
     assert not [f for f in files if f.parts[0] in ("jit", "jit.py")]
 
 
+def test_the_checkout_root_imports_its_own_package(tmp_path):
+    """`python -c 'import flashinfer_cake'` (and the README's example) in the checkout's root, where
+    the checkout's sources shadow an installed copy (CI: after `pip install .`): they import,
+    jit and cli included."""
+    root = Path(__file__).resolve().parent.parent
+    code = """
+    import flashinfer_cake, flashinfer_cake.jit, flashinfer_cake.cli
+    print(flashinfer_cake.__file__)
+    """
+    r = run_py(code, root, timeout=120, FLASHINFER_CAKE_CACHE_DIR=tmp_path / "cache", HOME=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert Path(r.stdout.strip()).resolve().parent == root / "flashinfer_cake", r.stdout
+
+
 def test_import_creates_no_directories(fresh_import):
     root, _ = fresh_import
     assert not (root / "never").exists()
