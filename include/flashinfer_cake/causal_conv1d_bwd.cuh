@@ -191,10 +191,6 @@ __device__ __forceinline__ bool arrive_last(int32_t* c, int target) {
 
 }  // namespace detail
 
-#ifndef CAKE_BWD_FAST_STRIPS  // 1: strips inside [0, S) walk without per-row bounds tests (to measure)
-#define CAKE_BWD_FAST_STRIPS 0
-#endif
-
 // kRoundPreact: p.round_preact as a template argument (a branch per row otherwise). kStates:
 // initial_states or dfinal_states may be given (either may still be null).
 template <class Traits, class WeightT, class BiasT, bool kRoundPreact, bool kStates>
@@ -363,13 +359,11 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     uint32_t dx_off = static_cast<uint32_t>(t0 - 3) * p.dx_row_stride + vec;
     // kEvents (a compile-time bool): the strip has a token with a state event (kInDoc); strips
     // without one run the stateless body.
-    // kInside (a compile-time bool): every row the strip reads or writes is a token of [0, S) and
-    // the lane is active, so no row needs its bounds test.
-    const auto row = [&](int r, auto phase, auto events, auto inside) {
+    const auto row = [&](int r, auto phase, auto events) {
       constexpr int q = decltype(phase)::value, s3 = (q + 1) % 4, s2 = (q + 2) % 4, s1 = (q + 3) % 4;
-      constexpr bool kEvents = decltype(events)::value, kInside = decltype(inside)::value;
+      constexpr bool kEvents = decltype(events)::value;
       if (r + R + 2 < N) {  // refill the slot ring row r + 2 has just left with row r + R + 2
-        const bool valid = kInside || refill_t < t_lim;
+        const bool valid = refill_t < t_lim;
         const int slot = q == 0 ? prev + 3 : cur + q - 1;
         detail::cp_async_row(my_xring + slot * T, xv + (valid ? refill_x : 0u), valid);
         detail::cp_async_row(my_dyring + slot * T, dyv + (valid ? refill_dy : 0u), valid);
@@ -453,7 +447,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
             for (int j = 0; j < V; ++j) d[j] += f[j];
           }
         }
-        if (kInside || dx_t < t_lim) dxv[dx_off] = detail::pack_row<V>(d);
+        if (dx_t < t_lim) dxv[dx_off] = detail::pack_row<V>(d);
       }
       ++dx_t;
       dx_off += p.dx_row_stride;
@@ -465,29 +459,18 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       }
     };
     // whole steps of 4 rows, the rest peeled
-    const auto walk = [&](auto events, auto inside) {
-      detail::walk_rows<L + 3, R>([&](int r, auto phase) { row(r, phase, events, inside); }, cur, prev);
-    };
-    // Strips without state events; CAKE_BWD_FAST_STRIPS (pending measurement, off by default):
-    // in an active lane, a strip whose loop rows all lie in [0, S) (its refills reach token
-    // t0 + L + 2, its dx rows t0 + L - 1; the rows before t0 are the prefetch's) walks without the
-    // per-row bounds tests.
-    const auto walk_plain = [&] {
-      if (CAKE_BWD_FAST_STRIPS && active && t0 + L + 3 <= p.S) {
-        walk(std::false_type{}, std::bool_constant<CAKE_BWD_FAST_STRIPS != 0>{});
-      } else {
-        walk(std::false_type{}, std::false_type{});
-      }
+    const auto walk = [&](auto events) {
+      detail::walk_rows<L + 3, R>([&](int r, auto phase) { row(r, phase, events); }, cur, prev);
     };
     if constexpr (kStates) {
       const int block = (t0 - item_t0) / L;  // rows t0 .. t0 + L + 2: this block and 3 tokens of the next
       if (s_block_events[block] | s_block_events[block + 1]) {
-        walk(std::true_type{}, std::false_type{});
+        walk(std::true_type{});
       } else {
-        walk_plain();
+        walk(std::false_type{});
       }
     } else {
-      walk_plain();
+      walk(std::false_type{});
     }
     if (t0 + TT < item_end) prefetch(t0 + TT);  // the ring is free: every row was consumed
   }
