@@ -34,6 +34,7 @@ def workspace_bytes(S: int, C: int) -> int:
 
 
 def counter_bytes(S: int, C: int) -> int:
-    """bwd_counter_bytes: the reduction tree's int32 counters (kept by the torch binding)."""
+    """bwd_counter_bytes: the reduction tree's 64-bit counter words, word 0 the count of words a
+    launch found not zero (kept by the torch binding)."""
     n = groups(S, C)
-    return 0 if n == 0 else _ceil_div(C, MIN_TILE_CHANNELS) * (_ceil_div(n, CHUNK) + 1) * 4
+    return 0 if n == 0 else (1 + _ceil_div(C, MIN_TILE_CHANNELS) * (_ceil_div(n, CHUNK) + 1)) * 8

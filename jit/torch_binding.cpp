@@ -75,12 +75,13 @@ struct KernelEntries {
 };
 
 // The buffers the binding keeps per (kind, device, stream): the forward's workspace (its int32
-// counters) of calls without one; the backward's int32 counters and FP32 partial rows, for calls
+// counters) of calls without one; the backward's counter words and FP32 partial rows, for calls
 // without a workspace; the backward's counters alone, for calls with one.
 enum BufferKind : int { kFwdWorkspace = 0, kBwdCountersAndWorkspace = 1, kBwdCounters = 2 };
 
-// Kept buffers: int32 counters, zero (zeroed when made; every launch leaves them zero), and FP32
-// scratch of any content (undefined when a kind has none).
+// Kept buffers: counters (int32 elements; the backward's are 64-bit words), zero (zeroed when
+// made; every launch leaves them zero), and FP32 scratch of any content (undefined when a kind
+// has none).
 struct KeptBuffers {
   at::Tensor counters, scratch;
 };

@@ -528,32 +528,83 @@ def test_workspace_content_never_changes_a_result(weight_dtype, bias_dtype):
     assert_same_grads(backward_into(x, w, cu, dy, b, "bf16", workspace=ws), want, "another shape's leftovers: ")
 
 
-def test_kernel_leaves_the_counters_zero():
-    """The binding keeps the tree's counters zero by relying on every launch to leave them zero:
-    checked on the kernel module's C entry with a counters buffer of the test's own."""
+def c_entry_backward(module, x, w, b, cu, dy, counters):
+    """The backward through the kernel module's C entry with the caller's counter words (int64
+    tensor) and a garbage workspace; returns NaN-poisoned-then-written (dx, dweight, dbias)."""
+    from flashinfer_cake import _plan
+
+    S, C = x.shape
+    dx, dw, db = poisoned_grads(x, w, b)
+    ws = garbage(_plan.workspace_bytes(S, C) // 4, seed=4)
+    rc = module.causal_conv1d_bwd(
+        x=x.data_ptr(), dy=dy.data_ptr(), dx=dx.data_ptr(), weight=w.data_ptr(), bias=b.data_ptr(),
+        cu_seqlens=cu.data_ptr(), initial_states=0, dfinal_states=0, dinitial_states=0,
+        workspace=ws.data_ptr(), workspace_bytes=ws.numel() * 4, counters=counters.data_ptr(),
+        counters_bytes=counters.numel() * 8, dweight=dw.data_ptr(), dbias=db.data_ptr(), S=S, C=C,
+        x_row_stride=C, dy_row_stride=C, dx_row_stride=C, num_docs=cu.numel() - 1,
+        item_tokens=_plan.item_tokens(S, C), round_preact=1, device=x.get_device(),
+        stream=torch.cuda.current_stream().cuda_stream)
+    assert rc == 0, module.last_error_message()
+    sync()
+    return dx, dw, db
+
+
+def test_counters_of_any_content_are_loud_and_left_zero():
+    """The C entry's counter words: zero before the first launch, left zero by every launch. A
+    word of any other content (one ahead, another launch's leftover, random bits) makes the
+    channel tile's dweight/dbias NaN (never a wrong number), is counted in word 0, and is zero
+    afterwards, so the next launch with the buffer is exact again; dx and the other tiles are
+    untouched by it."""
     from flashinfer_cake import _plan, jit
 
-    S, C = 70000, 1000
+    S, C = 70000, 1000  # 9 chunks of groups per channel tile: both levels of the tree
+    TILE = 128  # channels per tile of the C > 64 route (32 lanes x 4 channels)
     x, w, b, dy = make_inputs(S, C, seed=93)
     cu = make_cu(S, split(S, 300, random.Random(93)))
     want = backward(x, w, cu, dy, b, "bf16")
     module = jit.load(jit.variant_spec("fp32", "fp32", "sm_90a"))
-    dx, dw, db = poisoned_grads(x, w, b)
-    ws = garbage(_plan.workspace_bytes(S, C) // 4, seed=4)
-    counters = torch.zeros(_plan.counter_bytes(S, C) // 4, dtype=I32, device=DEV)
-    for i in range(2):
-        rc = module.causal_conv1d_bwd(
-            x=x.data_ptr(), dy=dy.data_ptr(), dx=dx.data_ptr(), weight=w.data_ptr(), bias=b.data_ptr(),
-            cu_seqlens=cu.data_ptr(), initial_states=0, dfinal_states=0, dinitial_states=0,
-            workspace=ws.data_ptr(), workspace_bytes=ws.numel() * 4, counters=counters.data_ptr(),
-            counters_bytes=counters.numel() * 4, dweight=dw.data_ptr(), dbias=db.data_ptr(), S=S, C=C,
-            x_row_stride=C, dy_row_stride=C, dx_row_stride=C, num_docs=cu.numel() - 1,
-            item_tokens=_plan.item_tokens(S, C),
-            round_preact=1, device=x.get_device(), stream=torch.cuda.current_stream().cuda_stream)
-        assert rc == 0, module.last_error_message()
-        sync()
+    chunks = -(-(-(-S // _plan.item_tokens(S, C))) // _plan.CHUNK)
+    words_of_tile = lambda t: slice(1 + t * (chunks + 1), 1 + (t + 1) * (chunks + 1))  # noqa: E731
+    counters = torch.zeros(_plan.counter_bytes(S, C) // 8, dtype=torch.int64, device=DEV)
+    used = words_of_tile(0).start, words_of_tile(-(-C // TILE) - 1).stop
+
+    for i in range(2):  # clean buffer: exact, and zero again
+        assert_same_grads(c_entry_backward(module, x, w, b, cu, dy, counters), want, f"clean, launch {i}: ")
         assert counters.count_nonzero().item() == 0, f"launch {i} left counters non-zero"
-        assert_same_grads((dx, dw, db), want, f"C entry, launch {i}: ")
+
+    def expect_poisoned_tiles(got, tiles, what):
+        dx, dw, db = got
+        assert same_bits(dx, want[0]), f"{what}: dx changed"
+        bad = torch.zeros(C, dtype=torch.bool, device=DEV)
+        for t in tiles:
+            bad[t * TILE:(t + 1) * TILE] = True
+        assert dw[bad].isnan().all() and db[bad].isnan().all(), f"{what}: a poisoned tile is not all NaN"
+        assert same_bits(dw[~bad], want[1][~bad]) and same_bits(db[~bad], want[2][~bad]), f"{what}: other tiles changed"
+
+    cases = [  # (what, word index, value)
+        ("a chunk word one ahead", words_of_tile(0).start, 1),
+        ("a chunk-sum word of another launch", words_of_tile(3).stop - 1, (0x12345678 << 32) | 5),
+        ("a chunk word of all ones", words_of_tile(7).start + chunks // 2, -1),
+    ]
+    for what, index, value in cases:
+        before = counters[0].item()
+        counters[index] = value
+        tile = (index - 1) // (chunks + 1)
+        expect_poisoned_tiles(c_entry_backward(module, x, w, b, cu, dy, counters), [tile], what)
+        assert counters[0].item() == before + 1, f"{what}: not counted in word 0"
+        assert counters[1:].count_nonzero().item() == 0, f"{what}: a word left non-zero"
+        assert_same_grads(c_entry_backward(module, x, w, b, cu, dy, counters), want, f"{what}, next launch: ")
+
+    # Every word random (non-zero): every tile NaN; the words used zero afterwards, the rest kept.
+    g = torch.Generator(device=DEV).manual_seed(5)
+    junk = torch.randint(1, 2**62, counters.shape, device=DEV, dtype=torch.int64, generator=g)
+    counters.copy_(junk)
+    counters[0] = 0
+    expect_poisoned_tiles(c_entry_backward(module, x, w, b, cu, dy, counters), range(-(-C // TILE)), "random words")
+    assert counters[1:used[1]].count_nonzero().item() == 0, "random words: a used word left non-zero"
+    assert torch.equal(counters[used[1]:], junk[used[1]:]), "random words: an unused word changed"
+    assert counters[0].item() == used[1] - 1, "random words: take-overs not counted"
+    assert_same_grads(c_entry_backward(module, x, w, b, cu, dy, counters), want, "random words, next launch: ")
 
 
 # ---------------------------------------------------------------------------------------------

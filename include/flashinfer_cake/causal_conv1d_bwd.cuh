@@ -22,9 +22,19 @@
 // the last CTA of each chunk of 8 groups to add the chunk's rows in group order, and the last
 // chunk to add the chunk sums in chunk order: a fixed tree, so dweight and dbias are bitwise
 // identical run to run whatever the scheduling (no float atomics anywhere). Every row is written
-// before it is read, so the workspace may hold anything on entry; the counters (a buffer of
-// their own, kept by the caller of the C entry) are zero on entry and left zero for the next
-// launch. One launch, where a separate reduction kernel cost a second one (~4 µs of host time).
+// before it is read, so the workspace may hold anything on entry. One launch, where a separate
+// reduction kernel cost a second one (~4 µs of host time).
+//
+// The counters (a buffer of their own, kept by the caller of the C entry) are 64-bit words: the
+// launch's tag (high half, a new one per C-entry call), an error bit, the count. Each CTA opens
+// its two words at its start: a zero word becomes the launch's (count 0); a word of any other
+// content (a leftover of another launch, garbage) is taken over, marked with the error bit, and
+// word 0 of the buffer counts it. So no start value can make a chunk's sum fire early or never:
+// the count is this launch's own. The error bit reaches the reducer of the word, which writes
+// NaN instead of its sum (a chunk's NaN reaches the tile's dweight/dbias): a buffer that was not
+// zero makes the result loud, never wrong. Every word a launch uses is zero again afterwards (word
+// 0 keeps the count of take-overs for the caller to read). A graph replays its launch's tag;
+// launches that may run at once need a buffer each, as with the workspace.
 //
 // Document positions: min(position in document, 3) of the item's tokens and the 3 after it, one
 // byte each in shared memory, found once per item by scan_positions (a CTA-wide pivot search,
@@ -55,7 +65,8 @@ struct CausalConv1dBwdParams {
   const __nv_bfloat16* dfinal_states;   // [num_docs, 3, C] or null (kStates only)
   __nv_bfloat16* dinitial_states;       // [num_docs, 3, C], given iff initial_states is
   float* partials;          // workspace: [groups][kBwdPartialRows][C], any content on entry
-  int32_t* counters;        // per channel tile, one per chunk + one: zero on entry, left zero
+  unsigned long long* counters;  // word 0: take-overs; then per channel tile, one per chunk + one
+  uint32_t counter_tag;     // this launch's tag: never 0
   void* dweight;            // [C, 4], WeightT
   void* dbias;              // [C], BiasT (unused for NoBias)
   int32_t S;
@@ -122,12 +133,13 @@ __device__ __forceinline__ void store_param<__nv_bfloat16>(void* base, int i, fl
 }
 
 // Sums, for each (row q, channel c) of channel tile tile_c, the partial rows of `count` groups
-// first, first + step, ... in that order; the sum goes back into group `first`'s row
+// first, first + step, ... in that order, starting from init (0, or NaN to poison the result);
+// the sum goes back into group `first`'s row
 // (into_first) or to sink(q, c, sum). The rows were written by other SMs:
 // read through L2 (.cg), several in flight per thread.
 template <int kThreads, int kTileChannels, class Sink>
 __device__ __forceinline__ void sum_partial_rows(const CausalConv1dBwdParams& p, int tile_c, int first, int step,
-                                                 int count, bool into_first, Sink sink) {
+                                                 int count, bool into_first, float init, Sink sink) {
   constexpr int kElems = (kBwdPartialRows * kTileChannels + kThreads - 1) / kThreads;
   // Rows per batch: ~16 loads in flight per thread (more spills registers in the 64-thread route).
   constexpr int kRows = 16 / kElems > 8 ? 8 : (16 / kElems > 0 ? 16 / kElems : 1);
@@ -143,7 +155,7 @@ __device__ __forceinline__ void sum_partial_rows(const CausalConv1dBwdParams& p,
     const int c = tile_c * kTileChannels + (idx - q * kTileChannels);
     ok[e] = idx < kBwdPartialRows * kTileChannels && c < p.C;
     base[e] = p.partials + static_cast<size_t>(first) * group_stride + static_cast<size_t>(q) * p.C + c;
-    sum[e] = 0.0f;
+    sum[e] = init;
   }
   for (int r0 = 0; r0 < count; r0 += kRows) {
     float v[kRows][kElems];
@@ -175,16 +187,43 @@ __device__ __forceinline__ void sum_partial_rows(const CausalConv1dBwdParams& p,
   }
 }
 
-// Moves counter *c by one; true in the CTA whose move completed `target` moves (every thread
-// sees it). Every thread's earlier global writes are visible device-wide before the move, and
-// the CTA that completes it reads the others' writes after a fence of its own.
-__device__ __forceinline__ bool arrive_last(int32_t* c, int target) {
-  __shared__ bool s_last;
+// Counter words: tag << 32 | kCounterError | count.
+constexpr unsigned long long kCounterError = 1ull << 31;
+constexpr unsigned long long kCounterCount = kCounterError - 1;
+
+// Makes *c this launch's word: from zero, or taken over (marked, counted in *takeovers) from any
+// other content. `seen` is what an earlier atomicCAS(c, 0, tag << 32) returned (issued early, so
+// its latency hides behind the position search).
+__device__ __forceinline__ void finish_open(unsigned long long* c, unsigned long long seen, uint32_t tag,
+                                            unsigned long long* takeovers) {
+  const unsigned long long mine = static_cast<unsigned long long>(tag) << 32;
+  while (seen != 0 && (seen >> 32) != tag) {
+    const unsigned long long before = atomicCAS(c, seen, mine | kCounterError);
+    if (before == seen) {
+      atomicAdd(takeovers, 1ull);
+      return;
+    }
+    seen = before;
+  }
+}
+
+// Moves counter word *c (opened by this launch) by one; true in the CTA whose move completed
+// `target` moves (every thread sees it), with *error set when the word was taken over (or
+// another launch's tag is in it: two launches sharing the buffer). Every thread's earlier global
+// writes are visible device-wide before the move, and the CTA that completes it reads the others'
+// writes after a fence of its own.
+__device__ __forceinline__ bool arrive_last(unsigned long long* c, int target, uint32_t tag, bool* error) {
+  __shared__ bool s_last, s_error;
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(c, 1) == target - 1;
+  if (threadIdx.x == 0) {
+    const unsigned long long before = atomicAdd(c, 1ull);
+    s_last = (before & kCounterCount) == static_cast<unsigned long long>(target - 1);
+    s_error = (before & kCounterError) || (before >> 32) != tag;
+  }
   __syncthreads();
   const bool last = s_last;
+  *error = s_error;
   if (last) __threadfence();
   return last;
 }
@@ -228,6 +267,16 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const int launch_group = blockIdx.x / p.tiles_c;
   const int tile_c = blockIdx.x - launch_group * p.tiles_c;
   const int group = launch_group == 0 ? p.groups - 1 : launch_group - 1;
+  // The reduction tree's counter words of this CTA (its chunk's and its tile's chunk sums'),
+  // opened now; the open finishes after the position search.
+  const int chunks = (p.groups + kBwdChunk - 1) / kBwdChunk;
+  const int chunk = group / kBwdChunk;
+  unsigned long long* const tree = p.counters + 1 + static_cast<size_t>(tile_c) * (chunks + 1);
+  unsigned long long seen_chunk = 0, seen_top = 0;
+  if (threadIdx.x == 0) {
+    seen_chunk = atomicCAS(tree + chunk, 0ull, static_cast<unsigned long long>(p.counter_tag) << 32);
+    seen_top = atomicCAS(tree + chunks, 0ull, static_cast<unsigned long long>(p.counter_tag) << 32);
+  }
   const int vec = tile_c * Traits::kLanesC + lane_c;  // my row-vector column
   const uint32_t vecs_per_row = p.C / V;
   const bool active = static_cast<uint32_t>(vec) < vecs_per_row;
@@ -283,6 +332,10 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         });
   } else {
     detail::scan_positions<T>(p.cu_seqlens, p.num_docs, item_t0, p.item_tokens + 3, s_flags, s_pos);
+  }
+  if (threadIdx.x == 0) {
+    detail::finish_open(tree + chunk, seen_chunk, p.counter_tag, p.counters);
+    detail::finish_open(tree + chunks, seen_top, p.counter_tag, p.counters);
   }
   __syncthreads();
 
@@ -500,25 +553,25 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // dweight / dbias: a fixed two-level tree over the token groups, summed by whichever CTAs
   // finish last. The last CTA of each chunk of kBwdChunk groups (per channel tile) adds the
   // chunk's rows in group order into its first group's row; the last chunk to finish adds those
-  // in chunk order into dweight / dbias. Every counter is left zero.
-  const int chunks = (p.groups + kBwdChunk - 1) / kBwdChunk;
-  const int chunk = group / kBwdChunk;
-  int32_t* const counters = p.counters + static_cast<size_t>(tile_c) * (chunks + 1);
+  // in chunk order into dweight / dbias. A word taken over poisons its sum. Every word used is
+  // left zero.
   const auto no_sink = [](int, int, float) {};
-  if (!detail::arrive_last(counters + chunk, min(kBwdChunk, p.groups - chunk * kBwdChunk))) return;
+  const float kNaN = __int_as_float(0x7fffffff);
+  bool error;
+  if (!detail::arrive_last(tree + chunk, min(kBwdChunk, p.groups - chunk * kBwdChunk), p.counter_tag, &error)) return;
   detail::sum_partial_rows<Traits::kThreads, Traits::kTileChannels>(
-      p, tile_c, chunk * kBwdChunk, 1, min(kBwdChunk, p.groups - chunk * kBwdChunk), true, no_sink);
-  if (threadIdx.x == 0) counters[chunk] = 0;
-  if (!detail::arrive_last(counters + chunks, chunks)) return;
+      p, tile_c, chunk * kBwdChunk, 1, min(kBwdChunk, p.groups - chunk * kBwdChunk), true, error ? kNaN : 0.0f, no_sink);
+  if (threadIdx.x == 0) tree[chunk] = 0;
+  if (!detail::arrive_last(tree + chunks, chunks, p.counter_tag, &error)) return;
   detail::sum_partial_rows<Traits::kThreads, Traits::kTileChannels>(
-      p, tile_c, 0, kBwdChunk, chunks, false, [&](int q, int c, float sum) {
+      p, tile_c, 0, kBwdChunk, chunks, false, error ? kNaN : 0.0f, [&](int q, int c, float sum) {
         if (q < 4) {
           detail::store_param<WeightT>(p.dweight, c * 4 + q, sum);
         } else if constexpr (detail::kHasBias<BiasT>) {
           detail::store_param<BiasT>(p.dbias, c, sum);
         }
       });
-  if (threadIdx.x == 0) counters[chunks] = 0;
+  if (threadIdx.x == 0) tree[chunks] = 0;
 }
 
 }  // namespace flashinfer_cake

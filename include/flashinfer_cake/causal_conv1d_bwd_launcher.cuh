@@ -2,6 +2,9 @@
 // reduces dweight/dbias in order) and the C entry point's argument checks. No torch, no Python.
 #pragma once
 
+#include <atomic>
+#include <chrono>
+
 #include "causal_conv1d_bwd.cuh"
 #include "launch_common.cuh"
 
@@ -87,6 +90,16 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
   return launch_causal_conv1d_bwd_route<BwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, stream);
 }
 
+// A new tag for each launch's counter words (never 0, the free word), so a word holding anything
+// but this launch's tag is known not to be this launch's (causal_conv1d_bwd.cuh). Seeded from the
+// clock, so two modules sharing a buffer do not start from the same tag.
+inline uint32_t next_counter_tag() {
+  static std::atomic<uint32_t> next{static_cast<uint32_t>(std::chrono::steady_clock::now().time_since_epoch().count() * 2654435761u)};
+  uint32_t tag = next.fetch_add(1, std::memory_order_relaxed);
+  while (tag == 0) tag = next.fetch_add(1, std::memory_order_relaxed);
+  return tag;
+}
+
 // The C entry point's body: re-checks what the binding validated (the module may be called
 // directly, e.g. with ctypes), selects the device, launches the kernel. Returns a cudaError_t
 // code; on failure the message is in last_error_buffer().
@@ -146,7 +159,8 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
   p.dy_row_stride = static_cast<uint32_t>(dy_row_stride / CAKE_BWD_VEC);
   p.dx_row_stride = static_cast<uint32_t>(dx_row_stride / CAKE_BWD_VEC);
   p.partials = as_ptr<float>(a.workspace);
-  p.counters = as_ptr<int32_t>(a.counters);
+  p.counters = as_ptr<unsigned long long>(a.counters);
+  p.counter_tag = next_counter_tag();
   if (a.S > 0) {
     if (!p.x || !aligned16(p.x)) return fail(cudaErrorInvalidValue, "x: expected a non-null 16-byte aligned pointer");
     if (!p.dy || !aligned16(p.dy)) return fail(cudaErrorInvalidValue, "dy: expected a non-null 16-byte aligned pointer");
@@ -155,7 +169,7 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
     if (detail::kHasBias<BiasT> && (!p.bias || !aligned16(p.bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
     if (!p.cu_seqlens || !aligned_to(p.cu_seqlens, 4)) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null 4-byte aligned pointer");
     if (!p.partials || !aligned_to(p.partials, 4)) return fail(cudaErrorInvalidValue, "workspace: expected a non-null 4-byte aligned pointer");
-    if (!p.counters || !aligned_to(p.counters, 4)) return fail(cudaErrorInvalidValue, "counters: expected a non-null 4-byte aligned pointer");
+    if (!p.counters || !aligned_to(p.counters, 8)) return fail(cudaErrorInvalidValue, "counters: expected a non-null 8-byte aligned pointer");
   }
   p.dweight = dweight;
   p.dbias = dbias;

@@ -53,11 +53,12 @@ inline int64_t bwd_workspace_bytes_for_groups(int64_t C, int64_t groups) {
   return groups * kBwdPartialRows * C * int64_t(sizeof(float));
 }
 
-// The reduction tree's int32 counters: per channel tile of kBwdMinTileChannels channels, one per
-// chunk of kBwdChunk groups and one for the chunk sums. Zero before every launch, and every launch
-// leaves them zero (the torch binding keeps them; a caller's workspace never holds them).
+// The reduction tree's counters: 64-bit words, word 0 the count of words a launch found not zero
+// (causal_conv1d_bwd.cuh), then per channel tile of kBwdMinTileChannels channels one per chunk of
+// kBwdChunk groups and one for the chunk sums. Zero before the first launch; every launch leaves
+// the words it uses zero (the torch binding keeps them; a caller's workspace never holds them).
 inline int64_t bwd_counter_bytes_for_groups(int64_t C, int64_t groups) {
-  return groups == 0 ? 0 : ceil_div(C, kBwdMinTileChannels) * (ceil_div(groups, kBwdChunk) + 1) * int64_t(sizeof(int32_t));
+  return groups == 0 ? 0 : (1 + ceil_div(C, kBwdMinTileChannels) * (ceil_div(groups, kBwdChunk) + 1)) * int64_t(sizeof(uint64_t));
 }
 
 // Workspace and counter bytes a backward of S tokens x C channels in token groups of item_tokens
