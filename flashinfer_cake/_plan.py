@@ -16,25 +16,37 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def groups(S: int, C: int) -> int:
-    """bwd_groups: token groups of a backward of S tokens x C channels."""
+def groups_bound(S: int, C: int) -> int:
+    """bwd_groups_bound: the most token groups (sizes the workspace and counters)."""
     for_items = _ceil_div(1024, _ceil_div(C, 128))
     return min(_ceil_div(S, 128), max(_ceil_div(S, MAX_ITEM_TOKENS), for_items))
 
 
+def _tokens_per_group(S: int, groups: int) -> int:
+    """bwd_tokens_per_group: whole strips."""
+    return max(_ceil_div(S, STRIP_LEN * max(groups, 1)) * STRIP_LEN, STRIP_LEN)
+
+
+def groups(S: int, C: int) -> int:
+    """bwd_groups: token groups of a backward of S tokens x C channels."""
+    n = groups_bound(S, C)
+    if C <= 64 or _tokens_per_group(S, n) < 256:
+        return n
+    return max(_ceil_div(S, MAX_ITEM_TOKENS), min(n, _ceil_div(512, _ceil_div(C, 128))))
+
+
 def item_tokens(S: int, C: int) -> int:
     """bwd_item_tokens: tokens per group, whole strips."""
-    n = max(groups(S, C), 1)
-    return max(_ceil_div(S, STRIP_LEN * n) * STRIP_LEN, STRIP_LEN)
+    return _tokens_per_group(S, groups(S, C))
 
 
 def workspace_bytes(S: int, C: int) -> int:
-    """bwd_workspace_bytes: the FP32 partial rows of every token group."""
-    return groups(S, C) * PARTIAL_ROWS * C * 4
+    """bwd_workspace_bytes: the FP32 partial rows of bwd_groups_bound's token groups."""
+    return groups_bound(S, C) * PARTIAL_ROWS * C * 4
 
 
 def counter_bytes(S: int, C: int) -> int:
     """bwd_counter_bytes: the reduction tree's 64-bit counter words, word 0 the count of words a
     launch found not zero (kept by the torch binding)."""
-    n = groups(S, C)
+    n = groups_bound(S, C)
     return 0 if n == 0 else (1 + _ceil_div(C, MIN_TILE_CHANNELS) * (_ceil_div(n, CHUNK) + 1)) * 8

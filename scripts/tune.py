@@ -3,7 +3,8 @@
 
 Each config overrides the launcher's CAKE_FWD_* / CAKE_BWD_* defaults (threads, strip length,
 ring rows, min CTAs per SM, optionally the channels per thread (backward: 4 or 8; the forward
-takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME macro) for one
+takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME macro; backward: ITEM_TOKENS=N
+launches with token groups of N tokens instead of the plan's, N at least the plan's) for one
 variant (default fp32 taps + fp32 bias); all are built in parallel, then timed against a device
 copy of the same DRAM bytes on each shape (forward: read x, write y; backward: read x and dy,
 write dx): eager CUDA-event medians over rotated inputs, and for small shapes the kernel time from
@@ -15,6 +16,7 @@ initial_states and dfinal_states, giving dinitial_states), timed beside its stat
     python scripts/tune.py --op fwd --configs 128/16/8/4,128/16/12/4 [--variant bf16/none] [--json out.json]
     python scripts/tune.py --op bwd --configs 128/64/8/4/4,128/64/8/4/8
     python scripts/tune.py --op bwd --states --configs 128/64/8/4 [--shapes 8192x4096x1,8192x4096x1024]
+    python scripts/tune.py --op bwd --configs 128/64/8/4,128/64/8/4/ITEM_TOKENS=512 --shapes 8192x4096x1
 """
 
 from __future__ import annotations
@@ -111,9 +113,19 @@ def buffers(S: int, C: int, docs: int, args) -> argparse.Namespace:
     return b
 
 
-def launcher(m, b: argparse.Namespace, op: str):
-    """call(i, states=False): one launch of module m on rotation i through its C entry."""
+def item_tokens(cfg: str, b: argparse.Namespace) -> int:
+    """The config's ITEM_TOKENS, else the plan's (a larger one: fewer groups, and the workspace
+    and counters sized for the plan's serve them)."""
+    n = int(dict(kv.split("=") for kv in cfg.split("/") if "=" in kv).get("ITEM_TOKENS", b.item_tokens))
+    if n < b.item_tokens:
+        raise SystemExit(f"{cfg}: ITEM_TOKENS must be at least the plan's {b.item_tokens} for {b.S}x{b.C}")
+    return n
+
+
+def launcher(m, b: argparse.Namespace, op: str, cfg: str):
+    """call(i, states=False): one launch of module m (config cfg) on rotation i through its C entry."""
     dev, S, C, k = torch.cuda.current_device(), b.S, b.C, b.k
+    tokens = item_tokens(cfg, b) if op == "bwd" else 0
 
     def call(i, states=False):
         stream = torch._C._cuda_getCurrentRawStream(dev)
@@ -130,7 +142,7 @@ def launcher(m, b: argparse.Namespace, op: str):
                                      workspace=b.pws.data_ptr(), workspace_bytes=b.pws.shape[0] * 4,
                                      counters=b.counters.data_ptr(), counters_bytes=b.counters.shape[0] * 4,
                                      dweight=b.dw.data_ptr(), dbias=b.db.data_ptr(), S=S, C=C, x_row_stride=C,
-                                     dy_row_stride=C, dx_row_stride=C, num_docs=b.docs, item_tokens=b.item_tokens,
+                                     dy_row_stride=C, dx_row_stride=C, num_docs=b.docs, item_tokens=tokens,
                                      round_preact=1, device=dev, stream=stream)
         assert rc == 0, m.last_error_message()
     return call
@@ -145,7 +157,7 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
         row["copy_graph"] = graph_ms(b.copy, b.k)
     refs = {}
     for c, m in mods.items():
-        call = launcher(m, b, args.op)
+        call = launcher(m, b, args.op, c)
         for states in (False, True) if args.states else (False,):
             call(0, states=states)
             got = (b.ys[0].clone(), b.fin_out.clone() if states else None)

@@ -18,8 +18,9 @@ from flashinfer_cake.cp import conv as cp_conv
 from flashinfer_cake.cp import partition as cp_partition
 from flashinfer_cake.jit import env
 
-SIZES = [(S, C) for C in (8, 40, 128, 136, 2048, 8192, 65536)
-         for S in (0, 1, 63, 64, 65, 127, 128, 129, 1000, 1024, 4096, 16383, 16384, 131072, 2**29 + 5, 2**30 - 1)
+SIZES = [(S, C) for C in (8, 40, 64, 72, 128, 136, 512, 1024, 2048, 4096, 8192, 65536)
+         for S in (0, 1, 63, 64, 65, 127, 128, 129, 1000, 1024, 4096, 8000, 8192, 16383, 16384, 32768, 65536,
+                   131072, 2**29 + 5, 2**30 - 1)
          if S * C < 2**34]
 
 PROBE = r"""
@@ -38,7 +39,7 @@ int main() {
   long long S, C;
   const char* sep = "";
   while (std::scanf("%lld %lld", &S, &C) == 2) {
-    std::printf("%s[%lld, %lld, %lld, %lld, %lld, %lld]", sep, S, C, (long long)bwd_groups(S, C),
+    std::printf("%s[%lld, %lld, %lld, %lld, %lld, %lld, %lld]", sep, S, C, (long long)bwd_groups(S, C), (long long)bwd_groups_bound(S, C),
                 (long long)bwd_item_tokens(S, C), (long long)bwd_workspace_bytes(S, C),
                 (long long)bwd_counter_bytes(S, C));
     sep = ", ";
@@ -93,9 +94,10 @@ def test_context_parallel_constants_match(header):
 
 
 def test_backward_plan_matches(header):
-    for S, C, groups, item_tokens, ws_bytes, counter_bytes in header["plan"]:
-        python = (_plan.groups(S, C), _plan.item_tokens(S, C), _plan.workspace_bytes(S, C), _plan.counter_bytes(S, C))
-        assert python == (groups, item_tokens, ws_bytes, counter_bytes), (S, C)
+    for S, C, groups, bound, item_tokens, ws_bytes, counter_bytes in header["plan"]:
+        python = (_plan.groups(S, C), _plan.groups_bound(S, C), _plan.item_tokens(S, C), _plan.workspace_bytes(S, C),
+                  _plan.counter_bytes(S, C))
+        assert python == (groups, bound, item_tokens, ws_bytes, counter_bytes), (S, C)
 
 
 @pytest.mark.parametrize("C", sorted({C for _, C in SIZES}))
@@ -104,7 +106,10 @@ def test_backward_plan_properties(C):
     for S in sorted(S for S, c in SIZES if c == C):
         item_tokens, ws_bytes, counter_bytes = _plan.item_tokens(S, C), _plan.workspace_bytes(S, C), _plan.counter_bytes(S, C)
         assert item_tokens % 64 == 0 and 64 <= item_tokens <= 1024, (S, C, item_tokens)
-        assert ws_bytes >= -(-S // item_tokens) * 5 * C * 4, (S, C)  # a partial row set per group
+        groups = -(-S // item_tokens)
+        assert groups <= _plan.groups(S, C) <= _plan.groups_bound(S, C), (S, C)  # the tokens cover S
+        assert ws_bytes >= groups * 5 * C * 4, (S, C)  # a partial row set per group
+        assert counter_bytes >= (1 + -(-C // 32) * (-(-groups // 8) + 1)) * 8 if S else counter_bytes == 0, (S, C)
         # A buffer for the largest S serves every smaller one.
         assert (ws_bytes, counter_bytes) >= previous and counter_bytes >= previous[1], (S, C)
         previous = (ws_bytes, counter_bytes)

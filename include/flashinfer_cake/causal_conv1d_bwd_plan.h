@@ -30,22 +30,37 @@ constexpr int kBwdChunk = 8;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Token groups of a backward of S tokens x C channels (one partial row of dweight/dbias each):
-// about 1024 work items (groups x 128-channel tiles, a few waves of an H200's resident CTAs),
-// with groups of 128 to 1024 tokens (fewer when S itself is shorter). Non-decreasing in S, so a
-// workspace sized for the largest S serves every smaller one; a function of (S, C) only, so the
-// summation order, and with it every bit of dweight/dbias, is the same on every GPU.
-inline int64_t bwd_groups(int64_t S, int64_t C) {
+// The most token groups a backward of S tokens x C channels may use: about 1024 work items
+// (groups x 128-channel tiles) of 128 to 1024 tokens (fewer when S itself is shorter).
+// Non-decreasing in S, so the workspace and counters sized from it for the largest S serve every
+// smaller one.
+inline int64_t bwd_groups_bound(int64_t S, int64_t C) {
   const int64_t for_items = ceil_div(1024, ceil_div(C, 128));
   return std::min(ceil_div(S, 128), std::max(ceil_div(S, kBwdMaxItemTokens), for_items));
 }
 
-// Tokens per group: S split over bwd_groups(S, C) groups, rounded up to whole strips; at most
-// that many groups then cover S.
-inline int64_t bwd_item_tokens(int64_t S, int64_t C) {
-  const int64_t groups = std::max<int64_t>(bwd_groups(S, C), 1);
-  return std::max<int64_t>(ceil_div(S, kBwdPlanStripLen * groups) * kBwdPlanStripLen, kBwdPlanStripLen);
+// Tokens per group when S is split over `groups` groups: whole strips, at most that many groups
+// then cover S.
+inline int64_t bwd_tokens_per_group(int64_t S, int64_t groups) {
+  return std::max<int64_t>(ceil_div(S, kBwdPlanStripLen * std::max<int64_t>(groups, 1)) * kBwdPlanStripLen, kBwdPlanStripLen);
 }
+
+// Token groups of a backward of S tokens x C channels (one partial row of dweight/dbias each).
+// Groups shorter than a full CTA's 256-token sub-tile run on CTAs of half the threads (8 per SM):
+// bwd_groups_bound's ~1024 items fill an H100/H200's 132 SMs about once. When C > 64 and the
+// groups are 256 tokens or longer, CTAs have 128 threads (4 per SM): ~512 items fill the SMs once,
+// where 1024 ran two waves, each SM slot paying a CTA's start and end twice (8192x4096 66 -> 69 %,
+// 32768x1024 59 -> 67 %, 65536x512 53 -> 64 % of copy; tune.py ITEM_TOKENS, H200, 2026-12-01).
+// A function of (S, C) only, so the summation order, and with it every bit of dweight/dbias, is
+// the same on every GPU.
+inline int64_t bwd_groups(int64_t S, int64_t C) {
+  const int64_t groups = bwd_groups_bound(S, C);
+  if (C <= 64 || bwd_tokens_per_group(S, groups) < 256) return groups;
+  return std::max(ceil_div(S, kBwdMaxItemTokens), std::min(groups, ceil_div(512, ceil_div(C, 128))));
+}
+
+// Tokens per group of a backward of S tokens x C channels (the item_tokens argument).
+inline int64_t bwd_item_tokens(int64_t S, int64_t C) { return bwd_tokens_per_group(S, bwd_groups(S, C)); }
 
 // The workspace: FP32 partial rows [groups][kBwdPartialRows][C]. Any content: every row a launch
 // reads was written by the same launch first.
@@ -70,9 +85,10 @@ inline int64_t bwd_counter_bytes(int64_t S, int64_t C, int64_t item_tokens) {
   return bwd_counter_bytes_for_groups(C, ceil_div(S, item_tokens));
 }
 
-// What the caller provides: enough for every token group of bwd_groups(S, C); 0 when S == 0.
-// Non-decreasing in S, as bwd_groups is, so a buffer for the largest S serves every smaller one.
-inline int64_t bwd_workspace_bytes(int64_t S, int64_t C) { return bwd_workspace_bytes_for_groups(C, bwd_groups(S, C)); }
-inline int64_t bwd_counter_bytes(int64_t S, int64_t C) { return bwd_counter_bytes_for_groups(C, bwd_groups(S, C)); }
+// What the caller provides: enough for bwd_groups_bound(S, C) token groups (at least
+// bwd_groups(S, C)); 0 when S == 0. Non-decreasing in S, so a buffer for the largest S serves
+// every smaller one.
+inline int64_t bwd_workspace_bytes(int64_t S, int64_t C) { return bwd_workspace_bytes_for_groups(C, bwd_groups_bound(S, C)); }
+inline int64_t bwd_counter_bytes(int64_t S, int64_t C) { return bwd_counter_bytes_for_groups(C, bwd_groups_bound(S, C)); }
 
 }  // namespace flashinfer_cake
