@@ -4,7 +4,7 @@
 Each config overrides the launcher's CAKE_FWD_* / CAKE_BWD_* defaults (threads, strip length,
 ring rows, min CTAs per SM, optionally the channels per thread (backward: 4 or 8; the forward
 takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME macro; backward: ITEM_TOKENS=N
-launches with token groups of N tokens instead of the plan's, N at least the plan's) for one
+launches with token groups of N tokens instead of the plan's, at most bwd_groups_bound of them) for one
 variant (default fp32 taps + fp32 bias); all are built in parallel, then timed against a device
 copy of the same DRAM bytes on each shape (forward: read x, write y; backward: read x and dy,
 write dx): eager CUDA-event medians over rotated inputs, and for small shapes the kernel time from
@@ -114,11 +114,11 @@ def buffers(S: int, C: int, docs: int, args) -> argparse.Namespace:
 
 
 def item_tokens(cfg: str, b: argparse.Namespace) -> int:
-    """The config's ITEM_TOKENS, else the plan's (a larger one: fewer groups, and the workspace
-    and counters sized for the plan's serve them)."""
+    """The config's ITEM_TOKENS, else the plan's (no more groups than bwd_groups_bound: the workspace
+    and counters are sized for those)."""
     n = int(dict(kv.split("=") for kv in cfg.split("/") if "=" in kv).get("ITEM_TOKENS", b.item_tokens))
-    if n < b.item_tokens:
-        raise SystemExit(f"{cfg}: ITEM_TOKENS must be at least the plan's {b.item_tokens} for {b.S}x{b.C}")
+    if -(-b.S // n) > _plan.groups_bound(b.S, b.C):
+        raise SystemExit(f"{cfg}: ITEM_TOKENS={n} makes more than {_plan.groups_bound(b.S, b.C)} groups for {b.S}x{b.C}")
     return n
 
 

@@ -549,47 +549,49 @@ def c_entry_backward(module, x, w, b, cu, dy, counters):
     return dx, dw, db
 
 
-def test_counters_of_any_content_are_loud_and_left_zero():
+@pytest.mark.parametrize("S", [70000, 1024], ids=["9_chunks", "1_chunk"])
+def test_counters_of_any_content_are_loud_and_left_zero(S):
     """The C entry's counter words: zero before the first launch, left zero by every launch. A
     word of any other content (one ahead, another launch's leftover, random bits) makes the
     channel tile's dweight/dbias NaN (never a wrong number), is counted in word 0, and is zero
     afterwards, so the next launch with the buffer is exact again; dx and the other tiles are
-    untouched by it."""
+    untouched by it. 70000 tokens: 9 chunks of groups per tile, both levels of the tree; 1024: one
+    chunk, whose last CTA writes dweight itself (the tile's chunk-sums word unused)."""
     from flashinfer_cake import _plan, jit
 
-    S, C = 70000, 1000  # 9 chunks of groups per channel tile: both levels of the tree
-    TILE = 128  # channels per tile of the C > 64 route (32 lanes x 4 channels)
+    C = 1000
+    TILE = 128  # channels per tile of the C > 64 routes (32 lanes x 4 channels)
+    tiles = -(-C // TILE)
     x, w, b, dy = make_inputs(S, C, seed=93)
-    cu = make_cu(S, split(S, 300, random.Random(93)))
+    cu = make_cu(S, split(S, max(S // 200, 2), random.Random(93)))
     want = backward(x, w, cu, dy, b, "bf16")
     module = jit.load(jit.variant_spec("fp32", "fp32", "sm_90a"))
     chunks = -(-(-(-S // _plan.item_tokens(S, C))) // _plan.CHUNK)
-    words_of_tile = lambda t: slice(1 + t * (chunks + 1), 1 + (t + 1) * (chunks + 1))  # noqa: E731
+    # Tile t's words: one per chunk, then the chunk sums' (used with more than one chunk).
+    used = {t: [1 + t * (chunks + 1) + k for k in range(chunks + (chunks > 1))] for t in range(tiles)}
     counters = torch.zeros(_plan.counter_bytes(S, C) // 8, dtype=torch.int64, device=DEV)
-    used = words_of_tile(0).start, words_of_tile(-(-C // TILE) - 1).stop
 
     for i in range(2):  # clean buffer: exact, and zero again
         assert_same_grads(c_entry_backward(module, x, w, b, cu, dy, counters), want, f"clean, launch {i}: ")
         assert counters.count_nonzero().item() == 0, f"launch {i} left counters non-zero"
 
-    def expect_poisoned_tiles(got, tiles, what):
+    def expect_poisoned_tiles(got, poisoned, what):
         dx, dw, db = got
         assert same_bits(dx, want[0]), f"{what}: dx changed"
         bad = torch.zeros(C, dtype=torch.bool, device=DEV)
-        for t in tiles:
+        for t in poisoned:
             bad[t * TILE:(t + 1) * TILE] = True
         assert dw[bad].isnan().all() and db[bad].isnan().all(), f"{what}: a poisoned tile is not all NaN"
         assert same_bits(dw[~bad], want[1][~bad]) and same_bits(db[~bad], want[2][~bad]), f"{what}: other tiles changed"
 
-    cases = [  # (what, word index, value)
-        ("a chunk word one ahead", words_of_tile(0).start, 1),
-        ("a chunk-sum word of another launch", words_of_tile(3).stop - 1, (0x12345678 << 32) | 5),
-        ("a chunk word of all ones", words_of_tile(7).start + chunks // 2, -1),
+    cases = [  # (what, tile, word index, value)
+        ("a chunk word one ahead", 0, used[0][0], 1),
+        ("the last word of another launch", 3, used[3][-1], (0x12345678 << 32) | 5),
+        ("a chunk word of all ones", tiles - 1, used[tiles - 1][chunks // 2], -1),
     ]
-    for what, index, value in cases:
+    for what, tile, index, value in cases:
         before = counters[0].item()
         counters[index] = value
-        tile = (index - 1) // (chunks + 1)
         expect_poisoned_tiles(c_entry_backward(module, x, w, b, cu, dy, counters), [tile], what)
         assert counters[0].item() == before + 1, f"{what}: not counted in word 0"
         assert counters[1:].count_nonzero().item() == 0, f"{what}: a word left non-zero"
@@ -600,10 +602,13 @@ def test_counters_of_any_content_are_loud_and_left_zero():
     junk = torch.randint(1, 2**62, counters.shape, device=DEV, dtype=torch.int64, generator=g)
     counters.copy_(junk)
     counters[0] = 0
-    expect_poisoned_tiles(c_entry_backward(module, x, w, b, cu, dy, counters), range(-(-C // TILE)), "random words")
-    assert counters[1:used[1]].count_nonzero().item() == 0, "random words: a used word left non-zero"
-    assert torch.equal(counters[used[1]:], junk[used[1]:]), "random words: an unused word changed"
-    assert counters[0].item() == used[1] - 1, "random words: take-overs not counted"
+    expect_poisoned_tiles(c_entry_backward(module, x, w, b, cu, dy, counters), range(tiles), "random words")
+    is_used = torch.zeros(counters.shape, dtype=torch.bool, device=DEV)
+    is_used[[i for words in used.values() for i in words]] = True
+    assert counters[is_used].count_nonzero().item() == 0, "random words: a used word left non-zero"
+    is_used[0] = True
+    assert torch.equal(counters[~is_used], junk[~is_used]), "random words: an unused word changed"
+    assert counters[0].item() == sum(map(len, used.values())), "random words: take-overs not counted"
     assert_same_grads(c_entry_backward(module, x, w, b, cu, dy, counters), want, "random words, next launch: ")
 
 

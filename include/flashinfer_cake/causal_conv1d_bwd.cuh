@@ -52,6 +52,12 @@
 #include "causal_conv1d_bwd_plan.h"
 #include "causal_conv1d_common.cuh"
 
+#ifndef CAKE_BWD_SUM_LOADS
+// Loads in flight per thread when adding partial rows. 24 spilled on the 64- and 32-thread routes
+// and cost 4096x4096 8 us (51.5 against 43.2 us, tune.py SUM_LOADS, H200).
+#define CAKE_BWD_SUM_LOADS 16
+#endif
+
 namespace flashinfer_cake {
 
 struct CausalConv1dBwdParams {
@@ -141,8 +147,10 @@ template <int kThreads, int kTileChannels, class Sink>
 __device__ __forceinline__ void sum_partial_rows(const CausalConv1dBwdParams& p, int tile_c, int first, int step,
                                                  int count, bool into_first, float init, Sink sink) {
   constexpr int kElems = (kBwdPartialRows * kTileChannels + kThreads - 1) / kThreads;
-  // Rows per batch: ~16 loads in flight per thread (more spills registers in the 64-thread route).
-  constexpr int kRows = 16 / kElems > 8 ? 8 : (16 / kElems > 0 ? 16 / kElems : 1);
+  // Rows per batch: up to 8, CAKE_BWD_SUM_LOADS loads in flight per thread. Each batch is an L2
+  // round trip on the grid's tail (the last CTAs to finish wait on it).
+  constexpr int kLoads = CAKE_BWD_SUM_LOADS;
+  constexpr int kRows = kLoads / kElems > 8 ? 8 : (kLoads / kElems > 0 ? kLoads / kElems : 1);
   const size_t group_stride = static_cast<size_t>(kBwdPartialRows) * p.C;
   const size_t row_step = group_stride * step;
   float* base[kElems];
@@ -267,15 +275,15 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const int launch_group = blockIdx.x / p.tiles_c;
   const int tile_c = blockIdx.x - launch_group * p.tiles_c;
   const int group = launch_group == 0 ? p.groups - 1 : launch_group - 1;
-  // The reduction tree's counter words of this CTA (its chunk's and its tile's chunk sums'),
-  // opened now; the open finishes after the position search.
+  // The reduction tree's counter words of this CTA (its chunk's and, with more than one chunk, its
+  // tile's chunk sums'), opened now; the open finishes after the position search.
   const int chunks = (p.groups + kBwdChunk - 1) / kBwdChunk;
   const int chunk = group / kBwdChunk;
   unsigned long long* const tree = p.counters + 1 + static_cast<size_t>(tile_c) * (chunks + 1);
   unsigned long long seen_chunk = 0, seen_top = 0;
   if (threadIdx.x == 0) {
     seen_chunk = atomicCAS(tree + chunk, 0ull, static_cast<unsigned long long>(p.counter_tag) << 32);
-    seen_top = atomicCAS(tree + chunks, 0ull, static_cast<unsigned long long>(p.counter_tag) << 32);
+    if (chunks > 1) seen_top = atomicCAS(tree + chunks, 0ull, static_cast<unsigned long long>(p.counter_tag) << 32);
   }
   const int vec = tile_c * Traits::kLanesC + lane_c;  // my row-vector column
   const uint32_t vecs_per_row = p.C / V;
@@ -335,7 +343,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   }
   if (threadIdx.x == 0) {
     detail::finish_open(tree + chunk, seen_chunk, p.counter_tag, p.counters);
-    detail::finish_open(tree + chunks, seen_top, p.counter_tag, p.counters);
+    if (chunks > 1) detail::finish_open(tree + chunks, seen_top, p.counter_tag, p.counters);
   }
   __syncthreads();
 
@@ -553,24 +561,32 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // dweight / dbias: a fixed two-level tree over the token groups, summed by whichever CTAs
   // finish last. The last CTA of each chunk of kBwdChunk groups (per channel tile) adds the
   // chunk's rows in group order into its first group's row; the last chunk to finish adds those
-  // in chunk order into dweight / dbias. A word taken over poisons its sum. Every word used is
-  // left zero.
+  // in chunk order into dweight / dbias (with one chunk, its last CTA writes its sum there). A word
+  // taken over poisons its sum. Every word used is left zero.
   const auto no_sink = [](int, int, float) {};
   const float kNaN = __int_as_float(0x7fffffff);
   bool error;
+  const auto param_sink = [&](int q, int c, float sum) {
+    if (q < 4) {
+      detail::store_param<WeightT>(p.dweight, c * 4 + q, sum);
+    } else if constexpr (detail::kHasBias<BiasT>) {
+      detail::store_param<BiasT>(p.dbias, c, sum);
+    }
+  };
   if (!detail::arrive_last(tree + chunk, min(kBwdChunk, p.groups - chunk * kBwdChunk), p.counter_tag, &error)) return;
+  const float chunk_init = error ? kNaN : 0.0f;
+  if (chunks == 1) {  // one chunk: its sum is the total (no second level, its word unused)
+    detail::sum_partial_rows<Traits::kThreads, Traits::kTileChannels>(p, tile_c, 0, 1, p.groups, false, chunk_init,
+                                                                      param_sink);
+    if (threadIdx.x == 0) tree[0] = 0;
+    return;
+  }
   detail::sum_partial_rows<Traits::kThreads, Traits::kTileChannels>(
-      p, tile_c, chunk * kBwdChunk, 1, min(kBwdChunk, p.groups - chunk * kBwdChunk), true, error ? kNaN : 0.0f, no_sink);
+      p, tile_c, chunk * kBwdChunk, 1, min(kBwdChunk, p.groups - chunk * kBwdChunk), true, chunk_init, no_sink);
   if (threadIdx.x == 0) tree[chunk] = 0;
   if (!detail::arrive_last(tree + chunks, chunks, p.counter_tag, &error)) return;
   detail::sum_partial_rows<Traits::kThreads, Traits::kTileChannels>(
-      p, tile_c, 0, kBwdChunk, chunks, false, error ? kNaN : 0.0f, [&](int q, int c, float sum) {
-        if (q < 4) {
-          detail::store_param<WeightT>(p.dweight, c * 4 + q, sum);
-        } else if constexpr (detail::kHasBias<BiasT>) {
-          detail::store_param<BiasT>(p.dbias, c, sum);
-        }
-      });
+      p, tile_c, 0, kBwdChunk, chunks, false, error ? kNaN : 0.0f, param_sink);
   if (threadIdx.x == 0) tree[chunks] = 0;
 }
 
