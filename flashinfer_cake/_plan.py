@@ -10,6 +10,8 @@ MAX_ITEM_TOKENS = 1024  # kBwdMaxItemTokens
 STRIP_LEN = 64  # kBwdPlanStripLen
 MIN_TILE_CHANNELS = 32  # kBwdMinTileChannels
 CHUNK = 8  # kBwdChunk
+WIDE_MIN_C = 64  # kBwdPlanWideMinC
+FULL_TILE_TOKENS = 256  # kBwdPlanFullTileTokens
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -30,7 +32,7 @@ def _tokens_per_group(S: int, groups: int) -> int:
 def groups(S: int, C: int) -> int:
     """bwd_groups: token groups of a backward of S tokens x C channels."""
     n = groups_bound(S, C)
-    if C <= 64 or _tokens_per_group(S, n) < 256:
+    if C <= WIDE_MIN_C or _tokens_per_group(S, n) < FULL_TILE_TOKENS:
         return n
     return max(_ceil_div(S, MAX_ITEM_TOKENS), min(n, _ceil_div(512, _ceil_div(C, 128))))
 

@@ -29,12 +29,14 @@
 // launch's tag (high half, a new one per C-entry call), an error bit, the count. Each CTA opens
 // its two words at its start: a zero word becomes the launch's (count 0); a word of any other
 // content (a leftover of another launch, garbage) is taken over, marked with the error bit, and
-// word 0 of the buffer counts it. So no start value can make a chunk's sum fire early or never:
-// the count is this launch's own. The error bit reaches the reducer of the word, which writes
-// NaN instead of its sum (a chunk's NaN reaches the tile's dweight/dbias): a buffer that was not
-// zero makes the result loud, never wrong. Every word a launch uses is zero again afterwards (word
-// 0 keeps the count of take-overs for the caller to read). A graph replays its launch's tag;
-// launches that may run at once need a buffer each, as with the workspace.
+// word 0 of the buffer counts it. So no start value (other than one carrying this launch's own
+// tag, which is trusted) can make a chunk's sum fire early or never: the count is this launch's
+// own. The error bit reaches the reducer of the word, which writes NaN instead of its sum (a
+// chunk's NaN reaches the tile's dweight/dbias): a buffer that was not zero makes the result
+// loud, never wrong. Every word a launch uses is zero again afterwards (word 0 keeps the count of
+// take-overs for the caller to read; words of other shapes' layouts keep what they hold). A graph
+// replays its launch's tag. Launches that may run at once need a buffer each, as with the
+// workspace: two sharing one is undefined and not reliably detected (their counts mix).
 //
 // Document positions: min(position in document, 3) of the item's tokens and the 3 after it, one
 // byte each in shared memory, found once per item by scan_positions (a CTA-wide pivot search,
@@ -216,8 +218,9 @@ __device__ __forceinline__ void finish_open(unsigned long long* c, unsigned long
 }
 
 // Moves counter word *c (opened by this launch) by one; true in the CTA whose move completed
-// `target` moves (every thread sees it), with *error set when the word was taken over (or
-// another launch's tag is in it: two launches sharing the buffer). Every thread's earlier global
+// `target` moves (every thread sees it), with *error set when the word was taken over (or holds
+// another launch's tag, which only launches sharing the buffer at once, undefined, can cause).
+// Every thread's earlier global
 // writes are visible device-wide before the move, and the CTA that completes it reads the others'
 // writes after a fence of its own.
 __device__ __forceinline__ bool arrive_last(unsigned long long* c, int target, uint32_t tag, bool* error) {

@@ -79,6 +79,11 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
   using WideShort = BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
   using Mid = BwdTraits<kVec, 16, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
   using MidShort = BwdTraits<kVec, 16, kThreads / 4, kStrip, kRing, 4 * kMinCtas>;
+  // The plan (causal_conv1d_bwd_plan.h) gives longer token groups to the full-width routes; its
+  // thresholds are the shipped geometry's (tune.py may build others).
+  static_assert(!(kVec == 4 && kThreads == 128 && kStrip == 64) ||
+                    (16 * kVec == kBwdPlanWideMinC && Wide::kTileTokens == kBwdPlanFullTileTokens),
+                "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
     if (p.item_tokens >= Wide::kTileTokens) return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT>(p, stream);
     return launch_causal_conv1d_bwd_route<WideShort, WeightT, BiasT>(p, stream);
@@ -94,7 +99,8 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
 // but this launch's tag is known not to be this launch's (causal_conv1d_bwd.cuh). Seeded from the
 // clock, so two modules sharing a buffer do not start from the same tag.
 inline uint32_t next_counter_tag() {
-  static std::atomic<uint32_t> next{static_cast<uint32_t>(std::chrono::steady_clock::now().time_since_epoch().count() * 2654435761u)};
+  static std::atomic<uint32_t> next{static_cast<uint32_t>(
+      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) * 2654435761ull)};
   uint32_t tag = next.fetch_add(1, std::memory_order_relaxed);
   while (tag == 0) tag = next.fetch_add(1, std::memory_order_relaxed);
   return tag;

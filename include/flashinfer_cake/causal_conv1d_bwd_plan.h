@@ -24,6 +24,12 @@ constexpr int kBwdPlanStripLen = 64;
 // at least this many channels.
 constexpr int kBwdMinTileChannels = 32;
 
+// The routes of the shipped geometry (causal_conv1d_bwd_launcher.cuh checks): C above this many
+// channels runs 32 channel lanes, in CTAs of 128 threads when a token group has at least
+// kBwdPlanFullTileTokens tokens (one sub-tile of the full CTA), else of 64.
+constexpr int kBwdPlanWideMinC = 64;
+constexpr int kBwdPlanFullTileTokens = 256;
+
 // Token groups per chunk of the reduction tree (the kernel adds a chunk's rows, then the chunk
 // sums).
 constexpr int kBwdChunk = 8;
@@ -47,15 +53,15 @@ inline int64_t bwd_tokens_per_group(int64_t S, int64_t groups) {
 
 // Token groups of a backward of S tokens x C channels (one partial row of dweight/dbias each).
 // Groups shorter than a full CTA's 256-token sub-tile run on CTAs of half the threads (8 per SM):
-// bwd_groups_bound's ~1024 items fill an H100/H200's 132 SMs about once. When C > 64 and the
-// groups are 256 tokens or longer, CTAs have 128 threads (4 per SM): ~512 items fill the SMs once,
-// where 1024 ran two waves, each SM slot paying a CTA's start and end twice (8192x4096 66 -> 69 %,
-// 32768x1024 59 -> 67 %, 65536x512 53 -> 64 % of copy; tune.py ITEM_TOKENS, H200, 2026-12-01).
-// A function of (S, C) only, so the summation order, and with it every bit of dweight/dbias, is
-// the same on every GPU.
+// bwd_groups_bound's ~1024 items fill the 132 SMs of an H100 SXM / H200 about once. When C > 64
+// and the groups are 256 tokens or longer, CTAs have 128 threads (4 per SM): ~512 items fill those
+// SMs once, where 1024 ran two waves, each SM slot paying a CTA's start and end twice (8192x4096
+// 66 -> 69 %, 32768x1024 59 -> 67 %, 65536x512 53 -> 64 % of copy; tune.py ITEM_TOKENS, H200,
+// 2026-12-01; on a 114-SM H100 PCIe, ~1.1 waves). A function of (S, C) only, so the summation
+// order, and with it every bit of dweight/dbias, is the same on every GPU.
 inline int64_t bwd_groups(int64_t S, int64_t C) {
   const int64_t groups = bwd_groups_bound(S, C);
-  if (C <= 64 || bwd_tokens_per_group(S, groups) < 256) return groups;
+  if (C <= kBwdPlanWideMinC || bwd_tokens_per_group(S, groups) < kBwdPlanFullTileTokens) return groups;
   return std::max(ceil_div(S, kBwdMaxItemTokens), std::min(groups, ceil_div(512, ceil_div(C, 128))));
 }
 
