@@ -220,9 +220,8 @@ __device__ __forceinline__ void finish_open(unsigned long long* c, unsigned long
 // Moves counter word *c (opened by this launch) by one; true in the CTA whose move completed
 // `target` moves (every thread sees it), with *error set when the word was taken over (or holds
 // another launch's tag, which only launches sharing the buffer at once, undefined, can cause).
-// Every thread's earlier global
-// writes are visible device-wide before the move, and the CTA that completes it reads the others'
-// writes after a fence of its own.
+// Every thread's earlier global writes are visible device-wide before the move, and the CTA that
+// completes it reads the others' writes after a fence of its own.
 __device__ __forceinline__ bool arrive_last(unsigned long long* c, int target, uint32_t tag, bool* error) {
   __shared__ bool s_last, s_error;
   __threadfence();
