@@ -324,9 +324,11 @@ def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, initial_states
                                    ("initial_states", initial_states), ("dfinal_states", dfinal_states),
                                    ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias),
                                    ("dinitial_states", dinitial_states)))
-    # 8-byte vectors for x, dy, dx; 16 keeps the forward's rule
+    # 8-byte vectors for x, dy, dx (16 keeps the forward's rule); the partial rows are summed with
+    # 16-byte loads
     _check_aligned(fn, (("x", x), ("dy", dy), ("dx", dx), ("initial_states", initial_states),
-                        ("dfinal_states", dfinal_states), ("dinitial_states", dinitial_states)))
+                        ("dfinal_states", dfinal_states), ("dinitial_states", dinitial_states),
+                        ("workspace", workspace)))
     # What the kernel writes (the workspace's partial rows, dx, dweight, dbias, dinitial_states)
     # may overlap nothing else: it reads x, dy, the parameters, cu_seqlens and the states while
     # writing dx, dinitial_states and the partial rows, and reads the partial rows while writing

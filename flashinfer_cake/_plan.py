@@ -9,7 +9,7 @@ PARTIAL_ROWS = 5  # kBwdPartialRows: the four taps' g*x sums, then the sum of g
 MAX_ITEM_TOKENS = 1024  # kBwdMaxItemTokens
 STRIP_LEN = 64  # kBwdPlanStripLen
 MIN_TILE_CHANNELS = 32  # kBwdMinTileChannels
-CHUNK = 8  # kBwdChunk
+CHUNK = 8  # kBwdChunk: the reduction tree's fan-in
 WIDE_MIN_C = 64  # kBwdPlanWideMinC
 FULL_TILE_TOKENS = 256  # kBwdPlanFullTileTokens
 
@@ -47,8 +47,18 @@ def workspace_bytes(S: int, C: int) -> int:
     return groups_bound(S, C) * PARTIAL_ROWS * C * 4
 
 
+def tree_words(groups: int) -> int:
+    """bwd_tree_words: counter words of one channel tile's reduction tree (a node per CHUNK nodes
+    of the level below, up to one root)."""
+    words, n = 0, groups
+    while n > 1 or (words == 0 and n == 1):
+        n = _ceil_div(n, CHUNK)
+        words += n
+    return words
+
+
 def counter_bytes(S: int, C: int) -> int:
     """bwd_counter_bytes: the reduction tree's 64-bit counter words, word 0 the count of words a
     launch found not zero (kept by the torch binding)."""
     n = groups_bound(S, C)
-    return 0 if n == 0 else (1 + _ceil_div(C, MIN_TILE_CHANNELS) * (_ceil_div(n, CHUNK) + 1)) * 8
+    return 0 if n == 0 else (1 + _ceil_div(C, MIN_TILE_CHANNELS) * tree_words(n)) * 8

@@ -199,8 +199,8 @@ def cake_causal_conv1d_train_backward(
     dinitial_states row, each final-state row came from. No gradient crosses a document boundary:
     a tap the forward skipped contributes nothing.
     dweight and dbias are summed in FP32 in a fixed order (per-token-group partial sums in the
-    workspace, added by a fixed two-level tree: the last CTA of each chunk of 8 groups adds the
-    chunk in group order, the last chunk adds the chunk sums in chunk order; no float atomics),
+    workspace, added by a fixed tree: the last CTA to finish under a node adds its up to 8
+    children in order, level after level up to one root; no float atomics),
     so they are bitwise identical run to run for a given (S, C, weight dtype, bias dtype,
     policy). The tree's counters live in a buffer the package keeps per (device, stream) (a
     zeroed one of the call's own while capturing a CUDA graph), never in ``workspace``: no
@@ -217,7 +217,7 @@ def cake_causal_conv1d_train_backward(
             the gradient of rows that came from the zero history is dropped).
         silu_grad_preactivation: ``"bf16"`` (default) evaluates ``silu'`` at the pre-activation
             rounded to BF16 (to nearest even), ``"fp32"`` at the unrounded FP32 value.
-        workspace: optional caller-owned FP32 1-D buffer of at least
+        workspace: optional caller-owned FP32 1-D contiguous buffer, 16-byte aligned, of at least
             :func:`cake_causal_conv1d_train_backward_workspace_bytes` bytes, e.g. from
             :func:`cake_causal_conv1d_train_backward_workspace`: scratch for the partial sums,
             any content (each launch writes every part it reads first), so one buffer serves

@@ -460,7 +460,7 @@ bool check_backward(BackwardCall* c) {
   if (c->workspace && !check_workspace(*c->workspace, at::kFloat, c->need, c->device)) return false;
   c->m = module_of(c->device, w, b);
   if (!c->m.bwd) return false;
-  if (misaligned16({c->x, c->dy, c->dx, c->initial_states, c->dfinal_states, c->dinitial_states})) return false;
+  if (misaligned16({c->x, c->dy, c->dx, c->initial_states, c->dfinal_states, c->dinitial_states, c->workspace})) return false;
   // What the kernel writes (the workspace, dx, dweight, dbias, dinitial_states) overlaps nothing
   // else: it reads x, dy, the parameters, cu_seqlens and the states while writing dx, dinit and
   // the partial rows, and reads the partial rows while writing dweight and dbias.

@@ -509,7 +509,7 @@ def test_workspace_content_never_changes_a_result(weight_dtype, bias_dtype):
     shape's leftovers give bitwise the result of a fresh one, call after call on the same buffer.
     (When the tree's counters lived in it, one non-zero word corrupted dweight / dbias silently,
     and every later call with it.)"""
-    S, C = 70000, 1000  # 9 chunks of groups per channel tile: both levels of the tree
+    S, C = 70000, 1000  # 69 token groups per channel tile: a tree of 3 levels
     x, w, b, dy = make_inputs(S, C, seed=91, weight_dtype=weight_dtype, bias_dtype=bias_dtype)
     cu = make_cu(S, split(S, 300, random.Random(91)))
     want = backward_into(x, w, cu, dy, b, "bf16", workspace=new_workspace(S, C, device()))
@@ -549,14 +549,14 @@ def c_entry_backward(module, x, w, b, cu, dy, counters):
     return dx, dw, db
 
 
-@pytest.mark.parametrize("S", [70000, 1024], ids=["9_chunks", "1_chunk"])
+@pytest.mark.parametrize("S", [70000, 1024], ids=["3_levels", "1_level"])
 def test_counters_of_any_content_are_loud_and_left_zero(S):
     """The C entry's counter words: zero before the first launch, left zero by every launch. A
     word of any other content (one ahead, another launch's leftover, random bits) makes the
     channel tile's dweight/dbias NaN (never a wrong number), is counted in word 0, and is zero
     afterwards, so the next launch with the buffer is exact again; dx and the other tiles are
-    untouched by it. 70000 tokens: 9 chunks of groups per tile, both levels of the tree; 1024: one
-    chunk, whose last CTA writes dweight itself (the tile's chunk-sums word unused)."""
+    untouched by it. 70000 tokens: 69 token groups, a tree of 3 levels (9, 2 and 1 nodes per tile);
+    1024: 8 groups, one level, whose last CTA writes dweight itself."""
     from flashinfer_cake import _plan, jit
 
     C = 1000
@@ -566,9 +566,8 @@ def test_counters_of_any_content_are_loud_and_left_zero(S):
     cu = make_cu(S, split(S, max(S // 200, 2), random.Random(93)))
     want = backward(x, w, cu, dy, b, "bf16")
     module = jit.load(jit.variant_spec("fp32", "fp32", "sm_90a"))
-    chunks = -(-(-(-S // _plan.item_tokens(S, C))) // _plan.CHUNK)
-    # Tile t's words: one per chunk, then the chunk sums' (used with more than one chunk).
-    used = {t: [1 + t * (chunks + 1) + k for k in range(chunks + (chunks > 1))] for t in range(tiles)}
+    words = _plan.tree_words(-(-S // _plan.item_tokens(S, C)))
+    used = {t: [1 + t * words + k for k in range(words)] for t in range(tiles)}  # tile t's: every node's
     counters = torch.zeros(_plan.counter_bytes(S, C) // 8, dtype=torch.int64, device=DEV)
 
     for i in range(2):  # clean buffer: exact, and zero again
@@ -585,9 +584,9 @@ def test_counters_of_any_content_are_loud_and_left_zero(S):
         assert same_bits(dw[~bad], want[1][~bad]) and same_bits(db[~bad], want[2][~bad]), f"{what}: other tiles changed"
 
     cases = [  # (what, tile, word index, value)
-        ("a chunk word one ahead", 0, used[0][0], 1),
+        ("a level-1 word one ahead", 0, used[0][0], 1),
         ("the last word of another launch", 3, used[3][-1], (0x12345678 << 32) | 5),
-        ("a chunk word of all ones", tiles - 1, used[tiles - 1][chunks // 2], -1),
+        ("a middle word of all ones", tiles - 1, used[tiles - 1][words // 2], -1),
     ]
     for what, tile, index, value in cases:
         before = counters[0].item()

@@ -215,6 +215,8 @@ GPU_ONLY_BAD_INPUTS = [
          initial_states=lambda: torch.randn(D, 3, C, device="cpu").to(BF16)),
     case("dfinal_states-on-cpu", ValueError, "dfinal_states",
          dfinal_states=lambda: torch.randn(D, 3, C, device="cpu").to(BF16)),
+    case("ws-misaligned", ValueError, "workspace",  # the partial rows are summed with 16-byte loads
+         workspace=lambda: torch.zeros(workspace_bytes(S, C, "cpu") // 4 + 4)[1:]),
     case("dinitial_states-on-cpu", ValueError, "dinitial_states", initial_states=states,
          dinitial_states=lambda: torch.empty(D, 3, C, dtype=BF16, device="cpu")),
     case("dinitial_states-overlaps-x", ValueError, "dinitial_states", initial_states=states,

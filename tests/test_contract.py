@@ -35,7 +35,9 @@ int main() {
               (long long)kMaxDevices, (long long)kFwdMaxS, (long long)kFwdMaxElements, (long long)kBwdMaxS,
               (long long)kBwdMaxElements, (long long)kMaxC, (long long)kMaxCuSeqlens, (long long)kFwdWorkspaceCounters);
   std::printf("\"cp\": [%d, %d, %d, %d, %d],\n", kCpFwdHeads, kCpBwdHeads, kCpBwdTails, kCpHeadMask, kCpContinues);
-  std::printf("\"fwd_args\": \"%s\", \"bwd_args\": \"%s\", \"plan\": [", kFwdArgNames, kBwdArgNames);
+  std::printf("\"tree_words\": [");
+  for (int g = 0; g <= 5000; ++g) std::printf("%s%lld", g > 0 ? ", " : "", (long long)bwd_tree_words(g));
+  std::printf("],\n\"fwd_args\": \"%s\", \"bwd_args\": \"%s\", \"plan\": [", kFwdArgNames, kBwdArgNames);
   long long S, C;
   const char* sep = "";
   while (std::scanf("%lld %lld", &S, &C) == 2) {
@@ -100,6 +102,17 @@ def test_backward_plan_matches(header):
         assert python == (groups, bound, item_tokens, ws_bytes, counter_bytes), (S, C)
 
 
+def test_tree_words_match(header):
+    """Counter words per channel tile of the reduction tree over 0..5000 token groups: one per
+    node of each level of 8-way nodes (levels ceil(log8(groups)), at least one; none for no
+    groups: S = 0 launches nothing)."""
+    assert header["tree_words"] == [_plan.tree_words(g) for g in range(0, 5001)]
+    assert _plan.tree_words(0) == 0
+    for g in (1, 8, 9, 64, 65, 512, 513, 4096, 4097):
+        levels = next(lv for lv in range(1, 12) if 8**lv >= g)
+        assert _plan.tree_words(g) == sum(-(-g // 8**lv) for lv in range(1, levels + 1)), g
+
+
 @pytest.mark.parametrize("C", sorted({C for _, C in SIZES}))
 def test_backward_plan_properties(C):
     previous = (0, 0)
@@ -109,7 +122,7 @@ def test_backward_plan_properties(C):
         groups = -(-S // item_tokens)
         assert groups <= _plan.groups(S, C) <= _plan.groups_bound(S, C), (S, C)  # the tokens cover S
         assert ws_bytes >= groups * 5 * C * 4, (S, C)  # a partial row set per group
-        assert counter_bytes >= (1 + -(-C // 32) * (-(-groups // 8) + 1)) * 8 if S else counter_bytes == 0, (S, C)
+        assert counter_bytes >= (1 + -(-C // 32) * _plan.tree_words(groups)) * 8 if S else counter_bytes == 0, (S, C)
         # A buffer for the largest S serves every smaller one.
         assert (ws_bytes, counter_bytes) >= previous and counter_bytes >= previous[1], (S, C)
         previous = (ws_bytes, counter_bytes)

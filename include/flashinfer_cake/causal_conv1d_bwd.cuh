@@ -19,20 +19,20 @@
 // strip too). Each thread sums g*x and g over its strips' own tokens in registers; at the end of
 // the item the CTA adds its strips in strip order and writes one partial row per channel to the
 // workspace: partials[item's token group][5][C]. Integer counters then pick, per channel tile,
-// the last CTA of each chunk of 8 groups to add the chunk's rows in group order, and the last
-// chunk to add the chunk sums in chunk order: a fixed tree, so dweight and dbias are bitwise
-// identical run to run whatever the scheduling (no float atomics anywhere). Every row is written
-// before it is read, so the workspace may hold anything on entry. One launch, where a separate
-// reduction kernel cost a second one (~4 µs of host time).
+// the last CTA to finish under each node of a fixed tree (8 groups per node, 8 nodes per node of
+// the level above, up to one root) to add the node's children in order, so dweight and dbias are
+// bitwise identical run to run whatever the scheduling (no float atomics anywhere). Every row is
+// written before it is read, so the workspace may hold anything on entry. One launch, where a
+// separate reduction kernel cost a second one (~4 µs of host time).
 //
 // The counters (a buffer of their own, kept by the caller of the C entry) are 64-bit words: the
-// launch's tag (high half, a new one per C-entry call), an error bit, the count. Each CTA opens
-// its two words at its start: a zero word becomes the launch's (count 0); a word of any other
-// content (a leftover of another launch, garbage) is taken over, marked with the error bit, and
-// word 0 of the buffer counts it. So no start value (other than one carrying this launch's own
-// tag, which is trusted) can make a chunk's sum fire early or never: the count is this launch's
-// own. The error bit reaches the reducer of the word, which writes NaN instead of its sum (a
-// chunk's NaN reaches the tile's dweight/dbias): a buffer that was not zero makes the result
+// launch's tag (high half, a new one per C-entry call), an error bit, the count. Each CTA opens the
+// words of its ancestors in the tree at its start: a zero word becomes the launch's (count 0); a
+// word of any other content (a leftover of another launch, garbage) is taken over, marked with the
+// error bit, and word 0 of the buffer counts it. So no start value (other than one carrying this
+// launch's own tag, which is trusted) can make a node's sum fire early or never: the count is this
+// launch's own. The error bit reaches the reducer of the word, which writes NaN instead of its sum
+// (a node's NaN reaches the tile's dweight/dbias): a buffer that was not zero makes the result
 // loud, never wrong. Every word a launch uses is zero again afterwards (word 0 keeps the count of
 // take-overs for the caller to read; words of other shapes' layouts keep what they hold). A graph
 // replays its launch's tag. Launches that may run at once need a buffer each, as with the
@@ -55,9 +55,11 @@
 #include "causal_conv1d_common.cuh"
 
 #ifndef CAKE_BWD_SUM_LOADS
-// Loads in flight per thread when adding partial rows. 24 spilled on the 64- and 32-thread routes
-// and cost 4096x4096 8 us (51.5 against 43.2 us, tune.py SUM_LOADS, H200).
-#define CAKE_BWD_SUM_LOADS 16
+// 16-byte loads in flight per thread when adding partial rows. 12 or 16 raised the stateless
+// kernels from 117-119 to 128 registers (the stateful ones are at 128 anyway) and were slower than
+// 8 (4096x4096 graph 38.4 / 40.5 / 39.2 us with 8 / 12 / 16, 65536x128 35.5 / 49.2 / 42.2 us;
+// tune.py SUM_LOADS, H200).
+#define CAKE_BWD_SUM_LOADS 8
 #endif
 
 namespace flashinfer_cake {
@@ -73,7 +75,7 @@ struct CausalConv1dBwdParams {
   const __nv_bfloat16* dfinal_states;   // [num_docs, 3, C] or null (kStates only)
   __nv_bfloat16* dinitial_states;       // [num_docs, 3, C], given iff initial_states is
   float* partials;          // workspace: [groups][kBwdPartialRows][C], any content on entry
-  unsigned long long* counters;  // word 0: take-overs; then per channel tile, one per chunk + one
+  unsigned long long* counters;  // word 0: take-overs; then per channel tile, tree_words
   uint32_t counter_tag;     // this launch's tag: never 0
   void* dweight;            // [C, 4], WeightT
   void* dbias;              // [C], BiasT (unused for NoBias)
@@ -82,6 +84,7 @@ struct CausalConv1dBwdParams {
   int32_t num_docs;
   int32_t item_tokens;  // tokens of one token group, a multiple of kStripLen
   int32_t groups;       // ceil(S / item_tokens)
+  int32_t tree_words;   // counter words per channel tile: bwd_tree_words(groups)
   int32_t tiles_c;      // channel tiles per token group
   int32_t round_preact;  // 1: silu' at the pre-activation rounded to BF16; 0: at the FP32 value
   uint32_t x_row_stride;  // in kVec-channel vectors
@@ -142,45 +145,51 @@ __device__ __forceinline__ void store_param<__nv_bfloat16>(void* base, int i, fl
 
 // Sums, for each (row q, channel c) of channel tile tile_c, the partial rows of `count` groups
 // first, first + step, ... in that order, starting from init (0, or NaN to poison the result);
-// the sum goes back into group `first`'s row
-// (into_first) or to sink(q, c, sum). The rows were written by other SMs:
-// read through L2 (.cg), several in flight per thread.
+// the sum goes back into group `first`'s row (into_first) or to sink(q, c, sum). The rows were
+// written by other SMs: read through L2 (.cg), 16 bytes (4 channels) per load, several rows in
+// flight per thread. Each batch of rows is an L2 round trip on the grid's tail (the last CTAs to
+// finish wait on it), so the loads are as wide and as many as registers allow.
 template <int kThreads, int kTileChannels, class Sink>
 __device__ __forceinline__ void sum_partial_rows(const CausalConv1dBwdParams& p, int tile_c, int first, int step,
                                                  int count, bool into_first, float init, Sink sink) {
-  constexpr int kElems = (kBwdPartialRows * kTileChannels + kThreads - 1) / kThreads;
-  // Rows per batch: up to 8, CAKE_BWD_SUM_LOADS loads in flight per thread. Each batch is an L2
-  // round trip on the grid's tail (the last CTAs to finish wait on it).
-  constexpr int kLoads = CAKE_BWD_SUM_LOADS;
+  constexpr int kQuads = kTileChannels / 4;  // 16-byte loads per row of the tile
+  constexpr int kElems = (kBwdPartialRows * kQuads + kThreads - 1) / kThreads;
+  constexpr int kLoads = CAKE_BWD_SUM_LOADS;  // 16-byte loads in flight per thread
   constexpr int kRows = kLoads / kElems > 8 ? 8 : (kLoads / kElems > 0 ? kLoads / kElems : 1);
   const size_t group_stride = static_cast<size_t>(kBwdPartialRows) * p.C;
   const size_t row_step = group_stride * step;
-  float* base[kElems];
+  const float4* base[kElems];
   bool ok[kElems];
-  float sum[kElems];
+  float4 sum[kElems];
 #pragma unroll
   for (int e = 0; e < kElems; ++e) {
     const int idx = threadIdx.x + e * kThreads;
-    const int q = idx / kTileChannels;  // 0..3 tap, 4 the sum of g
-    const int c = tile_c * kTileChannels + (idx - q * kTileChannels);
-    ok[e] = idx < kBwdPartialRows * kTileChannels && c < p.C;
-    base[e] = p.partials + static_cast<size_t>(first) * group_stride + static_cast<size_t>(q) * p.C + c;
-    sum[e] = init;
+    const int q = idx / kQuads;  // 0..3 tap, 4 the sum of g
+    const int c = tile_c * kTileChannels + 4 * (idx - q * kQuads);  // C % 8 == 0: c < C means c + 3 < C
+    ok[e] = idx < kBwdPartialRows * kQuads && c < p.C;
+    base[e] = reinterpret_cast<const float4*>(p.partials + static_cast<size_t>(first) * group_stride +
+                                              static_cast<size_t>(q) * p.C + c);
+    sum[e] = make_float4(init, init, init, init);
   }
   for (int r0 = 0; r0 < count; r0 += kRows) {
-    float v[kRows][kElems];
+    float4 v[kRows][kElems];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
       for (int e = 0; e < kElems; ++e) {
-        if (ok[e] && r0 + r < count) v[r][e] = __ldcg(base[e] + (r0 + r) * row_step);
+        if (ok[e] && r0 + r < count) v[r][e] = __ldcg(base[e] + (r0 + r) * (row_step / 4));
       }
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
       for (int e = 0; e < kElems; ++e) {
-        if (ok[e] && r0 + r < count) sum[e] += v[r][e];
+        if (ok[e] && r0 + r < count) {
+          sum[e].x += v[r][e].x;
+          sum[e].y += v[r][e].y;
+          sum[e].z += v[r][e].z;
+          sum[e].w += v[r][e].w;
+        }
       }
     }
   }
@@ -188,15 +197,18 @@ __device__ __forceinline__ void sum_partial_rows(const CausalConv1dBwdParams& p,
   for (int e = 0; e < kElems; ++e) {
     if (!ok[e]) continue;
     if (into_first) {
-      __stcg(base[e], sum[e]);
+      __stcg(const_cast<float4*>(base[e]), sum[e]);
     } else {
       const int idx = threadIdx.x + e * kThreads;
-      const int q = idx / kTileChannels;
-      sink(q, tile_c * kTileChannels + (idx - q * kTileChannels), sum[e]);
+      const int q = idx / kQuads;
+      const int c = tile_c * kTileChannels + 4 * (idx - q * kQuads);
+      sink(q, c, sum[e].x);
+      sink(q, c + 1, sum[e].y);
+      sink(q, c + 2, sum[e].z);
+      sink(q, c + 3, sum[e].w);
     }
   }
 }
-
 // Counter words: tag << 32 | kCounterError | count.
 constexpr unsigned long long kCounterError = 1ull << 31;
 constexpr unsigned long long kCounterCount = kCounterError - 1;
@@ -277,15 +289,28 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const int launch_group = blockIdx.x / p.tiles_c;
   const int tile_c = blockIdx.x - launch_group * p.tiles_c;
   const int group = launch_group == 0 ? p.groups - 1 : launch_group - 1;
-  // The reduction tree's counter words of this CTA (its chunk's and, with more than one chunk, its
-  // tile's chunk sums'), opened now; the open finishes after the position search.
-  const int chunks = (p.groups + kBwdChunk - 1) / kBwdChunk;
-  const int chunk = group / kBwdChunk;
-  unsigned long long* const tree = p.counters + 1 + static_cast<size_t>(tile_c) * (chunks + 1);
-  unsigned long long seen_chunk = 0, seen_top = 0;
+  // The reduction tree's counter words of this CTA: its group's ancestor at each level (level l
+  // nodes add kBwdChunk nodes of level l - 1; a tile's words are level 1's nodes, then level
+  // 2's, ...). Every CTA opens its ancestors' words now (so each word is open before any arrival on
+  // it: an arrival comes from a CTA below it); the open finishes after the position search.
+  unsigned long long* const tree = p.counters + 1 + static_cast<size_t>(tile_c) * p.tree_words;
+  unsigned long long seen[kBwdMaxTreeLevels];
+  const auto for_each_ancestor = [&](auto&& f) {  // f(level - 1, word index in the tile)
+    int nodes = p.groups, node = group, words = 0;
+#pragma unroll
+    for (int l = 0; l < kBwdMaxTreeLevels; ++l) {
+      if (l == 0 || nodes > 1) {
+        nodes = (nodes + kBwdChunk - 1) / kBwdChunk;
+        node /= kBwdChunk;
+        f(l, words + node);
+        words += nodes;
+      }
+    }
+  };
   if (threadIdx.x == 0) {
-    seen_chunk = atomicCAS(tree + chunk, 0ull, static_cast<unsigned long long>(p.counter_tag) << 32);
-    if (chunks > 1) seen_top = atomicCAS(tree + chunks, 0ull, static_cast<unsigned long long>(p.counter_tag) << 32);
+    for_each_ancestor([&](int l, int word) {
+      seen[l] = atomicCAS(tree + word, 0ull, static_cast<unsigned long long>(p.counter_tag) << 32);
+    });
   }
   const int vec = tile_c * Traits::kLanesC + lane_c;  // my row-vector column
   const uint32_t vecs_per_row = p.C / V;
@@ -344,8 +369,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     detail::scan_positions<T>(p.cu_seqlens, p.num_docs, item_t0, p.item_tokens + 3, s_flags, s_pos);
   }
   if (threadIdx.x == 0) {
-    detail::finish_open(tree + chunk, seen_chunk, p.counter_tag, p.counters);
-    if (chunks > 1) detail::finish_open(tree + chunks, seen_top, p.counter_tag, p.counters);
+    for_each_ancestor([&](int l, int word) { detail::finish_open(tree + word, seen[l], p.counter_tag, p.counters); });
   }
   __syncthreads();
 
@@ -560,14 +584,11 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     rows[q * p.C + c] = sum;
   }
 
-  // dweight / dbias: a fixed two-level tree over the token groups, summed by whichever CTAs
-  // finish last. The last CTA of each chunk of kBwdChunk groups (per channel tile) adds the
-  // chunk's rows in group order into its first group's row; the last chunk to finish adds those
-  // in chunk order into dweight / dbias (with one chunk, its last CTA writes its sum there). A word
-  // taken over poisons its sum. Every word used is left zero.
-  const auto no_sink = [](int, int, float) {};
+  // dweight / dbias: a fixed tree over the token groups, summed by whichever CTAs finish last.
+  // At each level the last CTA to arrive at a node adds the rows of its up to kBwdChunk children
+  // in order into its first group's row; the root's goes to dweight / dbias. A word taken over
+  // poisons its node's sum (NaN, carried up to the root). Every word used is left zero.
   const float kNaN = __int_as_float(0x7fffffff);
-  bool error;
   const auto param_sink = [&](int q, int c, float sum) {
     if (q < 4) {
       detail::store_param<WeightT>(p.dweight, c * 4 + q, sum);
@@ -575,21 +596,21 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       detail::store_param<BiasT>(p.dbias, c, sum);
     }
   };
-  if (!detail::arrive_last(tree + chunk, min(kBwdChunk, p.groups - chunk * kBwdChunk), p.counter_tag, &error)) return;
-  const float chunk_init = error ? kNaN : 0.0f;
-  if (chunks == 1) {  // one chunk: its sum is the total (no second level, its word unused)
-    detail::sum_partial_rows<Traits::kThreads, Traits::kTileChannels>(p, tile_c, 0, 1, p.groups, false, chunk_init,
-                                                                      param_sink);
-    if (threadIdx.x == 0) tree[0] = 0;
-    return;
+  // The level below: its node count, this CTA's node there, groups per node there; the level's
+  // first word in the tile. (The same walk as for_each_ancestor's, and as bwd_tree_words counts.)
+  int below = p.groups, node = group, span = 1, words = 0;
+  for (;;) {
+    const int nodes = (below + kBwdChunk - 1) / kBwdChunk, parent = node / kBwdChunk;
+    const int children = min(kBwdChunk, below - parent * kBwdChunk);
+    bool error;
+    if (!detail::arrive_last(tree + words + parent, children, p.counter_tag, &error)) return;
+    const bool root = nodes == 1;
+    detail::sum_partial_rows<Traits::kThreads, Traits::kTileChannels>(
+        p, tile_c, parent * kBwdChunk * span, span, children, !root, error ? kNaN : 0.0f, param_sink);
+    if (threadIdx.x == 0) tree[words + parent] = 0;
+    if (root) return;
+    below = nodes, node = parent, span *= kBwdChunk, words += nodes;
   }
-  detail::sum_partial_rows<Traits::kThreads, Traits::kTileChannels>(
-      p, tile_c, chunk * kBwdChunk, 1, min(kBwdChunk, p.groups - chunk * kBwdChunk), true, chunk_init, no_sink);
-  if (threadIdx.x == 0) tree[chunk] = 0;
-  if (!detail::arrive_last(tree + chunks, chunks, p.counter_tag, &error)) return;
-  detail::sum_partial_rows<Traits::kThreads, Traits::kTileChannels>(
-      p, tile_c, 0, kBwdChunk, chunks, false, error ? kNaN : 0.0f, param_sink);
-  if (threadIdx.x == 0) tree[chunks] = 0;
 }
 
 }  // namespace flashinfer_cake

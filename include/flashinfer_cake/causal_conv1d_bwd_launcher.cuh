@@ -64,6 +64,7 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 
 // Token groups (the item_tokens argument) must be a multiple of this.
 constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
+static_assert(kBwdChunk == 8, "kBwdMaxTreeLevels levels of 8-way nodes: at most 8^kBwdMaxTreeLevels groups");
 
 // Routes, from shapes only: channel lanes per CTA 32; 16 when C <= 16 * kVec, in CTAs of half
 // the threads (with 32 lanes half of each row would be idle: C = 64 ran at 37-40 % of copy);
@@ -174,7 +175,7 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
     if (!p.weight || !aligned16(p.weight)) return fail(cudaErrorInvalidValue, "weight: expected a non-null 16-byte aligned pointer");
     if (detail::kHasBias<BiasT> && (!p.bias || !aligned16(p.bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
     if (!p.cu_seqlens || !aligned_to(p.cu_seqlens, 4)) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null 4-byte aligned pointer");
-    if (!p.partials || !aligned_to(p.partials, 4)) return fail(cudaErrorInvalidValue, "workspace: expected a non-null 4-byte aligned pointer");
+    if (!p.partials || !aligned16(p.partials)) return fail(cudaErrorInvalidValue, "workspace: expected a non-null 16-byte aligned pointer");
     if (!p.counters || !aligned_to(p.counters, 8)) return fail(cudaErrorInvalidValue, "counters: expected a non-null 8-byte aligned pointer");
   }
   p.dweight = dweight;
@@ -184,6 +185,11 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
   p.num_docs = static_cast<int32_t>(a.num_docs);
   p.item_tokens = static_cast<int32_t>(a.item_tokens);
   p.groups = static_cast<int32_t>(ceil_div(a.S, a.item_tokens));
+  if (p.groups > (int64_t(1) << (3 * kBwdMaxTreeLevels))) {  // (only a tuning strip under 64 tokens can)
+    return fail(cudaErrorInvalidValue, "item_tokens = %lld makes %d token groups, more than the reduction tree's %lld",
+                (long long)a.item_tokens, p.groups, (long long)(int64_t(1) << (3 * kBwdMaxTreeLevels)));
+  }
+  p.tree_words = static_cast<int32_t>(bwd_tree_words(p.groups));
   p.round_preact = static_cast<int32_t>(a.round_preact);
   return on_device(static_cast<int>(a.device),
                    [&] { return launch_causal_conv1d_bwd<WeightT, BiasT>(p, as_ptr<CUstream_st>(a.stream)); });

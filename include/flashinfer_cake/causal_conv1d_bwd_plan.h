@@ -30,9 +30,13 @@ constexpr int kBwdMinTileChannels = 32;
 constexpr int kBwdPlanWideMinC = 64;
 constexpr int kBwdPlanFullTileTokens = 256;
 
-// Token groups per chunk of the reduction tree (the kernel adds a chunk's rows, then the chunk
-// sums).
+// Fan-in of the reduction tree: each node adds the rows of up to this many nodes of the level
+// below (level 0: the token groups), level after level up to a single root.
 constexpr int kBwdChunk = 8;
+
+// Levels of the tree the kernel walks at most: kBwdChunk^8 = 2^24 groups (S < 2^30 in groups of
+// 64 tokens or more; the C entry refuses more groups).
+constexpr int kBwdMaxTreeLevels = 8;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -74,12 +78,25 @@ inline int64_t bwd_workspace_bytes_for_groups(int64_t C, int64_t groups) {
   return groups * kBwdPartialRows * C * int64_t(sizeof(float));
 }
 
+// Counter words of one channel tile's reduction tree over `groups` token groups: one per node of
+// every level above the groups (a node per kBwdChunk nodes below, up to the root; one level when
+// groups <= kBwdChunk; none without groups).
+inline int64_t bwd_tree_words(int64_t groups) {
+  if (groups <= 0) return 0;
+  int64_t words = 0, n = groups;
+  do {
+    n = ceil_div(n, kBwdChunk);
+    words += n;
+  } while (n > 1);
+  return words;
+}
+
 // The reduction tree's counters: 64-bit words, word 0 the count of words a launch found not zero
-// (causal_conv1d_bwd.cuh), then per channel tile of kBwdMinTileChannels channels one per chunk of
-// kBwdChunk groups and one for the chunk sums. Zero before the first launch; every launch leaves
-// the words it uses zero (the torch binding keeps them; a caller's workspace never holds them).
+// (causal_conv1d_bwd.cuh), then per channel tile of kBwdMinTileChannels channels the tree's
+// bwd_tree_words(groups). Zero before the first launch; every launch leaves the words it uses zero
+// (the torch binding keeps them; a caller's workspace never holds them).
 inline int64_t bwd_counter_bytes_for_groups(int64_t C, int64_t groups) {
-  return groups == 0 ? 0 : (1 + ceil_div(C, kBwdMinTileChannels) * (ceil_div(groups, kBwdChunk) + 1)) * int64_t(sizeof(uint64_t));
+  return groups == 0 ? 0 : (1 + ceil_div(C, kBwdMinTileChannels) * bwd_tree_words(groups)) * int64_t(sizeof(uint64_t));
 }
 
 // Workspace and counter bytes a backward of S tokens x C channels in token groups of item_tokens

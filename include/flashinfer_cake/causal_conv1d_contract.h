@@ -47,13 +47,13 @@ constexpr int kCpContinues = 4;
 //   forward:  x, y, weight, bias, cu_seqlens, workspace (the counters above), initial_states,
 //             final_states (written), S, C, x_row_stride, y_row_stride, num_docs, device, stream
 //   backward: x, dy, dx, weight, bias, cu_seqlens, initial_states, dfinal_states, dinitial_states
-//             (written; given iff initial_states is), workspace (FP32 partial rows, any content)
-//             and its size in bytes, counters (64-bit words, zero before the first launch; any
-//             other content poisons that launch's dweight/dbias with NaN and is counted in word 0,
-//             causal_conv1d_bwd.cuh; every launch leaves the words it uses zero) and their size in
-//             bytes, dweight, dbias, S, C, x_row_stride, dy_row_stride, dx_row_stride, num_docs,
-//             item_tokens (causal_conv1d_bwd_plan.h), round_preact (1: SiLU' at the BF16-rounded
-//             pre-activation), device, stream
+//             (written; given iff initial_states is), workspace (FP32 partial rows, any content,
+//             16-byte aligned) and its size in bytes, counters (64-bit words, zero before the first
+//             launch; any other content poisons that launch's dweight/dbias with NaN and is counted
+//             in word 0, causal_conv1d_bwd.cuh; every launch leaves the words it uses zero) and
+//             their size in bytes, dweight, dbias, S, C, x_row_stride, dy_row_stride,
+//             dx_row_stride, num_docs, item_tokens (causal_conv1d_bwd_plan.h), round_preact (1:
+//             SiLU' at the BF16-rounded pre-activation), device, stream
 //   context-parallel passes (causal_conv1d_cp.cuh): pass (0 forward heads, 1 backward head g,
 //             2 backward tails), x, dy, out (y or dx; contiguous [S, C]), weight, bias, cu_seqlens
 //             (the local fragments), halo ([num_frags, 3, C]), frag_info, g_rows, g_out, g_in,
