@@ -12,6 +12,7 @@ MIN_TILE_CHANNELS = 32  # kBwdMinTileChannels
 CHUNK = 8  # kBwdChunk: the reduction tree's fan-in
 WIDE_MIN_C = 64  # kBwdPlanWideMinC
 FULL_TILE_TOKENS = 256  # kBwdPlanFullTileTokens
+NARROW_MAX_C = 32  # kBwdPlanNarrowMaxC
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -31,6 +32,8 @@ def _tokens_per_group(S: int, groups: int) -> int:
 
 def groups(S: int, C: int) -> int:
     """bwd_groups: token groups of a backward of S tokens x C channels."""
+    if C <= NARROW_MAX_C:
+        return _ceil_div(S, MAX_ITEM_TOKENS)
     n = groups_bound(S, C)
     if C <= WIDE_MIN_C or _tokens_per_group(S, n) < FULL_TILE_TOKENS:
         return n

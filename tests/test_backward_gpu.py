@@ -305,6 +305,12 @@ DOC_CASES = [
     # lanes idle at C = 56. (S69999-C40 and the boundary lengths at C = 48 take its 32-thread form.)
     pytest.param(270000, 56, short_docs, F32, BF16, "fp32", id="S270000-C56-short"),
     pytest.param(262144, 64, docs_16_to_64, BF16, F32, "bf16", id="S262144-C64-docs16-64"),
+    # C <= 16 with 512+ token groups: the 2- and 4-lane routes (32- and 64-thread CTAs of 16
+    # strips); trees of 4 and 3 levels, and of 5 (4097 groups: the last group the only child of
+    # its node at every level).
+    pytest.param(600000, 8, tiny_docs, BF16, F32, "fp32", id="S600000-C8-tiny"),
+    pytest.param(524288, 16, docs_16_to_64, F32, F32, "bf16", id="S524288-C16-docs16-64"),
+    pytest.param(4194305, 8, docs_16_to_64, F32, None, "bf16", id="S4194305-C8-docs16-64"),
 ]
 
 

@@ -18,7 +18,7 @@ from flashinfer_cake.cp import conv as cp_conv
 from flashinfer_cake.cp import partition as cp_partition
 from flashinfer_cake.jit import env
 
-SIZES = [(S, C) for C in (8, 40, 64, 72, 128, 136, 512, 1024, 2048, 4096, 8192, 65536)
+SIZES = [(S, C) for C in (8, 16, 24, 32, 40, 64, 72, 128, 136, 512, 1024, 2048, 4096, 8192, 65536)
          for S in (0, 1, 63, 64, 65, 127, 128, 129, 1000, 1024, 4096, 8000, 8192, 16383, 16384, 32768, 65536,
                    131072, 2**29 + 5, 2**30 - 1)
          if S * C < 2**34]

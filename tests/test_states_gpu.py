@@ -344,6 +344,8 @@ BWD_CASES = [
     pytest.param(4097, 64, chunky_mix, BF16, None, "fp32", id="S4097-C64-chunky"),
     pytest.param(3001, 4096, tiny_docs, F32, BF16, "fp32", id="S3001-C4096-tiny"),
     pytest.param(2500, 8, empty_at_ends, BF16, F32, "bf16", id="S2500-C8-empty-ends"),
+    pytest.param(530000, 16, chunky_mix, F32, F32, "fp32", id="S530000-C16-chunky"),  # the 4-lane route
+    pytest.param(530000, 8, tiny_docs, BF16, None, "bf16", id="S530000-C8-tiny"),  # the 2-lane route
 ]
 
 

@@ -20,7 +20,9 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
     return fail(cudaErrorInvalidValue, "x: S * row stride = %lld elements is too large for the backward (must be below 2^%d)",
                 (long long)rows_span * Traits::kVec, 32 + (Traits::kVec == 8 ? 3 : 2));
   }
-  static_assert(Traits::kTileChannels >= kBwdMinTileChannels, "the workspace has counters per kBwdMinTileChannels");
+  if (tiles_c > ceil_div(p.C, kBwdMinTileChannels)) {  // the counters hold a tree per kBwdMinTileChannels channels
+    return fail(cudaErrorInvalidValue, "C = %d: a channel tile of %d channels is too narrow for the counters", p.C, Traits::kTileChannels);
+  }
   p.tiles_c = static_cast<int32_t>(tiles_c);
   (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
   const bool states = p.initial_states || p.dfinal_states;
@@ -66,11 +68,20 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
 static_assert(kBwdChunk == 8, "kBwdMaxTreeLevels levels of 8-way nodes: at most 8^kBwdMaxTreeLevels groups");
 
-// Routes, from shapes only: channel lanes per CTA 32; 16 when C <= 16 * kVec, in CTAs of half
-// the threads (with 32 lanes half of each row would be idle: C = 64 ran at 37-40 % of copy);
-// 8 when C <= 8 * kVec (a few idle lanes at tiny C). With 32 or 16 lanes, half the threads
-// (2 strips) when a token group is shorter than one sub-tile of the full CTA (small S: the
-// group would leave strips idle). Threads per SM stay 4 * CAKE_BWD_THREADS on every route.
+// The 4- and 2-lane routes' smallest grid: ~4 CTAs per SM on 132 SMs.
+constexpr int kBwdNarrowRouteMinGroups = 512;
+
+// Routes, from shapes only: channel lanes per CTA 32; 16 when C <= 16 * kVec, in CTAs of half the
+// threads (with 32 lanes half of each row would be idle: C = 64 ran at 37-40 % of copy); 8, 4 or 2
+// when C <= 8, 4 or 2 * kVec, in CTAs of 16 strips: as many lanes as C needs (with 8 lanes C = 16
+// and C = 8 left half and three quarters of the threads idle: 1048576x16 72.9 -> 54.0 us, 2097152x8
+// 130.7 -> 86.0 us; tune.py, H200), when the grid has kBwdNarrowRouteMinGroups CTAs or more; fewer
+// 32- or 64-thread CTAs leave an SM one or two warps to issue from, and the 8-lane CTAs (4 warps,
+// the same strips) were faster there (70000x8: 34.8 against 38.4 us, 65536x16: 23.6 against 24.6).
+// The routes of C <= 32 give bitwise the same results. With 32 or 16 lanes, half the threads (2
+// strips) when a token group is shorter than one sub-tile of the full CTA (small S: the group would
+// leave strips idle). Threads per SM stay 4 * CAKE_BWD_THREADS on every route of the stateless
+// kernels (the stateful ones' shared memory fits fewer of the 32-thread CTAs: ~17.6 KB each).
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_t stream) {
   if (p.groups == 0) return grads_of_no_tokens<WeightT, BiasT>(p, stream);
@@ -80,10 +91,16 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
   using WideShort = BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
   using Mid = BwdTraits<kVec, 16, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
   using MidShort = BwdTraits<kVec, 16, kThreads / 4, kStrip, kRing, 4 * kMinCtas>;
-  // The plan (causal_conv1d_bwd_plan.h) gives longer token groups to the full-width routes; its
-  // thresholds are the shipped geometry's (tune.py may build others).
+  using Narrow8 = BwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>;
+  using Narrow4 = BwdTraits<kVec, 4, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
+  using Narrow2 = BwdTraits<kVec, 2, kThreads / 4, kStrip, kRing, 4 * kMinCtas>;
+  // The plan (causal_conv1d_bwd_plan.h) gives longer token groups to the full-width routes and
+  // groups of a whole sub-tile to the narrow ones; its thresholds are the shipped geometry's
+  // (tune.py may build others).
   static_assert(!(kVec == 4 && kThreads == 128 && kStrip == 64) ||
-                    (16 * kVec == kBwdPlanWideMinC && Wide::kTileTokens == kBwdPlanFullTileTokens),
+                    (16 * kVec == kBwdPlanWideMinC && Wide::kTileTokens == kBwdPlanFullTileTokens &&
+                     8 * kVec == kBwdPlanNarrowMaxC && Narrow8::kTileTokens == kBwdMaxItemTokens &&
+                     Narrow4::kTileTokens == kBwdMaxItemTokens && Narrow2::kTileTokens == kBwdMaxItemTokens),
                 "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
     if (p.item_tokens >= Wide::kTileTokens) return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT>(p, stream);
@@ -93,7 +110,11 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
     if (p.item_tokens >= Mid::kTileTokens) return launch_causal_conv1d_bwd_route<Mid, WeightT, BiasT>(p, stream);
     return launch_causal_conv1d_bwd_route<MidShort, WeightT, BiasT>(p, stream);
   }
-  return launch_causal_conv1d_bwd_route<BwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>, WeightT, BiasT>(p, stream);
+  if (p.groups >= kBwdNarrowRouteMinGroups) {
+    if (p.C <= 2 * kVec) return launch_causal_conv1d_bwd_route<Narrow2, WeightT, BiasT>(p, stream);
+    if (p.C <= 4 * kVec) return launch_causal_conv1d_bwd_route<Narrow4, WeightT, BiasT>(p, stream);
+  }
+  return launch_causal_conv1d_bwd_route<Narrow8, WeightT, BiasT>(p, stream);
 }
 
 // A new tag for each launch's counter words (never 0, the free word), so a word holding anything

@@ -20,8 +20,8 @@ constexpr int kBwdMaxItemTokens = 1024;
 // Token groups are whole multiples of this many tokens (the shipped strip, CAKE_BWD_STRIP_LEN).
 constexpr int kBwdPlanStripLen = 64;
 
-// The narrowest channel tile of any route (8 lanes x 4 channels): there are counters for tiles of
-// at least this many channels.
+// The counters hold one tree per kBwdMinTileChannels channels (a route's channel tile is at least
+// this wide, or C fits in one tile).
 constexpr int kBwdMinTileChannels = 32;
 
 // The routes of the shipped geometry (causal_conv1d_bwd_launcher.cuh checks): C above this many
@@ -29,6 +29,9 @@ constexpr int kBwdMinTileChannels = 32;
 // kBwdPlanFullTileTokens tokens (one sub-tile of the full CTA), else of 64.
 constexpr int kBwdPlanWideMinC = 64;
 constexpr int kBwdPlanFullTileTokens = 256;
+// C up to this many channels runs routes of 16 strips (a 1024-token sub-tile): their token groups
+// are as long as groups get.
+constexpr int kBwdPlanNarrowMaxC = 32;
 
 // Fan-in of the reduction tree: each node adds the rows of up to this many nodes of the level
 // below (level 0: the token groups), level after level up to a single root.
@@ -61,9 +64,12 @@ inline int64_t bwd_tokens_per_group(int64_t S, int64_t groups) {
 // and the groups are 256 tokens or longer, CTAs have 128 threads (4 per SM): ~512 items fill those
 // SMs once, where 1024 ran two waves, each SM slot paying a CTA's start and end twice (8192x4096
 // 66 -> 69 %, 32768x1024 59 -> 67 %, 65536x512 53 -> 64 % of copy; tune.py ITEM_TOKENS, H200,
-// 2026-12-01; on a 114-SM H100 PCIe, ~1.1 waves). A function of (S, C) only, so the summation
-// order, and with it every bit of dweight/dbias, is the same on every GPU.
+// 2026-12-01; on a 114-SM H100 PCIe, ~1.1 waves). C <= 32 runs routes whose CTAs have 16
+// strips (1024 tokens): ceil(S / 1024) groups of up to 1024 tokens (no idle strip once S >= 1024).
+// A function of (S, C) only, so the summation order, and with it every bit of dweight/dbias, is
+// the same on every GPU.
 inline int64_t bwd_groups(int64_t S, int64_t C) {
+  if (C <= kBwdPlanNarrowMaxC) return ceil_div(S, kBwdMaxItemTokens);
   const int64_t groups = bwd_groups_bound(S, C);
   if (C <= kBwdPlanWideMinC || bwd_tokens_per_group(S, groups) < kBwdPlanFullTileTokens) return groups;
   return std::max(ceil_div(S, kBwdMaxItemTokens), std::min(groups, ceil_div(512, ceil_div(C, 128))));
