@@ -412,7 +412,8 @@ def test_built_module_entries(built_cache, name, monkeypatch):
         ({"item_tokens": 1088}, "item_tokens must be a positive multiple of 64 up to 1024"),
         ({"round_preact": 2**32 + 1}, "round_preact must be 0 or 1"),
         ({"workspace_bytes": 5 * 8 * 4 * 2 - 4}, "workspace: expected at least 320 bytes"),  # 2 groups' rows
-        ({"counters_bytes": 16}, "counters: expected at least 24 bytes"),  # 64-bit words: 1 + 1 tile x (1 chunk + 1)
+        ({"counters_bytes": 8}, "counters: expected at least 16 bytes"),  # 64-bit words: 1 + 1 tile x 1 tree node
+        ({"workspace": aligned + 4}, "workspace: expected a non-null 16-byte aligned pointer"),  # 16-byte loads
         ({"dy": aligned + 8}, "dy: expected a non-null 16-byte aligned pointer"),
         ({"cu_seqlens": aligned + 2}, "cu_seqlens: expected a non-null 4-byte aligned pointer"),
         ({"counters": 0}, "counters: expected a non-null 8-byte aligned pointer"),
