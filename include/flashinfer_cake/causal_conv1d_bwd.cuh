@@ -209,6 +209,7 @@ __device__ __forceinline__ void sum_partial_rows(const CausalConv1dBwdParams& p,
     }
   }
 }
+
 // Counter words: tag << 32 | kCounterError | count.
 constexpr unsigned long long kCounterError = 1ull << 31;
 constexpr unsigned long long kCounterCount = kCounterError - 1;
