@@ -119,6 +119,7 @@ struct BwdTraits {
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
   static_assert(kRing >= 4 && kRing % 4 == 0, "the loop steps 4 rows, so 4 ring slots, at a time");
   static_assert(kRing <= kStripLen + 7, "the first R - 1 rows are rows of the strip");
+  static_assert(kStripLen % 4 == 0, "strips start 4-token aligned: the step dispatch reads 4 codes at once");
   static_assert(kBwdMaxItemTokens % kStripLen == 0, "groups are whole strips");
 };
 
@@ -285,7 +286,9 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   Row* const s_xring = reinterpret_cast<Row*>(s_raw);
   Row* const s_dyring = s_xring + R * T;
   float* const s_sums = reinterpret_cast<float*>(s_raw);  // [kSums][T]
-  __shared__ uint8_t s_pos[Traits::kPosTokens];  // min(position in document, 3) per item token; kStates: its code
+  // min(position in document, 3) per item token; kStates: its code, read 4 tokens at a time by
+  // the per-step dispatch (so 4-byte aligned, and one byte more: never written, masked off).
+  __shared__ __align__(4) uint8_t s_pos[(Traits::kPosTokens + 4) / 4 * 4];
   __shared__ uint8_t s_flags[kStates ? 1 : Traits::kPosTokens + 2];  // document starts (scan_positions)
   // kStates: the tokens' documents, and scan_documents' scratch.
   __shared__ int32_t s_doc[kStates ? Traits::kPosTokens : 1];
@@ -456,8 +459,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     uint32_t refill_x = x_base + (R - 1) * xs, refill_dy = dy_base + (R - 1) * dys;
     int dx_t = t0 - 3;
     uint32_t dx_off = static_cast<uint32_t>(t0 - 3) * p.dx_row_stride + vec;
-    // kEvents (a compile-time bool): the strip has a token with a state event (kInDoc); strips
-    // without one run the stateless body.
+    // kEvents (a compile-time bool): the row's step is near a token with a state event (kInDoc;
+    // the walk below chooses); rows without one run the stateless body.
     const auto row = [&](int r, auto phase, auto events) {
       constexpr int q = decltype(phase)::value, s3 = (q + 1) % 4, s2 = (q + 2) % 4, s1 = (q + 3) % 4;
       constexpr bool kEvents = decltype(events)::value;
@@ -557,19 +560,33 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         gm[q][j] = g[j];
       }
     };
-    // whole steps of 4 rows, the rest peeled
-    const auto walk = [&](auto events) {
-      detail::walk_rows<L + 3, R>([&](int r, auto phase) { row(r, phase, events); }, cur, prev);
-    };
+    // A strip without a state event (kInDoc) in its block or the next one runs the stateless
+    // body; in the others each step of 4 rows r .. r + 3 runs the stateful body only when one of
+    // the tokens r - 3 .. r + 3 has kInDoc (rows read their own code, dinit the one 2 rows back,
+    // dfinal 3 back). bench_states (H200, 2026-12-01), time over the stateless backward: the
+    // random mixes (17-64 documents) 1.19-1.36x with the stateful body on every row of such a
+    // strip, 1.10-1.35x so; many and tiny documents, where nearly every step is stateful, 2-9 %
+    // and 1-4 % slower so. A third walk for those strips (every step stateful, no choice) made
+    // the stateful kernel slower everywhere (tune.py, 8192x4096, 512 documents: 2.26x against
+    // 1.63x), likely the instruction cache: its code grew by half.
+    const auto stateless = [](int) { return std::false_type{}; };
     if constexpr (kStates) {
       const int block = (t0 - item_t0) / L;  // rows t0 .. t0 + L + 2: this block and 3 tokens of the next
       if (s_block_events[block] | s_block_events[block + 1]) {
-        walk(std::true_type{});
+        const auto step_events = [&](int r) {
+          // codes of tokens r .. r + 3 (the peeled step: r .. r + 2) and r - 4 .. r - 1 (r - 4 not read)
+          const uint32_t mine = r + 4 <= L + 3 ? 0x10101010u : 0x00101010u;
+          static_assert(detail::kInDoc == 0x10, "the masks test kInDoc in each byte");
+          uint32_t m = *reinterpret_cast<const uint32_t*>(pos_row + r) & mine;
+          if (r >= 4) m |= *reinterpret_cast<const uint32_t*>(pos_row + r - 4) & 0x10101000u;
+          return m != 0;
+        };
+        detail::walk_rows<L + 3, R>(row, cur, prev, step_events);
       } else {
-        walk(std::false_type{});
+        detail::walk_rows<L + 3, R>(row, cur, prev, stateless);
       }
     } else {
-      walk(std::false_type{});
+      detail::walk_rows<L + 3, R>(row, cur, prev, stateless);
     }
     if (t0 + TT < item_end) prefetch(t0 + TT);  // the ring is free: every row was consumed
   }

@@ -200,29 +200,50 @@ __device__ __forceinline__ Row<V> pack_row(const float (&d)[V]) {
   }
 }
 
-// The strip loop of both kernels: row(r, phase) for r = 0 .. kRows - 1, phase = r % 4 as a
-// compile-time constant (std::integral_constant), rolled in steps of 4 rows; after each step the
+// The strip loop of both kernels: row(r, phase, events) for r = 0 .. kRows - 1, phase = r % 4 as
+// a compile-time constant (std::integral_constant), rolled in steps of 4 rows; after each step the
 // ring slots of the 4-row windows advance (prev takes cur, cur moves 4 slots on, wrapping at
-// kRing). The last kRows % 4 rows are peeled, so no row in the loop is conditional.
-template <int kRows, int kRing, class RowFn>
-__device__ __forceinline__ void walk_rows(RowFn&& row, int& cur, int& prev) {
+// kRing). The last kRows % 4 rows are peeled, so no row in the loop is conditional. events: a
+// compile-time bool (std::true_type / std::false_type) that step_events(r), called with each
+// step's first row r, gives the whole step: either a constant (one body for every step) or a
+// runtime bool (each step branches to one of two bodies).
+template <int kRows, int kRing, class RowFn, class StepEventsFn>
+__device__ __forceinline__ void walk_rows(RowFn&& row, int& cur, int& prev, StepEventsFn&& step_events) {
   using P0 = std::integral_constant<int, 0>;
   using P1 = std::integral_constant<int, 1>;
   using P2 = std::integral_constant<int, 2>;
   using P3 = std::integral_constant<int, 3>;
   constexpr int kFull = kRows / 4 * 4;
+  const auto whole = [&](int r, auto events) {
+    row(r, P0{}, events);
+    row(r + 1, P1{}, events);
+    row(r + 2, P2{}, events);
+    row(r + 3, P3{}, events);
+  };
+  const auto peeled = [&](int, auto events) {
+    if constexpr (kFull < kRows) row(kFull, P0{}, events);
+    if constexpr (kFull + 1 < kRows) row(kFull + 1, P1{}, events);
+    if constexpr (kFull + 2 < kRows) row(kFull + 2, P2{}, events);
+  };
+  const auto dispatch = [&](int r, auto&& step) {
+    using E = decltype(step_events(r));
+    if constexpr (std::is_same_v<E, bool>) {
+      if (step_events(r)) {
+        step(r, std::true_type{});
+      } else {
+        step(r, std::false_type{});
+      }
+    } else {
+      step(r, E{});
+    }
+  };
 #pragma unroll 1
   for (int r = 0; r < kFull; r += 4) {
-    row(r, P0{});
-    row(r + 1, P1{});
-    row(r + 2, P2{});
-    row(r + 3, P3{});
+    dispatch(r, whole);
     prev = cur;
     cur = cur + 4 == kRing ? 0 : cur + 4;
   }
-  if constexpr (kFull < kRows) row(kFull, P0{});
-  if constexpr (kFull + 1 < kRows) row(kFull + 1, P1{});
-  if constexpr (kFull + 2 < kRows) row(kFull + 2, P2{});
+  if constexpr (kFull < kRows) dispatch(kFull, peeled);
 }
 
 // The first entry >= first among cu_seqlens[0 .. num_docs], num_docs + 1 when none (for sorted

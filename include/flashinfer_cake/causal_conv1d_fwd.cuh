@@ -278,7 +278,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
     for (int j = 0; j < V; ++j) xm[q][j] = xt[j];
   };
   const auto walk = [&](auto events) {
-    detail::walk_rows<L, R>([&](int r, auto phase) { row(r, phase, events); }, cur, prev);
+    detail::walk_rows<L, R>(row, cur, prev, [&](int) { return events; });
   };
   if constexpr (kStates) {
     if (s_strip_events[strip]) {
