@@ -119,7 +119,8 @@ struct BwdTraits {
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
   static_assert(kRing >= 4 && kRing % 4 == 0, "the loop steps 4 rows, so 4 ring slots, at a time");
   static_assert(kRing <= kStripLen + 7, "the first R - 1 rows are rows of the strip");
-  static_assert(kStripLen % 4 == 0, "strips start 4-token aligned: the step dispatch reads 4 codes at once");
+  static_assert(kStripLen % 4 == 0,
+                "the step choice reads 4 codes at once from a strip's start, and its peeled step has 3 rows");
   static_assert(kBwdMaxItemTokens % kStripLen == 0, "groups are whole strips");
 };
 
@@ -286,9 +287,11 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   Row* const s_xring = reinterpret_cast<Row*>(s_raw);
   Row* const s_dyring = s_xring + R * T;
   float* const s_sums = reinterpret_cast<float*>(s_raw);  // [kSums][T]
-  // min(position in document, 3) per item token; kStates: its code, read 4 tokens at a time by
-  // the per-step dispatch (so 4-byte aligned, and one byte more: never written, masked off).
-  __shared__ __align__(4) uint8_t s_pos[(Traits::kPosTokens + 4) / 4 * 4];
+  // min(position in document, 3) per item token; kStates: its code. Words, as the per-step choice
+  // reads 4 codes at once; the peeled step's word reads the byte after the item's last code (one
+  // more than kPosTokens at the longest item), masked off.
+  __shared__ uint32_t s_pos_words[(Traits::kPosTokens + 4) / 4];
+  uint8_t* const s_pos = reinterpret_cast<uint8_t*>(s_pos_words);
   __shared__ uint8_t s_flags[kStates ? 1 : Traits::kPosTokens + 2];  // document starts (scan_positions)
   // kStates: the tokens' documents, and scan_documents' scratch.
   __shared__ int32_t s_doc[kStates ? Traits::kPosTokens : 1];
@@ -460,7 +463,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     int dx_t = t0 - 3;
     uint32_t dx_off = static_cast<uint32_t>(t0 - 3) * p.dx_row_stride + vec;
     // kEvents (a compile-time bool): the row's step is near a token with a state event (kInDoc;
-    // the walk below chooses); rows without one run the stateless body.
+    // the walk below chooses); steps without one run the stateless body.
     const auto row = [&](int r, auto phase, auto events) {
       constexpr int q = decltype(phase)::value, s3 = (q + 1) % 4, s2 = (q + 2) % 4, s1 = (q + 3) % 4;
       constexpr bool kEvents = decltype(events)::value;
@@ -574,7 +577,9 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       const int block = (t0 - item_t0) / L;  // rows t0 .. t0 + L + 2: this block and 3 tokens of the next
       if (s_block_events[block] | s_block_events[block + 1]) {
         const auto step_events = [&](int r) {
-          // codes of tokens r .. r + 3 (the peeled step: r .. r + 2) and r - 4 .. r - 1 (r - 4 not read)
+          // codes of tokens r .. r + 3 (the peeled step: r .. r + 2) and r - 3 .. r - 1 (the word
+          // r - 4 .. r - 1, r - 4 masked off; none before the first step, whose rows look back to
+          // token 0 only, and whose word would precede the item's first strip)
           const uint32_t mine = r + 4 <= L + 3 ? 0x10101010u : 0x00101010u;
           static_assert(detail::kInDoc == 0x10, "the masks test kInDoc in each byte");
           uint32_t m = *reinterpret_cast<const uint32_t*>(pos_row + r) & mine;

@@ -203,10 +203,10 @@ __device__ __forceinline__ Row<V> pack_row(const float (&d)[V]) {
 // The strip loop of both kernels: row(r, phase, events) for r = 0 .. kRows - 1, phase = r % 4 as
 // a compile-time constant (std::integral_constant), rolled in steps of 4 rows; after each step the
 // ring slots of the 4-row windows advance (prev takes cur, cur moves 4 slots on, wrapping at
-// kRing). The last kRows % 4 rows are peeled, so no row in the loop is conditional. events: a
-// compile-time bool (std::true_type / std::false_type) that step_events(r), called with each
-// step's first row r, gives the whole step: either a constant (one body for every step) or a
-// runtime bool (each step branches to one of two bodies).
+// kRing). The last kRows % 4 rows are peeled, so no row in the loop is conditional. events is a
+// std::true_type or std::false_type for the whole step, from step_events(r) at its first row r:
+// step_events returns either one of those (one body for every step) or a bool (each step
+// branches to one of two bodies).
 template <int kRows, int kRing, class RowFn, class StepEventsFn>
 __device__ __forceinline__ void walk_rows(RowFn&& row, int& cur, int& prev, StepEventsFn&& step_events) {
   using P0 = std::integral_constant<int, 0>;
@@ -227,6 +227,8 @@ __device__ __forceinline__ void walk_rows(RowFn&& row, int& cur, int& prev, Step
   };
   const auto dispatch = [&](int r, auto&& step) {
     using E = decltype(step_events(r));
+    static_assert(std::is_same_v<E, bool> || std::is_same_v<E, std::true_type> || std::is_same_v<E, std::false_type>,
+                  "step_events returns bool, std::true_type or std::false_type");
     if constexpr (std::is_same_v<E, bool>) {
       if (step_events(r)) {
         step(r, std::true_type{});
@@ -344,7 +346,8 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // content both are the d with cu[d] <= t < cu[d + 1]; for other content a token less than 3 into
 // its document counts the next entry as its end only when it is entry d + 1, so each state row has
 // one writer. blocks[b] (b <= ceil(count / kBlock)) is 1 when a token of block b (tokens b kBlock
-// .. (b + 1) kBlock - 1) has kInDoc: the strips of a block without one run the stateless loop.
+// .. (b + 1) kBlock - 1) has kInDoc: a strip of a block without one (the backward's: nor in the
+// next block) runs the stateless walk.
 //
 // Empty documents (cu[d] == cu[d + 1] == v, d < num_docs) that this CTA owns (first_token <= v <
 // own_end, or v == S == own_end: the last tile owns those at the end of the batch, e.g. a
