@@ -53,11 +53,14 @@ def workspace_bytes(S: int, C: int) -> int:
 def tree_words(groups: int) -> int:
     """bwd_tree_words: counter words of one channel tile's reduction tree (a node per CHUNK nodes
     of the level below, up to one root)."""
+    if groups <= 0:
+        return 0
     words, n = 0, groups
-    while n > 1 or (words == 0 and n == 1):
+    while True:
         n = _ceil_div(n, CHUNK)
         words += n
-    return words
+        if n == 1:
+            return words
 
 
 def counter_bytes(S: int, C: int) -> int:

@@ -62,17 +62,6 @@
 #define CAKE_BWD_SUM_LOADS 8
 #endif
 
-#ifndef CAKE_BWD_RING_ALIGN
-// The rings' alignment in shared memory (a power of two >= 16: CAKE_BWD_VEC=8 copies 16-byte
-// rows). With 16 the stateful kernels' rings sat 16 bytes past a 128-byte boundary, as
-// scan_documents' shared variables come first; see CAKE_FWD_RING_ALIGN in causal_conv1d_fwd.cuh.
-// The backward measured the same either way (within 1.5 %, tune.py A/B, H200, 2026-12-01): kept
-// at 128 so both directions share one layout rule.
-#define CAKE_BWD_RING_ALIGN 128
-#endif
-static_assert(CAKE_BWD_RING_ALIGN >= 16 && (CAKE_BWD_RING_ALIGN & (CAKE_BWD_RING_ALIGN - 1)) == 0,
-              "CAKE_BWD_RING_ALIGN: a power of two >= 16");
-
 namespace flashinfer_cake {
 
 struct CausalConv1dBwdParams {
@@ -283,7 +272,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // item the same bytes hold the strips' partial sums.
   constexpr int kRingBytes = 2 * R * T * sizeof(Row);
   constexpr int kSumBytes = kSums * T * 4;
-  __shared__ __align__(CAKE_BWD_RING_ALIGN) unsigned char s_raw[kRingBytes > kSumBytes ? kRingBytes : kSumBytes];
+  __shared__ __align__(detail::kRingAlign) unsigned char s_raw[kRingBytes > kSumBytes ? kRingBytes : kSumBytes];
   Row* const s_xring = reinterpret_cast<Row*>(s_raw);
   Row* const s_dyring = s_xring + R * T;
   float* const s_sums = reinterpret_cast<float*>(s_raw);  // [kSums][T]

@@ -32,18 +32,6 @@
 
 #include "causal_conv1d_common.cuh"
 
-#ifndef CAKE_FWD_RING_ALIGN
-// The x ring's alignment in shared memory (a power of two >= 16: 16-byte cp.async rows). With 16
-// the stateful kernel's ring sat at byte 0x210, as scan_documents' own shared variables come
-// first; the stateless kernel's is at 0. ncu then counted 1.84x the L2 read sectors of the same
-// kernel on scan_positions. Aligned to 128, the stateful forward over the stateless one went
-// from 1.10x to 1.035x at 8192x4096 and from 1.08x to 1.01x at 16384x8192 with 1 document, and
-// took 1.7-2.8 % less time with 512-7280 documents (tune.py A/B, H200, 2026-12-01).
-#define CAKE_FWD_RING_ALIGN 128
-#endif
-static_assert(CAKE_FWD_RING_ALIGN >= 16 && (CAKE_FWD_RING_ALIGN & (CAKE_FWD_RING_ALIGN - 1)) == 0,
-              "CAKE_FWD_RING_ALIGN: a power of two >= 16");
-
 namespace flashinfer_cake {
 
 struct CausalConv1dFwdParams {
@@ -95,9 +83,8 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   using WBlocks = detail::ParamBlocks<V * detail::kTapBytes<WeightT>>;
   using BBlocks = detail::ParamBlocks<V * detail::kBiasBytes<BiasT>>;  // no chunks without a bias
   // Each thread streams its rows through its own column of this ring (cp.async, R - 1 rows
-  // ahead of the one it computes), so the bytes in flight cost no registers. Aligned to
-  // CAKE_FWD_RING_ALIGN bytes (see its definition).
-  __shared__ __align__(CAKE_FWD_RING_ALIGN) Row s_ring[R * T];
+  // ahead of the one it computes), so the bytes in flight cost no registers.
+  __shared__ __align__(detail::kRingAlign) Row s_ring[R * T];
   __shared__ uint8_t s_pos[TT];  // min(position in document, 3) per tile token; with kStates its code
   __shared__ uint8_t s_flags[kStates ? 1 : TT + 2];  // document starts (scan_positions)
   // kStates: the tokens' documents, and scan_documents' scratch.
