@@ -285,7 +285,6 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // kStates: the tokens' documents, and scan_documents' scratch.
   __shared__ int32_t s_doc[kStates ? Traits::kPosTokens : 1];
   __shared__ int32_t s_first_idx[kStates ? Traits::kPosTokens + 5 : 1], s_last_idx[kStates ? Traits::kPosTokens + 5 : 1];
-  __shared__ uint8_t s_block_events[kStates ? Traits::kPosTokens / L + 2 : 1];  // 1: a token of the block has kInDoc
 
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;
@@ -364,7 +363,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   if constexpr (kStates) {
     detail::scan_documents<T, L, Traits::kLanesC>(
         p.cu_seqlens, p.num_docs, p.S, item_t0, p.item_tokens + 3, item_end, s_first_idx, s_last_idx, s_pos, s_doc,
-        s_block_events, [&](int d, int i, int v) {
+        nullptr, [&](int d, int i, int v) {
           // An empty document passes its final state's gradient to its initial state, for this
           // tile's channels.
           v += tile_c * Traits::kLanesC;
@@ -552,35 +551,31 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         gm[q][j] = g[j];
       }
     };
-    // A strip without a state event (kInDoc) in its block or the next one runs the stateless
-    // body; in the others each step of 4 rows r .. r + 3 runs the stateful body only when one of
-    // the tokens r - 3 .. r + 3 has kInDoc (rows read their own code, dinit the one 2 rows back,
-    // dfinal 3 back). bench_states (H200, 2026-12-01), time over the stateless backward: the
-    // random mixes (17-64 documents) 1.19-1.36x with the stateful body on every row of such a
-    // strip, 1.10-1.35x so; many and tiny documents, where nearly every step is stateful, 2-9 %
-    // and 1-4 % slower so. A third walk for those strips (every step stateful, no choice) made
-    // the stateful kernel slower everywhere (tune.py, 8192x4096, 512 documents: 2.26x against
-    // 1.63x), likely the instruction cache: its code grew by half.
-    const auto stateless = [](int) { return std::false_type{}; };
+    // With states, each step of 4 rows r .. r + 3 runs the stateful body when one of the tokens
+    // r - 3 .. r + 3 has kInDoc (rows read their own code, dinit the one 2 rows back, dfinal 3
+    // back) in any active lane of the warp (narrow tiles' warps hold 2-16 strips: per lane, the
+    // warp would run both bodies one after the other), else the stateless body. tune.py --states
+    // (H200, 2026-12-01), time over the stateless backward, against a first choice per strip (a
+    // strip without kInDoc in its rows walked a third, stateless-only loop; code 92-95 KB, now
+    // 77-80 KB): 8192x4096 17 documents 1.19 -> 1.07x, 4096x8192 24 documents 1.31 -> 1.14x,
+    // 524288x64 2048 documents 1.90 -> 1.27x, 1048576x16 4096 documents 2.21 -> 1.31x; 1 document
+    // 1.006 -> 1.038x, 512-1820 documents within 1 %. Reading the next step's choice one step
+    // ahead was slower (1 document 1.057x).
     if constexpr (kStates) {
-      const int block = (t0 - item_t0) / L;  // rows t0 .. t0 + L + 2: this block and 3 tokens of the next
-      if (s_block_events[block] | s_block_events[block + 1]) {
-        const auto step_events = [&](int r) {
-          // codes of tokens r .. r + 3 (the peeled step: r .. r + 2) and r - 3 .. r - 1 (the word
-          // r - 4 .. r - 1, r - 4 masked off; none before the first step, whose rows look back to
-          // token 0 only, and whose word would precede the item's first strip)
-          const uint32_t mine = r + 4 <= L + 3 ? 0x10101010u : 0x00101010u;
-          static_assert(detail::kInDoc == 0x10, "the masks test kInDoc in each byte");
-          uint32_t m = *reinterpret_cast<const uint32_t*>(pos_row + r) & mine;
-          if (r >= 4) m |= *reinterpret_cast<const uint32_t*>(pos_row + r - 4) & 0x10101000u;
-          return m != 0;
-        };
-        detail::walk_rows<L + 3, R>(row, cur, prev, step_events);
-      } else {
-        detail::walk_rows<L + 3, R>(row, cur, prev, stateless);
-      }
+      const auto step_events = [&](int r) {
+        // codes of tokens r .. r + 3 (the peeled step: r .. r + 2) and r - 3 .. r - 1 (the word
+        // r - 4 .. r - 1, r - 4 masked off; none before the first step, whose rows look back to
+        // token 0 only, and whose word would precede the item's first strip)
+        const uint32_t mine = r + 4 <= L + 3 ? 0x10101010u : 0x00101010u;
+        static_assert(detail::kInDoc == 0x10, "the masks test kInDoc in each byte");
+        uint32_t m = *reinterpret_cast<const uint32_t*>(pos_row + r) & mine;
+        if (r >= 4) m |= *reinterpret_cast<const uint32_t*>(pos_row + r - 4) & 0x10101000u;
+        // every lane's vote includes its own m: a lane the mask leaves out votes on its own
+        return __any_sync(__activemask(), m != 0) != 0;
+      };
+      detail::walk_rows<L + 3, R>(row, cur, prev, step_events);
     } else {
-      detail::walk_rows<L + 3, R>(row, cur, prev, stateless);
+      detail::walk_rows<L + 3, R>(row, cur, prev, [](int) { return std::false_type{}; });
     }
     if (t0 + TT < item_end) prefetch(t0 + TT);  // the ring is free: every row was consumed
   }

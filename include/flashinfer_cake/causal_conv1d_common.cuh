@@ -353,9 +353,9 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // to its end, minus one); -1 when neither (no state row involves the token). For non-decreasing
 // content both are the d with cu[d] <= t < cu[d + 1]; for other content a token less than 3 into
 // its document counts the next entry as its end only when it is entry d + 1, so each state row has
-// one writer. blocks[b] (b <= ceil(count / kBlock)) is 1 when a token of block b (tokens b kBlock
-// .. (b + 1) kBlock - 1) has kInDoc: a strip of a block without one (the backward's: nor in the
-// next block) runs the stateless walk.
+// one writer. Unless blocks is null (the backward chooses per step), blocks[b] (b <= ceil(count /
+// kBlock)) is 1 when a token of block b (tokens b kBlock .. (b + 1) kBlock - 1) has kInDoc: the
+// forward's strip of a block without one runs the stateless walk.
 //
 // Empty documents (cu[d] == cu[d + 1] == v, d < num_docs) that this CTA owns (first_token <= v <
 // own_end, or v == S == own_end: the last tile owns those at the end of the batch, e.g. a
@@ -379,7 +379,9 @@ __device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, i
     first_idx[i] = INT32_MAX;
     last_idx[i] = -1;
   }
-  for (int i = threadIdx.x; i <= (count + kBlock - 1) / kBlock; i += kThreads) blocks[i] = 0;
+  if (blocks) {
+    for (int i = threadIdx.x; i <= (count + kBlock - 1) / kBlock; i += kThreads) blocks[i] = 0;
+  }
   const int64_t lo = search_first_entry<kThreads>(cu, num_docs, first);
   // Passes over the entries from lo until one > last, one barrier each (two with empty documents).
   // s_more alternates so that a pass's flag is never rewritten before every thread has read it
@@ -427,7 +429,7 @@ __device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, i
     const bool in_doc = d >= 0 && d < num_docs;
     code[j] = static_cast<uint8_t>(pos | k << kEndShift | (in_doc ? kInDoc : 0));
     doc[j] = in_doc ? d : -1;
-    if (in_doc) blocks[j / kBlock] = 1;  // every write the same 1
+    if (blocks && in_doc) blocks[j / kBlock] = 1;  // every write the same 1
   }
 }
 
