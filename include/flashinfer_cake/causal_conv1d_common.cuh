@@ -353,7 +353,7 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // to its end, minus one); -1 when neither (no state row involves the token). For non-decreasing
 // content both are the d with cu[d] <= t < cu[d + 1]; for other content a token less than 3 into
 // its document counts the next entry as its end only when it is entry d + 1, so each state row has
-// one writer. Unless blocks is null (the backward chooses per step), blocks[b] (b <= ceil(count /
+// one writer. Unless blocks is nullptr (the backward chooses per step), blocks[b] (b <= ceil(count /
 // kBlock)) is 1 when a token of block b (tokens b kBlock .. (b + 1) kBlock - 1) has kInDoc: the
 // forward's strip of a block without one runs the stateless walk.
 //
@@ -365,10 +365,11 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // and write stays in cu_seqlens[0 .. num_docs] and the scratch: first_idx / last_idx, int32 [count
 // + 5] each (the least / greatest entry index of each value first_token - 2 .. first_token + count
 // + 2).
-template <int kThreads, int kBlock, int kTileVecs, class OnEmpty>
+template <int kThreads, int kBlock, int kTileVecs, class Blocks, class OnEmpty>
 __device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, int num_docs, int S, int first_token,
                                                int count, int own_end, int32_t* first_idx, int32_t* last_idx,
-                                               uint8_t* code, int32_t* doc, uint8_t* blocks, OnEmpty&& on_empty) {
+                                               uint8_t* code, int32_t* doc, Blocks blocks, OnEmpty&& on_empty) {
+  constexpr bool kBlocks = !std::is_same_v<Blocks, std::nullptr_t>;  // else uint8_t*
   __shared__ int32_t s_empty[kThreads];  // per thread: the owned empty document its entry starts, or -1
   __shared__ bool s_more[2];             // whether another pass follows, by pass parity
   const int first = first_token - 2;  // >= -2
@@ -379,7 +380,7 @@ __device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, i
     first_idx[i] = INT32_MAX;
     last_idx[i] = -1;
   }
-  if (blocks) {
+  if constexpr (kBlocks) {
     for (int i = threadIdx.x; i <= (count + kBlock - 1) / kBlock; i += kThreads) blocks[i] = 0;
   }
   const int64_t lo = search_first_entry<kThreads>(cu, num_docs, first);
@@ -429,7 +430,9 @@ __device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, i
     const bool in_doc = d >= 0 && d < num_docs;
     code[j] = static_cast<uint8_t>(pos | k << kEndShift | (in_doc ? kInDoc : 0));
     doc[j] = in_doc ? d : -1;
-    if (blocks && in_doc) blocks[j / kBlock] = 1;  // every write the same 1
+    if constexpr (kBlocks) {
+      if (in_doc) blocks[j / kBlock] = 1;  // every write the same 1
+    }
   }
 }
 
