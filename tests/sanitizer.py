@@ -1,5 +1,7 @@
-"""compute-sanitizer for the GPU tests: run a Python script under memcheck and require a clean
-report (the script prints ``memcheck-script-done`` as its last act)."""
+"""compute-sanitizer for the GPU tests: run a Python script under one of its tools (memcheck:
+out-of-bounds and misaligned accesses; synccheck: barriers and warp-synchronous intrinsics used
+by threads that do not all reach them) and require a clean report (the script prints
+``sanitizer-script-done`` as its last act)."""
 
 from __future__ import annotations
 
@@ -14,16 +16,16 @@ needs_sanitizer = pytest.mark.skipif(shutil.which("compute-sanitizer") is None,
                                      reason="compute-sanitizer not on PATH")
 
 
-def assert_memcheck_clean(script_text: str, tmp_path, timeout: float = 600) -> None:
-    """``script_text`` under ``compute-sanitizer --tool memcheck``: it must finish, exit 0 and
+def assert_sanitizer_clean(script_text: str, tmp_path, *, tool: str = "memcheck", timeout: float = 600) -> None:
+    """``script_text`` under ``compute-sanitizer --tool <tool>``: it must finish, exit 0 and
     report 0 errors."""
-    script = tmp_path / "memcheck_script.py"
+    script = tmp_path / f"{tool}_script.py"
     script.write_text(script_text)
     proc = subprocess.run(
-        ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "99", sys.executable, str(script)],
+        ["compute-sanitizer", "--tool", tool, "--error-exitcode", "99", sys.executable, str(script)],
         capture_output=True, text=True, timeout=timeout,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "memcheck-script-done" in out
+    assert "sanitizer-script-done" in out
     assert re.search(r"ERROR SUMMARY: 0 errors", out), out[-4000:]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from doclengths import docs_3000, docs_16_to_64, fill, make_cu, one_doc, split
-from sanitizer import assert_memcheck_clean, needs_sanitizer
+from sanitizer import assert_sanitizer_clean, needs_sanitizer
 from flashinfer_cake import (
     CakeCausalConv1dFunction,
     cake_causal_conv1d,
@@ -1283,7 +1283,7 @@ for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (4100, 8192), (300, 
         bwd(x, w, torch.tensor(cu, dtype=torch.int32, device="cuda"), dy, bias=b)
         bwd(x, w.bfloat16(), torch.tensor(cu, dtype=torch.int32, device="cuda"), dy)
 torch.cuda.synchronize()
-print("memcheck-script-done")
+print("sanitizer-script-done")
 """
 
 
@@ -1292,4 +1292,4 @@ def test_memcheck_clean(tmp_path):
     """compute-sanitizer's memcheck sees no out-of-bounds access, for tails of S and C and for
     every corrupt cu_seqlens pattern."""
     patterns = {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(1000)] for name, make in CORRUPT_CU.items()}
-    assert_memcheck_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)
+    assert_sanitizer_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)

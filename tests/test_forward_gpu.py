@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from doclengths import empty_at_ends, docs_3000, docs_16_to_64, fill, make_cu, one_doc, split, tiny_docs
-from sanitizer import assert_memcheck_clean, needs_sanitizer
+from sanitizer import assert_sanitizer_clean, needs_sanitizer
 from flashinfer_cake import (
     cake_causal_conv1d_train_forward,
     cake_causal_conv1d_train_forward_workspace,
@@ -528,7 +528,7 @@ for S, C in [(300, 264), (200, 4096)]:
         cu = [v if not callable(v) else v(S) for v in cu] if isinstance(cu, list) else cu(S)
         fwd(x, w, torch.tensor(cu, dtype=torch.int32, device="cuda"), bias=b)
 torch.cuda.synchronize()
-print("memcheck-script-done")
+print("sanitizer-script-done")
 """
 
 
@@ -537,4 +537,4 @@ def test_corrupt_cu_seqlens_memcheck_clean(tmp_path):
     """compute-sanitizer's memcheck sees no out-of-bounds access for any corrupt pattern."""
     patterns = {name: CORRUPT_CU[name](1000) for name in CORRUPT_CU}  # concrete lists
     patterns = {k: [min(max(v, -(2**31)), 2**31 - 1) for v in lst] for k, lst in patterns.items()}
-    assert_memcheck_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)
+    assert_sanitizer_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from doclengths import empty_at_ends, docs_16_to_64, fill, make_cu, one_doc, split, tiny_docs
-from sanitizer import assert_memcheck_clean, needs_sanitizer
+from sanitizer import assert_sanitizer_clean, needs_sanitizer
 from flashinfer_cake import cake_causal_conv1d, cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
 from flashinfer_cake.reference import (
     causal_conv1d_backward_reference,
@@ -995,7 +995,7 @@ for S, C in [(300, 264), (77, 8), (1111, 4096)]:
         bwd(x, w, cu, dy, bias=b, initial_states=h, dfinal_states=h)
         bwd(x, w.bfloat16(), cu, dy, dfinal_states=h)
 torch.cuda.synchronize()
-print("memcheck-script-done")
+print("sanitizer-script-done")
 """
 
 
@@ -1004,4 +1004,34 @@ def test_states_memcheck_clean(tmp_path):
     """compute-sanitizer's memcheck sees no out-of-bounds access with states, for every corrupt
     cu_seqlens pattern, trailing empty documents and tails of S and C."""
     patterns = {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(1000)] for name, make in CORRUPT_CU.items()}
-    assert_memcheck_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)
+    assert_sanitizer_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)
+
+
+_SYNCCHECK_SCRIPT = """
+import torch
+from flashinfer_cake import cake_causal_conv1d_train_backward as bwd, cake_causal_conv1d_train_forward as fwd
+g = torch.Generator().manual_seed(17)
+for S, C in [(4097, 64), (4099, 32), (530001, 16), (3001, 8), (1111, 4096)]:
+    lengths = torch.randint(1, 200, (S,), generator=g).cumsum(0)
+    cu = [0] + [int(v) for v in lengths if v < S] + [S, S]
+    n = len(cu) - 1
+    x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    w = torch.randn(C, 4, device="cuda")
+    h = torch.randn(n, 3, C, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    fwd(x, w, cu, initial_states=h, final_states_out=torch.empty_like(h))
+    bwd(x, w, cu, dy, initial_states=h, dfinal_states=h)
+    bwd(x, w, cu, dy, dfinal_states=h)
+torch.cuda.synchronize()
+print("sanitizer-script-done")
+"""
+
+
+@needs_sanitizer
+def test_states_synccheck_clean(tmp_path):
+    """compute-sanitizer's synccheck sees no divergent barrier or warp-synchronous intrinsic with
+    states, on every lane route (C = 8 .. 64 put 2-16 strips in a warp, whose per-step vote must
+    hold with lanes at different steps and strips of different lengths) and a wide one, for
+    documents of 1-199 tokens and a trailing empty one."""
+    assert_sanitizer_clean(_SYNCCHECK_SCRIPT, tmp_path, tool="synccheck")

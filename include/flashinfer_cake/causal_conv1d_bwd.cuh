@@ -450,8 +450,11 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     uint32_t refill_x = x_base + (R - 1) * xs, refill_dy = dy_base + (R - 1) * dys;
     int dx_t = t0 - 3;
     uint32_t dx_off = static_cast<uint32_t>(t0 - 3) * p.dx_row_stride + vec;
-    // kEvents (a compile-time bool): the row's step is near a token with a state event (kInDoc;
-    // the walk below chooses); steps without one run the stateless body.
+    // kEvents (a compile-time bool): the stateful body, which the walk below runs on a step when
+    // a token near it has a state event (kInDoc) in this lane or another lane of the warp. Its
+    // kInDoc-gated work reads the row's own code, the one 2 rows back (dinit) and 3 back (dfinal):
+    // a new kInDoc-gated read must stay in that window or widen step_events' masks. Where no token
+    // in the window has kInDoc it computes bitwise what the stateless body does.
     const auto row = [&](int r, auto phase, auto events) {
       constexpr int q = decltype(phase)::value, s3 = (q + 1) % 4, s2 = (q + 2) % 4, s1 = (q + 3) % 4;
       constexpr bool kEvents = decltype(events)::value;
@@ -553,11 +556,11 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     };
     // With states, each step of 4 rows r .. r + 3 runs the stateful body when one of the tokens
     // r - 3 .. r + 3 has kInDoc (rows read their own code, dinit the one 2 rows back, dfinal 3
-    // back) in any active lane of the warp (narrow tiles' warps hold 2-16 strips: per lane, the
-    // warp would run both bodies one after the other), else the stateless body. tune.py --states
-    // (H200, 2026-12-01), time over the stateless backward, against a first choice per strip (a
-    // strip without kInDoc in its rows walked a third, stateless-only loop; code 92-95 KB, now
-    // 77-80 KB): 8192x4096 17 documents 1.19 -> 1.07x, 4096x8192 24 documents 1.31 -> 1.14x,
+    // back) in any lane of the warp converged at the vote (routes of fewer than 32 channel lanes
+    // put 2-16 strips in a warp: voted per lane, the warp would run both bodies one after the
+    // other), else the stateless body. tune.py --states (H200, 2026-12-01), time over the
+    // stateless backward, against a first choice per strip (a strip without kInDoc in its block
+    // and the next walked a third, stateless-only loop; code 92-95 KB, now 77-80 KB): 8192x4096 17 documents 1.19 -> 1.07x, 4096x8192 24 documents 1.31 -> 1.14x,
     // 524288x64 2048 documents 1.90 -> 1.27x, 1048576x16 4096 documents 2.21 -> 1.31x; 1 document
     // 1.006 -> 1.038x, 512-1820 documents within 1 %. Reading the next step's choice one step
     // ahead was slower (1 document 1.057x).
@@ -570,7 +573,9 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         static_assert(detail::kInDoc == 0x10, "the masks test kInDoc in each byte");
         uint32_t m = *reinterpret_cast<const uint32_t*>(pos_row + r) & mine;
         if (r >= 4) m |= *reinterpret_cast<const uint32_t*>(pos_row + r - 4) & 0x10101000u;
-        // every lane's vote includes its own m: a lane the mask leaves out votes on its own
+        // Every lane's vote includes its own m (a lane the mask leaves out votes on its own), and
+        // the stateful body is bitwise the stateless one where m is 0: which lanes converge here
+        // changes the time, never the result.
         return __any_sync(__activemask(), m != 0) != 0;
       };
       detail::walk_rows<L + 3, R>(row, cur, prev, step_events);

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cstddef>
 #include <type_traits>
 
 namespace flashinfer_cake {
@@ -369,7 +370,8 @@ template <int kThreads, int kBlock, int kTileVecs, class Blocks, class OnEmpty>
 __device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, int num_docs, int S, int first_token,
                                                int count, int own_end, int32_t* first_idx, int32_t* last_idx,
                                                uint8_t* code, int32_t* doc, Blocks blocks, OnEmpty&& on_empty) {
-  constexpr bool kBlocks = !std::is_same_v<Blocks, std::nullptr_t>;  // else uint8_t*
+  constexpr bool kBlocks = !std::is_same_v<Blocks, std::nullptr_t>;
+  static_assert(kBlocks ? std::is_same_v<Blocks, uint8_t*> : true, "blocks: uint8_t* or nullptr");
   __shared__ int32_t s_empty[kThreads];  // per thread: the owned empty document its entry starts, or -1
   __shared__ bool s_more[2];             // whether another pass follows, by pass parity
   const int first = first_token - 2;  // >= -2
