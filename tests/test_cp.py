@@ -79,10 +79,14 @@ def test_explicit_fragments_ragged_and_zero_length():
     ([0, 5], 2, None, [[(0, 0, 6)], []], "outside its document"),
     ([0, 5], 2, None, [[(1, 0, 1)], [(0, 0, 5)]], "outside its document"),
     ([0, 5], 2, None, [[(0, 0)], [(0, 0, 5)]], "doc, offset, length"),
+    ([0, 5], 2, None, [[(0, 0, 5)], 3], r"fragments\[1\] must be a list .* got 3"),
+    ([0, 5], 2, "contiguous", [[(0, 0, 5)], []], "not both"),  # an explicit layout too, even the default one
+    (None, 2, None, None, "got NoneType"),
+    ([0, 5.0], 2, None, None, r"must hold ints, got 5\.0 \(float\)"),
 ])
 def test_bad_partitions_are_value_errors(cu, world_size, layout, frags, match):
     with pytest.raises(ValueError, match=match):
-        cp_partition(cu, world_size, layout or "contiguous", fragments=frags)
+        cp_partition(cu, world_size, layout, fragments=frags)
 
 
 def gathered_states(part, x_global: torch.Tensor, rank: int) -> torch.Tensor:
@@ -205,14 +209,14 @@ _WORKER = textwrap.dedent("""
 """)
 
 
-def run_ranks(world_size: int, cfg: dict, store: str, timeout: float = 120) -> list[dict]:
-    """world_size worker processes meeting in a FileStore (no TCP port to race for), each killed
-    after `timeout` seconds; their JSON results, rank by rank."""
+def run_ranks(world_size: int, cfg: dict, store: str, timeout: float = 120, worker: str = _WORKER) -> list[dict]:
+    """world_size processes of ``worker`` meeting in a FileStore (no TCP port to race for), each
+    killed after `timeout` seconds; their JSON results (each one's last line), rank by rank."""
     import json
 
     env = {**os.environ, "CP_TEST_STORE": store, "WORLD_SIZE": str(world_size),
            "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, json.dumps(cfg)], env={**env, "RANK": str(r)},
+    procs = [subprocess.Popen([sys.executable, "-c", worker, json.dumps(cfg)], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world_size)]
     outs = []
     try:
@@ -248,7 +252,7 @@ def test_halo_exchange_with_gloo_matches_the_unsplit_reference(world_size, layou
     """Each rank's y and dx (FP64 reference with the exchanged states, autograd through the
     exchange) equal the unsplit batch's restricted to its tokens; three tensors of other widths
     through one halo_exchange_multi give bitwise the separate exchanges, forward and backward."""
-    cfg = {"cu": cu, "C": 8, "seed": 11, "layout": layout or "contiguous", "fragments": fragments}
+    cfg = {"cu": cu, "C": 8, "seed": 11, "layout": layout, "fragments": fragments}
     results = run_ranks(world_size, cfg, str(tmp_path / "store"))
     assert [r["rank"] for r in results] == list(range(world_size))
     assert all(r["y"] and r["dx"] and r["multi"] and r["g"] for r in results), results
@@ -312,3 +316,97 @@ def test_recompute_handle_keeps_one_halo_per_input_identity():
     handle._keep(ctx_a, [y], ["y1"])
     handle._keep(ctx_a, [z], ["z1"])  # the oldest (x) dropped
     assert len(handle) == 2 and handle._take(ctx_a, [x]) is None and handle._take(ctx_a, [z]) == ("z1",)
+
+
+_VERIFY_WORKER = textwrap.dedent("""
+    import datetime, json, os, sys, torch.distributed as dist
+    from flashinfer_cake.cp import build_cp_context, cp_partition
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method="file://" + os.environ["CP_TEST_STORE"], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    cfg = json.loads(sys.argv[1])
+    part = cp_partition(cfg["cu"][rank], world, cfg["layout"][rank])  # each rank its own batch / layout
+    try:
+        build_cp_context(part, None, rank, "cpu", verify=True)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    print(json.dumps({"rank": rank, "error": error}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # (as _WORKER: gloo's static destructors)
+""")
+
+
+@pytest.mark.parametrize("cu, layout, differ", [
+    ([[0, 10, 20]] * 2, ["zigzag"] * 2, False),
+    ([[0, 10, 20], [0, 12, 20]], ["zigzag"] * 2, True),  # same sizes, another batch: wrong halos without verify
+    ([[0, 10, 20]] * 2, ["zigzag", "contiguous"], True),
+    ([[0, 10, 20], [0, 10, 20, 21]], ["contiguous"] * 2, True),
+])
+def test_verify_names_ranks_that_planned_different_partitions(cu, layout, differ, tmp_path):
+    """build_cp_context(verify=True) over gloo: every rank raises the same ValueError, naming each
+    rank's documents, tokens and layout, when the ranks' partitions differ; passes when equal."""
+    results = run_ranks(2, {"cu": cu, "layout": layout}, str(tmp_path / "store"), timeout=90, worker=_VERIFY_WORKER)
+    errors = [r["error"] for r in results]
+    if not differ:
+        assert errors == [None, None]
+    else:
+        assert errors[0] is not None and errors[0] == errors[1], errors
+        assert "planned different partitions" in errors[0] and "rank 0:" in errors[0] and "rank 1:" in errors[0]
+
+
+def test_conv_argument_errors_name_the_call_and_the_tensor():
+    """The CP conv's own rules run before any collective, for every tensor, under the name of the
+    function called and of the argument (xs[i] / weights[i] / biases[i] in a multi call)."""
+    from flashinfer_cake.cp import CPRecomputeHandle, cake_causal_conv1d_cp, cake_causal_conv1d_cp_multi
+    part = cp_partition([0, 5, 9], 1)
+    ctx = build_cp_context(part, None, 0, "cpu")
+    x, w = torch.zeros(9, 16, dtype=torch.bfloat16), torch.zeros(16, 4)
+    cases = [
+        (lambda: cake_causal_conv1d_cp(x, w, part), TypeError, r"^cake_causal_conv1d_cp: ctx must be a CPContext"),
+        (lambda: cake_causal_conv1d_cp(x[1:], w, ctx), ValueError,
+         r"^cake_causal_conv1d_cp: x_local must be \[T, C\] .* T = 9 tokens .* got shape \(8, 16\)"),
+        (lambda: cake_causal_conv1d_cp(x.t().contiguous().t(), w, ctx), ValueError, r"x_local must be contiguous"),
+        (lambda: cake_causal_conv1d_cp(x, w, ctx, silu_grad_preactivation="fp16"), ValueError,
+         r"^cake_causal_conv1d_cp: silu_grad_preactivation"),
+        (lambda: cake_causal_conv1d_cp(x, w, ctx, recompute_handle=object()), TypeError, r"got object"),
+        (lambda: cake_causal_conv1d_cp(x, w, ctx), ValueError, r"^cake_causal_conv1d_cp \(x_local as x\): x must be"),
+        (lambda: cake_causal_conv1d_cp_multi([x, x[1:]], [w, w], ctx), ValueError,
+         r"^cake_causal_conv1d_cp_multi: xs\[1\] must be \[T, C\]"),
+        (lambda: cake_causal_conv1d_cp_multi([x, x], [w, "w"], ctx), TypeError,
+         r"^cake_causal_conv1d_cp_multi: weights\[1\] must be a torch.Tensor, got str"),
+        (lambda: cake_causal_conv1d_cp_multi([x, x], [w], ctx), ValueError, r"got 2 inputs, 1 weights, 2 biases"),
+        (lambda: cake_causal_conv1d_cp_multi([x], [w], ctx), ValueError,
+         r"^cake_causal_conv1d_cp_multi \(xs\[0\] as x, weights\[0\], biases\[0\]\): x must be"),
+        (lambda: CPRecomputeHandle(max_kept=0), ValueError, r"max_kept must be an int >= 1, got 0"),
+        (lambda: CPRecomputeHandle(max_kept="a"), ValueError, r"got 'a'"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()
+
+
+def test_exchange_and_context_argument_errors():
+    """halo_exchange(_multi) and build_cp_context name the argument, what they take and what they
+    got, before any collective."""
+    from flashinfer_cake.cp import halo_exchange, halo_exchange_multi
+    part = cp_partition([0, 5, 9], 1)
+    ctx = build_cp_context(part, None, 0, "cpu")
+    x = torch.zeros(9, 16, dtype=torch.float64)
+    cases = [
+        (lambda: halo_exchange(x, part), TypeError, r"^halo_exchange: ctx must be a CPContext.*got CPPartition"),
+        (lambda: halo_exchange(x[1:], ctx), ValueError, r"^halo_exchange: x_local must be .*got shape \(8, 16\)"),
+        (lambda: halo_exchange(torch.zeros(9, 16, dtype=torch.float64, device="meta"), ctx), ValueError,
+         r"context's device \(cpu\).* on meta"),
+        (lambda: halo_exchange_multi([x, x.float()], ctx), ValueError, r"^halo_exchange_multi: xs\[1\] .*float32"),
+        (lambda: halo_exchange_multi([], ctx), ValueError, r"at least one tensor"),
+        (lambda: build_cp_context(part, None, True, "cpu"), ValueError, r"rank must be an int in \[0, 1\), got True"),
+        (lambda: build_cp_context(part, None, "0", "cpu"), ValueError, r"got '0'"),
+        (lambda: build_cp_context(ctx, None, 0, "cpu"), TypeError, r"partition must be a CPPartition"),
+        (lambda: build_cp_context(part, None, 0, "cpu", verify=True), ValueError, r"initialized torch.distributed"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call()

@@ -45,10 +45,13 @@ class CPRecomputeHandle:
     of ``torch.utils.checkpoint``) takes the halo kept for the same inputs and exchanges nothing,
     so ranks that recompute their layers in different orders cannot deadlock. Several micro-batches
     in flight (pipeline schedules) each find their own. At most ``max_kept`` halos are kept (the
-    oldest dropped): use the handle only on checkpointed calls. Refused inside CUDA graph capture
-    (the handle is host state)."""
+    oldest dropped): use the handle only on checkpointed calls. A recomputation takes its halo
+    once: a second backward through the same checkpoint (``retain_graph=True``) raises. Refused
+    inside CUDA graph capture (the handle is host state)."""
 
     def __init__(self, max_kept: int = 64):
+        if not isinstance(max_kept, int) or isinstance(max_kept, bool) or max_kept < 1:
+            raise ValueError(f"CPRecomputeHandle: max_kept must be an int >= 1, got {max_kept!r}")
         self._kept: collections.OrderedDict = collections.OrderedDict()
         self._max_kept = max_kept
 
@@ -245,17 +248,22 @@ def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
     if not xs or len(weights) != len(xs) or len(biases) != len(xs):
         raise ValueError(f"{fn}: expected as many weights and biases as inputs (at least one), got {len(xs)} inputs, "
                          f"{len(weights)} weights, {len(biases)} biases")
-    for i, (x, w, b) in enumerate(zip(xs, weights, biases)):
-        name = "x_local" if fn == _FN else f"xs[{i}]"
-        _checks.check_types(fn, ((name, x), ("weight", w)), (("bias", b),))
+    single = fn == _FN
+    names = [("x_local", "weight", "bias") if single else (f"xs[{i}]", f"weights[{i}]", f"biases[{i}]")
+             for i in range(len(xs))]
+    for (x, w, b), (xn, wn, bn) in zip(zip(xs, weights, biases), names):  # the CP rules of every tensor first
+        _checks.check_types(fn, ((xn, x), (wn, w)), ((bn, b),))
         if x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[0] != 1) or x.shape[-2] != cp.num_tokens:
-            raise ValueError(f"{fn}: {name} must be [T, C] or [1, T, C] with this rank's T = {cp.num_tokens} tokens "
-                             f"(the context's partition), got shape {tuple(x.shape)}")
+            raise ValueError(f"{fn}: {xn} must be [T, C] or [1, T, C] with this rank's T = {cp.num_tokens} "
+                             f"tokens (the context's partition), got shape {tuple(x.shape)}")
         if not x.is_contiguous():
-            raise ValueError(f"{fn}: {name} must be contiguous, got strides {x.stride()}")
-        _checks.check_forward_args(fn, x, w, cp.cu_seqlens, b, None, None, None, None, op="backward")
+            raise ValueError(f"{fn}: {xn} must be contiguous, got strides {x.stride()}")
+    for (x, w, b), (xn, wn, bn) in zip(zip(xs, weights, biases), names):
+        # the single-GPU rules, which name x, weight and bias: the prefix says which tensors
+        _checks.check_forward_args(f"{fn} ({xn} as x)" if single else f"{fn} ({xn} as x, {wn}, {bn})", x, w,
+                                   cp.cu_seqlens, b, None, None, None, None, op="backward")
         if x.device != xs[0].device:
-            raise ValueError(f"{fn}: every input must be on {xs[0].device}, got {name} on {x.device}")
+            raise ValueError(f"{fn}: every input must be on {xs[0].device}, got {xn} on {x.device}")
 
 
 def cake_causal_conv1d_cp_multi(xs, weights, ctx: CPContext, biases=None, *, silu_grad_preactivation: str = "bf16",
@@ -264,10 +272,15 @@ def cake_causal_conv1d_cp_multi(xs, weights, ctx: CPContext, biases=None, *, sil
     layer; channel counts and parameter dtypes may differ) with one exchange per direction for
     all of them: bitwise the results of separate calls. ``biases``: None, or one bias or None per
     tensor."""
+    return _call(_FN_MULTI, xs, weights, ctx, biases, silu_grad_preactivation, recompute_handle)
+
+
+def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.Tensor]:
+    """Both public calls: their checks under the caller's name, then the autograd function."""
     xs, weights = list(xs), list(weights)
     biases = [None] * len(xs) if biases is None else list(biases)
-    _check_call(_FN_MULTI, ctx, xs, weights, biases, silu_grad_preactivation, recompute_handle)
-    return list(_CPConv.apply(ctx, recompute_handle, silu_grad_preactivation, len(xs), *xs, *weights, *biases))
+    _check_call(fn, ctx, xs, weights, biases, policy, handle)
+    return list(_CPConv.apply(ctx, handle, policy, len(xs), *xs, *weights, *biases))
 
 
 def cake_causal_conv1d_cp(x_local: torch.Tensor, weight: torch.Tensor, ctx: CPContext, bias: torch.Tensor | None = None,
@@ -296,5 +309,4 @@ def cake_causal_conv1d_cp(x_local: torch.Tensor, weight: torch.Tensor, ctx: CPCo
     Returns:
         BF16 ``y_local`` of x_local's shape.
     """
-    return cake_causal_conv1d_cp_multi([x_local], [weight], ctx, [bias], silu_grad_preactivation=silu_grad_preactivation,
-                                       recompute_handle=recompute_handle)[0]
+    return _call(_FN, [x_local], [weight], ctx, [bias], silu_grad_preactivation, recompute_handle)[0]

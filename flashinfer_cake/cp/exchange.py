@@ -112,14 +112,23 @@ def halo_exchange_multi(xs, ctx: CPContext) -> list[torch.Tensor]:
     """:func:`halo_exchange` of several ``[T, C_i]`` / ``[1, T, C_i]`` tensors of this rank's
     tokens (e.g. the q, k and v of one layer; one dtype and device) with one collective per
     direction: bitwise the results of separate calls."""
-    xs = list(xs)
+    return _exchange("halo_exchange_multi", list(xs), ctx, [f"xs[{i}]" for i in range(len(xs))])
+
+
+def _exchange(fn: str, xs: list, ctx, names: list[str]) -> list[torch.Tensor]:
+    """Both public exchanges: their checks under the caller's name and argument names."""
+    if not isinstance(ctx, CPContext):
+        raise TypeError(f"{fn}: ctx must be a CPContext (flashinfer_cake.cp.build_cp_context), got {type(ctx).__name__}")
     if not xs:
-        raise ValueError("halo_exchange_multi: xs must hold at least one tensor")
-    for i, x in enumerate(xs):
+        raise ValueError(f"{fn}: xs must hold at least one tensor")
+    for x, name in zip(xs, names):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
         if not (x.dim() == 2 or (x.dim() == 3 and x.shape[0] == 1)) or x.shape[-2] != ctx.num_tokens \
-                or x.dtype != xs[0].dtype or x.device != xs[0].device:
-            raise ValueError(f"halo_exchange_multi: xs[{i}] must have this rank's {ctx.num_tokens} tokens and xs[0]'s "
-                             f"dtype and device, got shape {tuple(x.shape)}, {x.dtype} on {x.device}")
+                or x.dtype != xs[0].dtype or x.device != ctx.cu_seqlens.device:
+            raise ValueError(f"{fn}: {name} must be [T, C] or [1, T, C] with this rank's T = {ctx.num_tokens} tokens, "
+                             f"{names[0]}'s dtype and the context's device ({ctx.cu_seqlens.device}), got shape "
+                             f"{tuple(x.shape)}, {x.dtype} on {x.device}")
     return list(_HaloExchange.apply(ctx, *xs))
 
 
@@ -132,4 +141,4 @@ def halo_exchange(x_local: torch.Tensor, ctx: CPContext) -> torch.Tensor:
     ``ctx.group`` must call it, and must run its backward too (a loss
     that does not reach the states on one rank leaves the others waiting: add ``0 * states.sum()``
     there)."""
-    return halo_exchange_multi([x_local], ctx)[0]
+    return _exchange("halo_exchange", [x_local], ctx, ["x_local"])[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -61,9 +62,14 @@ def _doc_lengths(cu_seqlens) -> tuple[int, ...]:
                              f"ints, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)} on {cu_seqlens.device}")
         cu = cu_seqlens.tolist()
     else:
+        if not isinstance(cu_seqlens, (list, tuple)):
+            raise ValueError("cp_partition: cu_seqlens_global_cpu must be a 1-D int32/int64 CPU tensor or a list of "
+                             f"ints, got {type(cu_seqlens).__name__}")
         cu = list(cu_seqlens)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in cu):
-            raise ValueError("cp_partition: cu_seqlens_global_cpu must hold ints")
+        bad = next((v for v in cu if not isinstance(v, int) or isinstance(v, bool)), None)
+        if bad is not None:
+            raise ValueError(f"cp_partition: cu_seqlens_global_cpu must hold ints, got {bad!r} "
+                             f"({type(bad).__name__})")
     if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cp_partition: cu_seqlens_global_cpu must start at 0 and never decrease, got {cu[:8]}"
                          f"{' ...' if len(cu) > 8 else ''}")
@@ -90,6 +96,8 @@ def _check_fragments(fragments, lengths: tuple[int, ...], world_size: int) -> tu
     covered = [[] for _ in lengths]
     out = []
     for r, frags in enumerate(fragments):
+        if not isinstance(frags, (list, tuple)):
+            raise ValueError(f"cp_partition: fragments[{r}] must be a list of (doc, offset, length), got {frags!r}")
         rank_frags = []
         for f in frags:
             if (not isinstance(f, (list, tuple)) or len(f) != 3
@@ -114,7 +122,7 @@ def _check_fragments(fragments, lengths: tuple[int, ...], world_size: int) -> tu
     return tuple(out)
 
 
-def cp_partition(cu_seqlens_global_cpu, world_size: int, layout: str = "contiguous", *,
+def cp_partition(cu_seqlens_global_cpu, world_size: int, layout: str | None = None, *,
                  fragments=None) -> CPPartition:
     """Partition a packed global batch (its ``cu_seqlens``, on the host: read once per batch)
     over ``world_size`` ranks.
@@ -122,17 +130,18 @@ def cp_partition(cu_seqlens_global_cpu, world_size: int, layout: str = "contiguo
     Layouts: ``"contiguous"`` (rank r holds global tokens ``[r T / P, (r + 1) T / P)``, no
     ``T % P`` requirement), ``"zigzag"`` (the tokens in 2P chunks, rank r holds chunks r and
     2P - 1 - r: balanced causal attention), ``"zigzag_per_document"`` (each document in 2P chunks,
-    rank r holding its chunks r and 2P - 1 - r, document by document). ``fragments``: explicit
-    ``[(doc, offset, length), ...]`` per rank instead (any order; zero-length and short fragments
-    allowed; every token of every document in exactly one). Raises ValueError naming what is
-    wrong."""
+    rank r holding its chunks r and 2P - 1 - r, document by document); None: ``"contiguous"``.
+    ``fragments``: explicit ``[(doc, offset, length), ...]`` per rank instead of a layout (any
+    order; zero-length and short fragments allowed; every token of every document in exactly
+    one). Raises ValueError naming what is wrong."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"cp_partition: world_size must be a positive int, got {world_size!r}")
     lengths = _doc_lengths(cu_seqlens_global_cpu)
     if fragments is not None:
-        if layout != "contiguous":
+        if layout is not None:
             raise ValueError(f"cp_partition: give layout or fragments, not both (got layout={layout!r})")
         return CPPartition(world_size, lengths, _check_fragments(fragments, lengths, world_size), "fragments")
+    layout = "contiguous" if layout is None else layout
     if layout not in LAYOUTS:
         raise ValueError(f"cp_partition: layout must be one of {list(LAYOUTS)}, got {layout!r}")
     starts = [0]
@@ -195,21 +204,32 @@ class CPContext:
     num_fragments: int
 
 
-def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPContext:
+def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify: bool = False) -> CPContext:
     """Rank ``rank``'s tables of ``partition`` on ``device``, computed on the host from the
     partition alone (no communication: every rank derives the same plan) and moved with one
     asynchronous copy on the current stream (use the context on that stream, or order other
     streams after it). Each exchange is one ``all_to_all`` whose sizes, pair by pair, are the rows
     the receiver needs from the sender, the same on every rank. ``group``: the CP
-    group (None: the default group), whose size and this process's rank in it must match."""
-    if not 0 <= rank < partition.world_size:
-        raise ValueError(f"build_cp_context: rank must be in [0, {partition.world_size}), got {rank}")
+    group (None: the default group), whose size and this process's rank in it must match.
+
+    Every rank must pass the same partition: ranks planning different batches exchange rows that
+    do not match (wrong halos where the sizes happen to agree, else a collective that fails or
+    hangs). ``verify=True`` checks it: one ``all_gather_object`` of each rank's partition digest
+    over ``group`` (a host synchronization; with NCCL, set the process's CUDA device first), then
+    a ValueError on every rank naming the ranks that differ. For debugging and tests."""
+    if not isinstance(partition, CPPartition):
+        raise TypeError(f"build_cp_context: partition must be a CPPartition (cp_partition), got "
+                        f"{type(partition).__name__}")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < partition.world_size:
+        raise ValueError(f"build_cp_context: rank must be an int in [0, {partition.world_size}), got {rank!r}")
     if dist.is_available() and dist.is_initialized():  # (group None: the default group)
         size, group_rank = dist.get_world_size(group), dist.get_rank(group)
         if size != partition.world_size or group_rank != rank:
             raise ValueError(f"build_cp_context: the partition is for {partition.world_size} ranks and this is rank "
                              f"{rank}, but the group has {size} ranks and this process is its rank {group_rank} "
                              "(pass the rank within the CP group)")
+    if verify:
+        _verify_same_partition(partition, group, rank)
     P, lengths = partition.world_size, partition.doc_lengths
     # The owner (rank, local row, fragment, position in it) of every token, by document.
     owners = [[] for _ in lengths]
@@ -278,3 +298,19 @@ def build_cp_context(partition: CPPartition, group, rank: int, device) -> CPCont
     sends = [tuple(len(lists[rank][t]) for t in range(P)) for lists in (halo_lists, g_lists)]
     recvs = [tuple(len(lists[s][rank]) for s in range(P)) for lists in (halo_lists, g_lists)]
     return CPContext(partition, group, rank, *views, sends[0], recvs[0], sends[1], recvs[1], cu[-1], len(cu) - 1)
+
+
+def _verify_same_partition(partition: CPPartition, group, rank: int) -> None:
+    """build_cp_context(verify=True): every rank of ``group`` gathers every rank's (rank, digest,
+    documents, tokens) and raises the same ValueError where they differ (so no rank is left
+    waiting in a later collective)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("build_cp_context: verify=True needs an initialized torch.distributed process group")
+    digest = hashlib.sha256(repr((partition.world_size, partition.doc_lengths, partition.fragments)).encode())
+    mine = (rank, digest.hexdigest()[:16], len(partition.doc_lengths), sum(partition.doc_lengths), partition.layout)
+    every: list = [None] * partition.world_size
+    dist.all_gather_object(every, mine, group=group)
+    if any(e[1:] != every[0][1:] for e in every) or sorted(e[0] for e in every) != list(range(len(every))):
+        seen = "; ".join(f"rank {r}: {n} documents, {t} tokens, layout {lay!r}, digest {d}" for r, d, n, t, lay in every)
+        raise ValueError(f"build_cp_context: the ranks of the CP group planned different partitions or gave "
+                         f"repeated ranks ({seen})")
