@@ -325,7 +325,8 @@ _VERIFY_WORKER = textwrap.dedent("""
     dist.init_process_group("gloo", init_method="file://" + os.environ["CP_TEST_STORE"], rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     cfg = json.loads(sys.argv[1])
-    part = cp_partition(cfg["cu"][rank], world, cfg["layout"][rank])  # each rank its own batch / layout
+    P = cfg.get("P", [world] * world)[rank]
+    part = cp_partition(cfg["cu"][rank], P, cfg["layout"][rank])  # each rank its own batch / layout / size
     try:
         build_cp_context(part, None, rank, "cpu", verify=True)
         error = None
@@ -339,22 +340,25 @@ _VERIFY_WORKER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("cu, layout, differ", [
-    ([[0, 10, 20]] * 2, ["zigzag"] * 2, False),
-    ([[0, 10, 20], [0, 12, 20]], ["zigzag"] * 2, True),  # same sizes, another batch: wrong halos without verify
-    ([[0, 10, 20]] * 2, ["zigzag", "contiguous"], True),
-    ([[0, 10, 20], [0, 10, 20, 21]], ["contiguous"] * 2, True),
+@pytest.mark.parametrize("cfg, differ", [
+    ({"cu": [[0, 10, 20]] * 2, "layout": ["zigzag"] * 2}, None),
+    ({"cu": [[0, 10, 20], [0, 12, 20]], "layout": ["zigzag"] * 2}, "digest"),  # same sizes: wrong halos unchecked
+    ({"cu": [[0, 10, 20]] * 2, "layout": ["zigzag", "contiguous"]}, "digest"),
+    ({"cu": [[0, 10, 20], [0, 10, 20, 21]], "layout": ["contiguous"] * 2}, "digest"),
+    ({"cu": [[0, 10, 20]] * 2, "layout": ["zigzag"] * 2, "P": [2, 3]}, "the group has 2 ranks"),  # rank 1's own error
 ])
-def test_verify_names_ranks_that_planned_different_partitions(cu, layout, differ, tmp_path):
-    """build_cp_context(verify=True) over gloo: every rank raises the same ValueError, naming each
-    rank's documents, tokens and layout, when the ranks' partitions differ; passes when equal."""
-    results = run_ranks(2, {"cu": cu, "layout": layout}, str(tmp_path / "store"), timeout=90, worker=_VERIFY_WORKER)
+def test_verify_names_ranks_that_planned_different_partitions(cfg, differ, tmp_path):
+    """build_cp_context(verify=True) over gloo: where the ranks' partitions differ, or one rank's
+    arguments fail, every rank raises the same ValueError (none is left waiting), naming what each
+    rank planned; equal partitions pass."""
+    results = run_ranks(2, cfg, str(tmp_path / "store"), timeout=90, worker=_VERIFY_WORKER)
     errors = [r["error"] for r in results]
-    if not differ:
+    if differ is None:
         assert errors == [None, None]
     else:
         assert errors[0] is not None and errors[0] == errors[1], errors
         assert "planned different partitions" in errors[0] and "rank 0:" in errors[0] and "rank 1:" in errors[0]
+        assert differ in errors[0], errors[0]
 
 
 def test_conv_argument_errors_name_the_call_and_the_tensor():
@@ -402,11 +406,16 @@ def test_exchange_and_context_argument_errors():
          r"context's device \(cpu\).* on meta"),
         (lambda: halo_exchange_multi([x, x.float()], ctx), ValueError, r"^halo_exchange_multi: xs\[1\] .*float32"),
         (lambda: halo_exchange_multi([], ctx), ValueError, r"at least one tensor"),
-        (lambda: build_cp_context(part, None, True, "cpu"), ValueError, r"rank must be an int in \[0, 1\), got True"),
-        (lambda: build_cp_context(part, None, "0", "cpu"), ValueError, r"got '0'"),
+        (lambda: build_cp_context(part, None, True, "cpu"), TypeError, r"rank must be an int, got True \(bool\)"),
+        (lambda: build_cp_context(part, None, "0", "cpu"), TypeError, r"got '0' \(str\)"),
+        (lambda: build_cp_context(part, None, 1, "cpu"), ValueError, r"rank must be in \[0, 1\), got 1"),
         (lambda: build_cp_context(ctx, None, 0, "cpu"), TypeError, r"partition must be a CPPartition"),
         (lambda: build_cp_context(part, None, 0, "cpu", verify=True), ValueError, r"initialized torch.distributed"),
     ]
     for call, error, match in cases:
         with pytest.raises(error, match=match):
             call()
+    # integer-like ranks (numpy, 0-d tensors) are ranks; iterators of tensors are lists
+    assert type(build_cp_context(part, None, torch.tensor(0), "cpu").rank) is int
+    with pytest.raises(ValueError, match=r"xs\[1\]"):
+        halo_exchange_multi(iter([x, x[1:]]), ctx)

@@ -112,7 +112,8 @@ def halo_exchange_multi(xs, ctx: CPContext) -> list[torch.Tensor]:
     """:func:`halo_exchange` of several ``[T, C_i]`` / ``[1, T, C_i]`` tensors of this rank's
     tokens (e.g. the q, k and v of one layer; one dtype and device) with one collective per
     direction: bitwise the results of separate calls."""
-    return _exchange("halo_exchange_multi", list(xs), ctx, [f"xs[{i}]" for i in range(len(xs))])
+    xs = list(xs)
+    return _exchange("halo_exchange_multi", xs, ctx, [f"xs[{i}]" for i in range(len(xs))])
 
 
 def _exchange(fn: str, xs: list, ctx, names: list[str]) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
+import operator
 
 import torch
 import torch.distributed as dist
@@ -214,22 +215,16 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
 
     Every rank must pass the same partition: ranks planning different batches exchange rows that
     do not match (wrong halos where the sizes happen to agree, else a collective that fails or
-    hangs). ``verify=True`` checks it: one ``all_gather_object`` of each rank's partition digest
-    over ``group`` (a host synchronization; with NCCL, set the process's CUDA device first), then
-    a ValueError on every rank naming the ranks that differ. For debugging and tests."""
-    if not isinstance(partition, CPPartition):
-        raise TypeError(f"build_cp_context: partition must be a CPPartition (cp_partition), got "
-                        f"{type(partition).__name__}")
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < partition.world_size:
-        raise ValueError(f"build_cp_context: rank must be an int in [0, {partition.world_size}), got {rank!r}")
-    if dist.is_available() and dist.is_initialized():  # (group None: the default group)
-        size, group_rank = dist.get_world_size(group), dist.get_rank(group)
-        if size != partition.world_size or group_rank != rank:
-            raise ValueError(f"build_cp_context: the partition is for {partition.world_size} ranks and this is rank "
-                             f"{rank}, but the group has {size} ranks and this process is its rank {group_rank} "
-                             "(pass the rank within the CP group)")
+    hangs). ``verify=True`` checks it (every rank must pass it): one ``all_gather_object`` over
+    ``group`` of each rank's partition digest and of what its own checks found (a host
+    synchronization; with NCCL, set the process's CUDA device first), then the same ValueError on
+    every rank, grouping the ranks by what they planned. For debugging and tests."""
+    problem = _context_problem(partition, group, rank)
     if verify:
-        _verify_same_partition(partition, group, rank)
+        _verify_same_partition(partition, group, problem)
+    if problem is not None:
+        raise problem
+    rank = operator.index(rank)
     P, lengths = partition.world_size, partition.doc_lengths
     # The owner (rank, local row, fragment, position in it) of every token, by document.
     owners = [[] for _ in lengths]
@@ -300,17 +295,48 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
     return CPContext(partition, group, rank, *views, sends[0], recvs[0], sends[1], recvs[1], cu[-1], len(cu) - 1)
 
 
-def _verify_same_partition(partition: CPPartition, group, rank: int) -> None:
-    """build_cp_context(verify=True): every rank of ``group`` gathers every rank's (rank, digest,
-    documents, tokens) and raises the same ValueError where they differ (so no rank is left
-    waiting in a later collective)."""
+def _context_problem(partition, group, rank) -> Exception | None:
+    """The error build_cp_context raises for its arguments, or None."""
+    if not isinstance(partition, CPPartition):
+        return TypeError(f"build_cp_context: partition must be a CPPartition (cp_partition), got "
+                         f"{type(partition).__name__}")
+    try:
+        if isinstance(rank, bool):
+            raise TypeError
+        rank = operator.index(rank)  # ints, numpy ints, 0-d integer tensors
+    except TypeError:
+        return TypeError(f"build_cp_context: rank must be an int, got {rank!r} ({type(rank).__name__})")
+    if not 0 <= rank < partition.world_size:
+        return ValueError(f"build_cp_context: rank must be in [0, {partition.world_size}), got {rank}")
+    if dist.is_available() and dist.is_initialized():  # (group None: the default group)
+        size, group_rank = dist.get_world_size(group), dist.get_rank(group)
+        if size != partition.world_size or group_rank != rank:
+            return ValueError(f"build_cp_context: the partition is for {partition.world_size} ranks and this is rank "
+                              f"{rank}, but the group has {size} ranks and this process is its rank {group_rank} "
+                              "(pass the rank within the CP group)")
+    return None
+
+
+def _verify_same_partition(partition, group, problem: Exception | None) -> None:
+    """build_cp_context(verify=True): every rank of ``group`` gathers every rank's partition
+    summary (or its own argument error) and raises the same ValueError where they differ or any
+    failed, so no rank is left waiting in a later collective."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("build_cp_context: verify=True needs an initialized torch.distributed process group")
-    digest = hashlib.sha256(repr((partition.world_size, partition.doc_lengths, partition.fragments)).encode())
-    mine = (rank, digest.hexdigest()[:16], len(partition.doc_lengths), sum(partition.doc_lengths), partition.layout)
-    every: list = [None] * partition.world_size
-    dist.all_gather_object(every, mine, group=group)
-    if any(e[1:] != every[0][1:] for e in every) or sorted(e[0] for e in every) != list(range(len(every))):
-        seen = "; ".join(f"rank {r}: {n} documents, {t} tokens, layout {lay!r}, digest {d}" for r, d, n, t, lay in every)
-        raise ValueError(f"build_cp_context: the ranks of the CP group planned different partitions or gave "
-                         f"repeated ranks ({seen})")
+    if problem is not None:
+        mine = f"its arguments: {problem}"
+    else:
+        digest = hashlib.sha256(repr((partition.world_size, partition.doc_lengths, partition.fragments)).encode())
+        mine = (f"{partition.world_size} ranks, {len(partition.doc_lengths)} documents, "
+                f"{sum(partition.doc_lengths)} tokens, layout {partition.layout!r}, digest {digest.hexdigest()[:16]}")
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (problem is None, mine), group=group)
+    # the same partition: the same digest (the layout's name is shown, not compared)
+    plans = {m.rsplit("digest ", 1)[-1] if ok else m for ok, m in every}
+    if all(ok for ok, _ in every) and len(plans) == 1:
+        return
+    by_plan: dict = {}
+    for r, (_, m) in enumerate(every):
+        by_plan.setdefault(m, []).append(r)
+    seen = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_plan.items())
+    raise ValueError(f"build_cp_context: the ranks of the CP group planned different partitions or failed ({seen})")
