@@ -419,3 +419,52 @@ def test_exchange_and_context_argument_errors():
     assert type(build_cp_context(part, None, torch.tensor(0), "cpu").rank) is int
     with pytest.raises(ValueError, match=r"xs\[1\]"):
         halo_exchange_multi(iter([x, x[1:]]), ctx)
+
+
+_VERIFY_CALL_WORKER = textwrap.dedent("""
+    import datetime, json, os, sys, torch, torch.distributed as dist
+    from flashinfer_cake.cp import build_cp_context, cake_causal_conv1d_cp, cp_partition, halo_exchange
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method="file://" + os.environ["CP_TEST_STORE"], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    cfg = json.loads(sys.argv[1])
+    ctx = build_cp_context(cp_partition([0, 10, 20], world, "zigzag"), None, rank, "cpu", verify=True)
+    x = torch.zeros(ctx.num_tokens + cfg["extra"][rank], cfg["C"][rank], dtype=torch.float64)
+    out = {"rank": rank}
+    for name, call in (("exchange", lambda: halo_exchange(x, ctx)),
+                       ("conv", lambda: cake_causal_conv1d_cp(torch.zeros(ctx.num_tokens, 16, dtype=torch.bfloat16),
+                                                              torch.zeros(16, 4), ctx))):
+        try:
+            call()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    print(json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # (as _WORKER: gloo's static destructors)
+""")
+
+
+@pytest.mark.parametrize("cfg, exchange_error", [
+    ({"C": [8, 8], "extra": [0, 0]}, None),
+    ({"C": [8, 16], "extra": [0, 0]}, "made different calls"),  # unchecked, gloo aborts or returns garbage
+    ({"C": [8, 8], "extra": [0, 1]}, "its arguments"),  # rank 1's own error: rank 0 is not left waiting
+])
+def test_verify_context_checks_every_call_on_every_rank(cfg, exchange_error, tmp_path):
+    """A context built with verify=True checks each call across the ranks before its collective:
+    where the calls differ or one rank's arguments fail, every rank raises the same ValueError. The
+    conv's call too: on this CPU-only machine its tensors fail the CUDA rule on every rank, and
+    both ranks report both."""
+    results = run_ranks(2, cfg, str(tmp_path / "store"), timeout=90, worker=_VERIFY_CALL_WORKER)
+    ex = [r["exchange"] for r in results]
+    if exchange_error is None:
+        assert ex == [None, None]
+    else:
+        assert ex[0] is not None and ex[0] == ex[1] and exchange_error in ex[0], ex
+        assert "halo_exchange: the ranks of the CP group" in ex[0]
+    conv = [r["conv"] for r in results]
+    assert conv[0] is not None and conv[0] == conv[1], conv
+    assert "cake_causal_conv1d_cp: the ranks of the CP group made different calls or failed" in conv[0]
+    assert "ranks 0, 1: its arguments: cake_causal_conv1d_cp (x_local as x): x must be a CUDA tensor" in conv[0], conv[0]

@@ -27,8 +27,8 @@ from torch.autograd.function import once_differentiable
 
 from .. import _checks, jit
 from ..cake_causal_conv1d_train import cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
-from .exchange import exchange_halo, exchange_head_grads, halo_send, halos_of
-from .partition import CPContext
+from .exchange import capturing, exchange_halo, exchange_head_grads, halo_send, halos_of
+from .partition import CPContext, verify_call
 
 __all__ = ["CPRecomputeHandle", "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"]
 
@@ -241,7 +241,7 @@ def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
     if handle is not None:
         if not isinstance(handle, CPRecomputeHandle):
             raise TypeError(f"{fn}: recompute_handle must be a CPRecomputeHandle or None, got {type(handle).__name__}")
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             raise RuntimeError(f"{fn}: recompute_handle is host state and cannot be used inside CUDA graph capture "
                                "(capture without it: a captured step replays its own exchange)")
     _checks.check_policy(fn, policy)
@@ -276,10 +276,26 @@ def cake_causal_conv1d_cp_multi(xs, weights, ctx: CPContext, biases=None, *, sil
 
 
 def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.Tensor]:
-    """Both public calls: their checks under the caller's name, then the autograd function."""
+    """Both public calls: their checks under the caller's name (on a context built with
+    verify=True, also that every rank makes the same call: verify_call; not inside graph capture,
+    nor in checkpoint's recomputation, which exchanges nothing), then the autograd function."""
     xs, weights = list(xs), list(weights)
     biases = [None] * len(xs) if biases is None else list(biases)
-    _check_call(fn, ctx, xs, weights, biases, policy, handle)
+    if isinstance(ctx, CPContext) and ctx.verify and not capturing() and not (handle is not None and _in_backward()):
+        try:
+            _check_call(fn, ctx, xs, weights, biases, policy, handle)
+            problem = None
+        except (TypeError, ValueError, RuntimeError) as e:
+            problem = e
+        call = "" if problem else (
+            f"{len(xs)} tensors of {[x.shape[-1] for x in xs]} channels, x {[str(x.dtype) for x in xs]}, weight "
+            f"{[str(w.dtype) for w in weights]}, bias {[None if b is None else str(b.dtype) for b in biases]}, "
+            f"silu_grad_preactivation {policy!r}")
+        verify_call(fn, ctx, call, problem)
+        if problem is not None:
+            raise problem
+    else:
+        _check_call(fn, ctx, xs, weights, biases, policy, handle)
     return list(_CPConv.apply(ctx, handle, policy, len(xs), *xs, *weights, *biases))
 
 

@@ -203,6 +203,7 @@ class CPContext:
     g_recv_splits: tuple
     num_tokens: int            # local tokens
     num_fragments: int
+    verify: bool = False       # build_cp_context(verify=True): calls check that every rank's call agrees (verify_call)
 
 
 def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify: bool = False) -> CPContext:
@@ -218,7 +219,9 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
     hangs). ``verify=True`` checks it (every rank must pass it): one ``all_gather_object`` over
     ``group`` of each rank's partition digest and of what its own checks found (a host
     synchronization; with NCCL, set the process's CUDA device first), then the same ValueError on
-    every rank, grouping the ranks by what they planned. For debugging and tests."""
+    every rank, grouping the ranks by what they planned. The context then checks every call the
+    same way (the tensors' count, channels and dtypes, the SiLU' policy: one more gather per
+    call). For debugging and tests."""
     problem = _context_problem(partition, group, rank)
     if verify:
         _verify_same_partition(partition, group, problem)
@@ -292,7 +295,8 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
         at += len(part)
     sends = [tuple(len(lists[rank][t]) for t in range(P)) for lists in (halo_lists, g_lists)]
     recvs = [tuple(len(lists[s][rank]) for s in range(P)) for lists in (halo_lists, g_lists)]
-    return CPContext(partition, group, rank, *views, sends[0], recvs[0], sends[1], recvs[1], cu[-1], len(cu) - 1)
+    return CPContext(partition, group, rank, *views, sends[0], recvs[0], sends[1], recvs[1], cu[-1], len(cu) - 1,
+                     verify=bool(verify))
 
 
 def _context_problem(partition, group, rank) -> Exception | None:
@@ -329,14 +333,26 @@ def _verify_same_partition(partition, group, problem: Exception | None) -> None:
         digest = hashlib.sha256(repr((partition.world_size, partition.doc_lengths, partition.fragments)).encode())
         mine = (f"{partition.world_size} ranks, {len(partition.doc_lengths)} documents, "
                 f"{sum(partition.doc_lengths)} tokens, layout {partition.layout!r}, digest {digest.hexdigest()[:16]}")
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, (problem is None, mine), group=group)
     # the same partition: the same digest (the layout's name is shown, not compared)
-    plans = {m.rsplit("digest ", 1)[-1] if ok else m for ok, m in every}
-    if all(ok for ok, _ in every) and len(plans) == 1:
+    _gather_and_compare("build_cp_context", "planned different partitions", group, problem is None, mine,
+                        lambda m: m.rsplit("digest ", 1)[-1])
+
+
+def verify_call(fn: str, ctx: CPContext, call: str, problem: Exception | None) -> None:
+    """A call on a context built with verify=True: every rank of its group gathers every rank's
+    description of the call (``call``) or its argument error and raises the same ValueError where
+    they differ or any failed (so no rank is left waiting in the call's collective)."""
+    _gather_and_compare(fn, "made different calls", ctx.group, problem is None,
+                        call if problem is None else f"its arguments: {problem}", lambda m: m)
+
+
+def _gather_and_compare(fn: str, what: str, group, ok: bool, mine: str, key) -> None:
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (ok, mine), group=group)
+    if all(o for o, _ in every) and len({key(m) for _, m in every}) == 1:
         return
-    by_plan: dict = {}
+    by_text: dict = {}
     for r, (_, m) in enumerate(every):
-        by_plan.setdefault(m, []).append(r)
-    seen = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_plan.items())
-    raise ValueError(f"build_cp_context: the ranks of the CP group planned different partitions or failed ({seen})")
+        by_text.setdefault(m, []).append(r)
+    seen = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_text.items())
+    raise ValueError(f"{fn}: the ranks of the CP group {what} or failed ({seen})")
