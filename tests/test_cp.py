@@ -423,7 +423,7 @@ def test_exchange_and_context_argument_errors():
 
 _VERIFY_CALL_WORKER = textwrap.dedent("""
     import datetime, json, os, sys, torch, torch.distributed as dist
-    from flashinfer_cake.cp import build_cp_context, cake_causal_conv1d_cp, cp_partition, halo_exchange
+    from flashinfer_cake.cp import build_cp_context, cake_causal_conv1d_cp, cp_partition, halo_exchange, halo_exchange_multi
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method="file://" + os.environ["CP_TEST_STORE"], rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
@@ -432,6 +432,7 @@ _VERIFY_CALL_WORKER = textwrap.dedent("""
     x = torch.zeros(ctx.num_tokens + cfg["extra"][rank], cfg["C"][rank], dtype=torch.float64)
     out = {"rank": rank}
     for name, call in (("exchange", lambda: halo_exchange(x, ctx)),
+                       ("multi", lambda: halo_exchange_multi([x, x[:, :4].contiguous()], ctx)),
                        ("conv", lambda: cake_causal_conv1d_cp(torch.zeros(ctx.num_tokens, 16, dtype=torch.bfloat16),
                                                               torch.zeros(16, 4), ctx))):
         try:
@@ -458,12 +459,13 @@ def test_verify_context_checks_every_call_on_every_rank(cfg, exchange_error, tmp
     conv's call too: on this CPU-only machine its tensors fail the CUDA rule on every rank, and
     both ranks report both."""
     results = run_ranks(2, cfg, str(tmp_path / "store"), timeout=90, worker=_VERIFY_CALL_WORKER)
-    ex = [r["exchange"] for r in results]
-    if exchange_error is None:
-        assert ex == [None, None]
-    else:
-        assert ex[0] is not None and ex[0] == ex[1] and exchange_error in ex[0], ex
-        assert "halo_exchange: the ranks of the CP group" in ex[0]
+    for key, fn in (("exchange", "halo_exchange"), ("multi", "halo_exchange_multi")):
+        ex = [r[key] for r in results]
+        if exchange_error is None:
+            assert ex == [None, None]
+        else:
+            assert ex[0] is not None and ex[0] == ex[1] and exchange_error in ex[0], ex
+            assert ex[0].startswith(f"{fn}: the ranks of the CP group"), ex[0]
     conv = [r["conv"] for r in results]
     assert conv[0] is not None and conv[0] == conv[1], conv
     assert "cake_causal_conv1d_cp: the ranks of the CP group made different calls or failed" in conv[0]

@@ -278,7 +278,8 @@ def cake_causal_conv1d_cp_multi(xs, weights, ctx: CPContext, biases=None, *, sil
 def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.Tensor]:
     """Both public calls: their checks under the caller's name (on a context built with
     verify=True, also that every rank makes the same call: verify_call; not inside graph capture,
-    nor in checkpoint's recomputation, which exchanges nothing), then the autograd function."""
+    nor in the recomputation through a recompute_handle, which exchanges nothing), then the
+    autograd function."""
     xs, weights = list(xs), list(weights)
     biases = [None] * len(xs) if biases is None else list(biases)
     if isinstance(ctx, CPContext) and ctx.verify and not capturing() and not (handle is not None and _in_backward()):
@@ -288,12 +289,10 @@ def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.
         except (TypeError, ValueError, RuntimeError) as e:
             problem = e
         call = "" if problem else (
-            f"{len(xs)} tensors of {[x.shape[-1] for x in xs]} channels, x {[str(x.dtype) for x in xs]}, weight "
+            f"{len(xs)} tensor(s) of {[x.shape[-1] for x in xs]} channels, x {[str(x.dtype) for x in xs]}, weight "
             f"{[str(w.dtype) for w in weights]}, bias {[None if b is None else str(b.dtype) for b in biases]}, "
             f"silu_grad_preactivation {policy!r}")
-        verify_call(fn, ctx, call, problem)
-        if problem is not None:
-            raise problem
+        verify_call(fn, ctx, call, problem)  # raises on every rank when any rank has a problem
     else:
         _check_call(fn, ctx, xs, weights, biases, policy, handle)
     return list(_CPConv.apply(ctx, handle, policy, len(xs), *xs, *weights, *biases))

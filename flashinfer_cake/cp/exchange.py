@@ -123,8 +123,8 @@ def _exchange(fn: str, xs: list, ctx, names: list[str]) -> list[torch.Tensor]:
         raise TypeError(f"{fn}: ctx must be a CPContext (flashinfer_cake.cp.build_cp_context), got {type(ctx).__name__}")
     problem = _exchange_problem(fn, xs, ctx, names)
     if ctx.verify and not capturing():
-        verify_call(fn, ctx, "" if problem else f"{len(xs)} tensors of {[x.shape[-1] for x in xs]} channels, "
-                                                f"{xs[0].dtype}", problem)
+        verify_call(fn, ctx, "" if problem else f"{len(xs)} tensor(s) of {[x.shape[-1] for x in xs]} channels, "
+                                                f"{xs[0].dtype}", problem)  # raises on every rank if any failed
     if problem is not None:
         raise problem
     return list(_HaloExchange.apply(ctx, *xs))

@@ -334,7 +334,7 @@ def _verify_same_partition(partition, group, problem: Exception | None) -> None:
         mine = (f"{partition.world_size} ranks, {len(partition.doc_lengths)} documents, "
                 f"{sum(partition.doc_lengths)} tokens, layout {partition.layout!r}, digest {digest.hexdigest()[:16]}")
     # the same partition: the same digest (the layout's name is shown, not compared)
-    _gather_and_compare("build_cp_context", "planned different partitions", group, problem is None, mine,
+    _gather_and_compare("build_cp_context", "planned different partitions", group, problem, mine,
                         lambda m: m.rsplit("digest ", 1)[-1])
 
 
@@ -342,11 +342,14 @@ def verify_call(fn: str, ctx: CPContext, call: str, problem: Exception | None) -
     """A call on a context built with verify=True: every rank of its group gathers every rank's
     description of the call (``call``) or its argument error and raises the same ValueError where
     they differ or any failed (so no rank is left waiting in the call's collective)."""
-    _gather_and_compare(fn, "made different calls", ctx.group, problem is None,
+    _gather_and_compare(fn, "made different calls", ctx.group, problem,
                         call if problem is None else f"its arguments: {problem}", lambda m: m)
 
 
-def _gather_and_compare(fn: str, what: str, group, ok: bool, mine: str, key) -> None:
+def _gather_and_compare(fn: str, what: str, group, problem: Exception | None, mine: str, key) -> None:
+    """Every rank's (ok, text) gathered; where any failed or the keys of the texts differ, the
+    same ValueError on every rank (chained to this rank's own error, if any)."""
+    ok = problem is None
     every: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, (ok, mine), group=group)
     if all(o for o, _ in every) and len({key(m) for _, m in every}) == 1:
@@ -355,4 +358,4 @@ def _gather_and_compare(fn: str, what: str, group, ok: bool, mine: str, key) -> 
     for r, (_, m) in enumerate(every):
         by_text.setdefault(m, []).append(r)
     seen = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_text.items())
-    raise ValueError(f"{fn}: the ranks of the CP group {what} or failed ({seen})")
+    raise ValueError(f"{fn}: the ranks of the CP group {what} or failed ({seen})") from problem
