@@ -27,8 +27,8 @@ from torch.autograd.function import once_differentiable
 
 from .. import _checks, jit
 from ..cake_causal_conv1d_train import cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
-from .exchange import capturing, exchange_halo, exchange_head_grads, halo_send, halos_of
-from .partition import CPContext, verify_call
+from .exchange import exchange_halo, exchange_head_grads, halo_send, halos_of
+from .partition import CPContext, capturing, check_call, check_context
 
 __all__ = ["CPRecomputeHandle", "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"]
 
@@ -236,8 +236,6 @@ class _CPConv(torch.autograd.Function):
 
 def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
     """Raises the error of the first rule the arguments break."""
-    if not isinstance(cp, CPContext):
-        raise TypeError(f"{fn}: ctx must be a CPContext (flashinfer_cake.cp.build_cp_context), got {type(cp).__name__}")
     if handle is not None:
         if not isinstance(handle, CPRecomputeHandle):
             raise TypeError(f"{fn}: recompute_handle must be a CPRecomputeHandle or None, got {type(handle).__name__}")
@@ -276,25 +274,17 @@ def cake_causal_conv1d_cp_multi(xs, weights, ctx: CPContext, biases=None, *, sil
 
 
 def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.Tensor]:
-    """Both public calls: their checks under the caller's name (on a context built with
-    verify=True, also that every rank makes the same call: verify_call; not inside graph capture,
-    nor in the recomputation through a recompute_handle, which exchanges nothing), then the
-    autograd function."""
+    """Both public calls: their checks under the caller's name (check_call: on a context built
+    with verify=True, also the same call on every rank, except in the recomputation through a
+    recompute_handle, which exchanges nothing), then the autograd function."""
     xs, weights = list(xs), list(weights)
     biases = [None] * len(xs) if biases is None else list(biases)
-    if isinstance(ctx, CPContext) and ctx.verify and not capturing() and not (handle is not None and _in_backward()):
-        try:
-            _check_call(fn, ctx, xs, weights, biases, policy, handle)
-            problem = None
-        except (TypeError, ValueError, RuntimeError) as e:
-            problem = e
-        call = "" if problem else (
-            f"{len(xs)} tensor(s) of {[x.shape[-1] for x in xs]} channels, x {[str(x.dtype) for x in xs]}, weight "
-            f"{[str(w.dtype) for w in weights]}, bias {[None if b is None else str(b.dtype) for b in biases]}, "
-            f"silu_grad_preactivation {policy!r}")
-        verify_call(fn, ctx, call, problem)  # raises on every rank when any rank has a problem
-    else:
-        _check_call(fn, ctx, xs, weights, biases, policy, handle)
+    check_context(fn, ctx)
+    check_call(fn, ctx, lambda: _check_call(fn, ctx, xs, weights, biases, policy, handle),
+               lambda: (f"{len(xs)} tensor(s) of {[x.shape[-1] for x in xs]} channels, x {[str(x.dtype) for x in xs]}, "
+                        f"weight {[str(w.dtype) for w in weights]}, bias "
+                        f"{[None if b is None else str(b.dtype) for b in biases]}, silu_grad_preactivation {policy!r}"),
+               collective=handle is None or not _in_backward())
     return list(_CPConv.apply(ctx, handle, policy, len(xs), *xs, *weights, *biases))
 
 

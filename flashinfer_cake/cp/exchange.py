@@ -10,7 +10,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from .partition import CPContext, verify_call
+from .. import _checks
+from .partition import CPContext, check_call, check_context
 
 try:  # the process group's own collective call (see exchange_rows)
     from torch._C._distributed_c10d import AllToAllOptions as _AllToAllOptions
@@ -117,36 +118,23 @@ def halo_exchange_multi(xs, ctx: CPContext) -> list[torch.Tensor]:
 
 
 def _exchange(fn: str, xs: list, ctx, names: list[str]) -> list[torch.Tensor]:
-    """Both public exchanges: their checks under the caller's name and argument names (and, on a
-    context built with verify=True, the same call on every rank: verify_call)."""
-    if not isinstance(ctx, CPContext):
-        raise TypeError(f"{fn}: ctx must be a CPContext (flashinfer_cake.cp.build_cp_context), got {type(ctx).__name__}")
-    problem = _exchange_problem(fn, xs, ctx, names)
-    if ctx.verify and not capturing():
-        verify_call(fn, ctx, "" if problem else f"{len(xs)} tensor(s) of {[x.shape[-1] for x in xs]} channels, "
-                                                f"{xs[0].dtype}", problem)  # raises on every rank if any failed
-    if problem is not None:
-        raise problem
+    """Both public exchanges: their checks under the caller's name and argument names."""
+    check_context(fn, ctx)
+    check_call(fn, ctx, lambda: _check_exchange(fn, xs, ctx, names),
+               lambda: f"{len(xs)} tensor(s) of {[x.shape[-1] for x in xs]} channels, {xs[0].dtype}")
     return list(_HaloExchange.apply(ctx, *xs))
 
 
-def capturing() -> bool:
-    """Inside CUDA graph capture (no host collective may run: verify_call is skipped there)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _exchange_problem(fn: str, xs: list, ctx: CPContext, names: list[str]) -> Exception | None:
+def _check_exchange(fn: str, xs: list, ctx: CPContext, names: list[str]) -> None:
     if not xs:
-        return ValueError(f"{fn}: xs must hold at least one tensor")
+        raise ValueError(f"{fn}: xs must hold at least one tensor")
     for x, name in zip(xs, names):
-        if not isinstance(x, torch.Tensor):
-            return TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(x).__name__}")
+        _checks.check_types(fn, ((name, x),), ())
         if not (x.dim() == 2 or (x.dim() == 3 and x.shape[0] == 1)) or x.shape[-2] != ctx.num_tokens \
                 or x.dtype != xs[0].dtype or x.device != ctx.cu_seqlens.device:
-            return ValueError(f"{fn}: {name} must be [T, C] or [1, T, C] with this rank's T = {ctx.num_tokens} tokens, "
-                              f"{names[0]}'s dtype and the context's device ({ctx.cu_seqlens.device}), got shape "
-                              f"{tuple(x.shape)}, {x.dtype} on {x.device}")
-    return None
+            raise ValueError(f"{fn}: {name} must be [T, C] or [1, T, C] with this rank's T = {ctx.num_tokens} tokens, "
+                             f"{names[0]}'s dtype and the context's device ({ctx.cu_seqlens.device}), got shape "
+                             f"{tuple(x.shape)}, {x.dtype} on {x.device}")
 
 
 def halo_exchange(x_local: torch.Tensor, ctx: CPContext) -> torch.Tensor:

@@ -203,7 +203,7 @@ class CPContext:
     g_recv_splits: tuple
     num_tokens: int            # local tokens
     num_fragments: int
-    verify: bool = False       # build_cp_context(verify=True): calls check that every rank's call agrees (verify_call)
+    verify: bool = False       # build_cp_context(verify=True): each call checks every rank makes the same (check_call)
 
 
 def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify: bool = False) -> CPContext:
@@ -338,12 +338,33 @@ def _verify_same_partition(partition, group, problem: Exception | None) -> None:
                         lambda m: m.rsplit("digest ", 1)[-1])
 
 
-def verify_call(fn: str, ctx: CPContext, call: str, problem: Exception | None) -> None:
-    """A call on a context built with verify=True: every rank of its group gathers every rank's
-    description of the call (``call``) or its argument error and raises the same ValueError where
-    they differ or any failed (so no rank is left waiting in the call's collective)."""
+def check_context(fn: str, ctx) -> None:
+    if not isinstance(ctx, CPContext):
+        raise TypeError(f"{fn}: ctx must be a CPContext (flashinfer_cake.cp.build_cp_context), got "
+                        f"{type(ctx).__name__}")
+
+
+def capturing() -> bool:
+    """Inside CUDA graph capture (no host collective may run there)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_call(fn: str, ctx: CPContext, check, describe, *, collective: bool = True) -> None:
+    """The argument checks of one call on ``ctx`` (``check()`` raises the call's error). On a
+    context built with verify=True, where the call runs its collective (``collective``) outside
+    graph capture, every rank of the group first gathers every rank's ``describe()`` of the call
+    or its argument error, and raises the same ValueError where they differ or any failed (so no
+    rank is left waiting in the call's collective)."""
+    if not (ctx.verify and collective and not capturing()):
+        check()
+        return
+    try:
+        check()
+        problem = None
+    except (TypeError, ValueError, RuntimeError) as e:
+        problem = e
     _gather_and_compare(fn, "made different calls", ctx.group, problem,
-                        call if problem is None else f"its arguments: {problem}", lambda m: m)
+                        describe() if problem is None else f"its arguments: {problem}", lambda m: m)
 
 
 def _gather_and_compare(fn: str, what: str, group, problem: Exception | None, mine: str, key) -> None:

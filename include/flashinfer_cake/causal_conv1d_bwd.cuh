@@ -560,10 +560,11 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     // put 2-16 strips in a warp: voted per lane, the warp would run both bodies one after the
     // other), else the stateless body. tune.py --states (H200, 2026-12-01), time over the
     // stateless backward, against a first choice per strip (a strip without kInDoc in its block
-    // and the next walked a third, stateless-only loop; code 92-95 KB, now 77-80 KB): 8192x4096 17 documents 1.19 -> 1.07x, 4096x8192 24 documents 1.31 -> 1.14x,
-    // 524288x64 2048 documents 1.90 -> 1.27x, 1048576x16 4096 documents 2.21 -> 1.31x; 1 document
-    // 1.006 -> 1.038x, 512-1820 documents within 1 %. Reading the next step's choice one step
-    // ahead was slower (1 document 1.057x).
+    // and the next walked a third, stateless-only loop; code 92-95 KB, now 77-80 KB): 8192x4096
+    // 17 documents 1.19 -> 1.07x, 4096x8192 24 documents 1.31 -> 1.14x, 524288x64 2048 documents
+    // 1.90 -> 1.27x, 1048576x16 4096 documents 2.21 -> 1.31x; 1 document 1.006 -> 1.038x, 512-1820
+    // documents within 1 %. Reading the next step's choice one step ahead was slower (1 document
+    // 1.057x).
     if constexpr (kStates) {
       const auto step_events = [&](int r) {
         // codes of tokens r .. r + 3 (the peeled step: r .. r + 2) and r - 3 .. r - 1 (the word
