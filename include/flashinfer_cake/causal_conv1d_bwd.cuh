@@ -390,6 +390,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     // row r writes its own into slot q (whose x[u-4] and g[u-4] are no longer needed). The loop
     // is not unrolled further: the body stays small in the instruction cache.
     float xm[4][V], gm[4][V] = {};
+    [[maybe_unused]] Row fm[4];  // kStates: slot q, the dfinal row of the token of phase q
     int pm[4] = {0, 0, 0, 0};
     // Rows 0..2 (x before t0), each refilling the ring with row i + R - 1 (a token >= t0 - 1).
 #pragma unroll
@@ -452,12 +453,24 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     uint32_t dx_off = static_cast<uint32_t>(t0 - 3) * p.dx_row_stride + vec;
     // kEvents (a compile-time bool): the stateful body, which the walk below runs on a step when
     // a token near it has a state event (kInDoc) in this lane or another lane of the warp. Its
-    // kInDoc-gated work reads the row's own code, the one 2 rows back (dinit) and 3 back (dfinal):
-    // a new kInDoc-gated read must stay in that window or widen step_events' masks. Where no token
-    // in the window has kInDoc it computes bitwise what the stateless body does.
+    // kInDoc-gated work reads the row's own code (the dfinal load), the one 2 rows back (dinit)
+    // and 3 back (the dfinal add): a new kInDoc-gated read must stay in that window or widen
+    // step_events' masks. Where no token in the window has kInDoc it computes bitwise what the
+    // stateless body does.
     const auto row = [&](int r, auto phase, auto events) {
       constexpr int q = decltype(phase)::value, s3 = (q + 1) % 4, s2 = (q + 2) % 4, s1 = (q + 3) % 4;
       constexpr bool kEvents = decltype(events)::value;
+      if constexpr (kEvents) {
+        // The token is one of its document's last 3, k before its end: its final-state row's
+        // gradient (row 3 - k) is loaded now and added to its dx 3 rows later, so the load's
+        // latency is hidden behind 3 rows (loaded where it is added, it was 12 % of the stall
+        // samples at 1024 documents, r35). The step of row r + 3 is stateful too: it looks 3
+        // tokens back.
+        const int c = pos_row[r], k = c >> detail::kEndShift & 3;
+        if (dfinal_v && active && k && (c & detail::kInDoc)) {
+          fm[q] = __ldg(dfinal_v + state_off(doc_row[r], 3 - k) + vec);
+        }
+      }
       if (r + R + 2 < N) {  // refill the slot ring row r + 2 has just left with row r + R + 2
         const bool valid = refill_t < t_lim;
         const int slot = q == 0 ? prev + 3 : cur + q - 1;
@@ -533,12 +546,12 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
           d[j] = v;
         }
         if constexpr (kEvents) {
-          // s is one of its document's last 3 tokens, k before its end: its final-state row's
-          // gradient (row 3 - k) adds to its dx.
+          // s is one of its document's last 3 tokens: its final-state row's gradient, loaded
+          // 3 rows ago into slot s3, adds to its dx.
           const int cs = pm[s3], k = cs >> detail::kEndShift & 3;
           if (dfinal_v && active && k && (cs & detail::kInDoc)) {
             float f[V];
-            detail::row_to_float(__ldg(dfinal_v + state_off(doc_row[r - 3], 3 - k) + vec), f);
+            detail::row_to_float(fm[s3], f);
 #pragma unroll
             for (int j = 0; j < V; ++j) d[j] += f[j];
           }
