@@ -329,6 +329,18 @@ __device__ __forceinline__ size_t state_row_offset(int d, int i, uint32_t vecs_p
   return (static_cast<size_t>(d) * 3 + i) * vecs_per_row;
 }
 
+// Document d's initial rows (vector column vec) prefetched into L2, so the load of them at the
+// document's first token waits on L2, not DRAM; nothing for a d outside [0, num_docs).
+template <class RowT>
+__device__ __forceinline__ void prefetch_initial_rows(const RowT* init_v, int d, int num_docs, uint32_t vecs_per_row,
+                                                      int vec) {
+  if (static_cast<unsigned>(d) < static_cast<unsigned>(num_docs)) {
+    const RowT* row = init_v + state_row_offset(d, 0, vecs_per_row) + vec;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + i * vecs_per_row));
+  }
+}
+
 // A strip whose first token (code: its scan_documents code, *doc: its document) is 1 or 2 tokens
 // into a document with an initial state (given when `given`): the window rows before the document
 // (xm[1], xm[2]: 3 and 2 tokens back) are the state's last rows, for vector column vec. The forward

@@ -215,6 +215,8 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
       detail::row_to_float(__ldg(init_v + off + 2 * vecs_per_row), x1);
       detail::row_to_float(__ldg(init_v + off + vecs_per_row), x2);
       detail::row_to_float(__ldg(init_v + off), x3);
+      // the next document's, read at its first token (in this strip when documents are short)
+      detail::prefetch_initial_rows(init_v, doc_row[r] + 1, p.num_docs, vecs_per_row, vec);
     }
     if (final_v && k) {
       final_v[off + (3 - k) * vecs_per_row] = xrow;
@@ -269,6 +271,18 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   };
   if constexpr (kStates) {
     if (s_strip_events[strip]) {
+      // Prefetched initial rows: the first document starting in the strip (token 0's, or the next
+      // one), and the last token's (r37, H200: many documents 2-3 % faster).
+      if (init_v && active) {
+        const int c0 = pos_row[0];
+        if (c0 & detail::kInDoc) {
+          detail::prefetch_initial_rows(init_v, doc_row[0] + ((c0 & detail::kPosMask) != 0), p.num_docs, vecs_per_row,
+                                        vec);
+        }
+        if (static_cast<uint32_t>(L + 2) < lim && (pos_row[L - 1] & detail::kInDoc)) {
+          detail::prefetch_initial_rows(init_v, doc_row[L - 1], p.num_docs, vecs_per_row, vec);
+        }
+      }
       walk(std::true_type{});
     } else {
       walk(std::false_type{});
