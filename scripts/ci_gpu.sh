@@ -11,4 +11,6 @@ $PY -m pip install ${PIP_INSTALL_FLAGS:-} -e ".[test]"
 arch=$($PY -c "import torch; from flashinfer_cake.jit.env import ARCH_OF_CAPABILITY as A; \
 print(A[torch.cuda.get_device_capability()])")
 $PY scripts/aot_build.py --arch "$arch"
-FLASHINFER_CAKE_REQUIRE_GPU=1 $PY -m pytest tests -ra "$@"
+# CAKE_TEST_PATHS: a part of the suite (paths or globs, e.g. "tests/test_[a-c]*.py"); default all.
+# shellcheck disable=SC2086
+FLASHINFER_CAKE_REQUIRE_GPU=1 $PY -m pytest ${CAKE_TEST_PATHS:-tests} -ra "$@"
