@@ -289,9 +289,10 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;
   // The last token group runs first: with states it holds the end of the batch's last document,
-  // whose strips wait on the final states' gradient (loads the row needs at once); run last, that
-  // wait extended the whole kernel (1 document: 1.11-1.19x the stateless time, 1.02-1.08x so;
-  // tune.py --states, H200). The reduction adds groups by index, not launch order.
+  // whose strips wait on the final states' gradient (loaded where it was added, before v27); run
+  // last, that wait extended the whole kernel (1 document: 1.11-1.19x the stateless time,
+  // 1.02-1.08x so; tune.py --states, H200; not re-measured since v27 loads it 3 rows ahead). The
+  // reduction adds groups by index, not launch order.
   const int launch_group = blockIdx.x / p.tiles_c;
   const int tile_c = blockIdx.x - launch_group * p.tiles_c;
   const int group = launch_group == 0 ? p.groups - 1 : launch_group - 1;
