@@ -466,9 +466,10 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         // gradient (row 3 - k) is loaded now and added to its dx 3 rows later, so the load's
         // latency is hidden behind 3 rows (loaded where it is added, it was 12 % of the stall
         // samples at 1024 documents, r35). The step of row r + 3 is stateful too: it looks 3
-        // tokens back.
+        // tokens back. Rows >= L are the lookahead: their dx is the next strip's, which loads
+        // their dfinal itself (skipping them: 1-2.6 % at many documents, r41).
         const int c = pos_row[r], k = c >> detail::kEndShift & 3;
-        if (dfinal_v && active && k && (c & detail::kInDoc)) {
+        if (r < L && dfinal_v && active && k && (c & detail::kInDoc)) {
           fm[q] = __ldg(dfinal_v + state_off(doc_row[r], 3 - k) + vec);
         }
       }
