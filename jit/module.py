@@ -14,7 +14,7 @@ def _args_struct(name: str, fields: str) -> type[ctypes.Structure]:
 
 
 class KernelModule:
-    """A loaded kernel module. ``entry_addresses`` (fwd, bwd, stream_is_capturing,
+    """A loaded kernel module. ``entry_addresses`` (fwd, bwd, cp, stream_is_capturing,
     last_error_message) are what the torch binding calls: the public path.
     :meth:`causal_conv1d_fwd` / :meth:`causal_conv1d_bwd` call the entries from Python with every
     field of the entry's argument struct by keyword (device pointers and the stream as ints; the
@@ -40,7 +40,7 @@ class KernelModule:
         self.fwd_args = _args_struct("FwdArgs", fwd_names().decode())
         self.bwd_args = _args_struct("BwdArgs", bwd_names().decode())
         self.cp_args = _args_struct("CpArgs", cp_names().decode())
-        self.entry_addresses = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (fwd, bwd, capturing, message))
+        self.entry_addresses = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in (fwd, bwd, cp, capturing, message))
         self._fwd, self._bwd, self._cp, self._message = fwd, bwd, cp, message
 
     @staticmethod
@@ -59,7 +59,8 @@ class KernelModule:
         return self._bwd(ctypes.addressof(args))
 
     def causal_conv1d_cp(self, **kwargs) -> int:
-        """A context-parallel pass (causal_conv1d_cp.cuh; flashinfer_cake.cp calls it)."""
+        """A context-parallel pass (causal_conv1d_cp.cuh; flashinfer_cake.cp calls it through the
+        torch binding)."""
         args = self._pack(self.cp_args, kwargs)
         return self._cp(ctypes.addressof(args))
 

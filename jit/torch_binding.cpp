@@ -52,10 +52,12 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace {
 
 using flashinfer_cake::BwdArgs;
+using flashinfer_cake::CpArgs;
 using flashinfer_cake::FwdArgs;
 using flashinfer_cake::kBwdMaxElements;
 using flashinfer_cake::kBwdMaxS;
@@ -70,6 +72,7 @@ using flashinfer_cake::kMaxDevices;
 struct KernelEntries {
   int (*fwd)(const FwdArgs*) = nullptr;
   int (*bwd)(const BwdArgs*) = nullptr;
+  int (*cp)(const CpArgs*) = nullptr;
   int (*capturing)(const void* stream) = nullptr;
   const char* (*message)() = nullptr;
 };
@@ -311,34 +314,40 @@ int dtype_code(PyObject* obj, bool bias) {
   return code < 0 ? -1 : code + (bias ? 1 : 0);
 }
 
-// register_kernel_module(device, weight dtype, bias dtype or None, fwd, bwd, capturing, message):
-// the addresses of a loaded kernel module's C entries (KernelModule.entry_addresses).
+// False, with a TypeError set, when a function of this file gets another argument count.
+bool takes(const char* fn, Py_ssize_t nargs, Py_ssize_t want) {
+  if (nargs == want) return true;
+  PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", fn, want);
+  return false;
+}
+
+// register_kernel_module(device, weight dtype, bias dtype or None, fwd, bwd, cp, capturing,
+// message): the addresses of a loaded kernel module's C entries (KernelModule.entry_addresses).
 PyObject* register_kernel_module(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 7) {
-    PyErr_SetString(PyExc_TypeError, "register_kernel_module takes 7 arguments");
-    return nullptr;
-  }
+  if (!takes("register_kernel_module", nargs, 8)) return nullptr;
   const long device = PyLong_AsLong(args[0]);
   if (PyErr_Occurred()) return nullptr;
   const int w = dtype_code(args[1], false), b = dtype_code(args[2], true);
-  void* p[4];
-  for (int i = 0; i < 4; ++i) {
+  void* p[5];
+  for (int i = 0; i < 5; ++i) {
     p[i] = PyLong_AsVoidPtr(args[3 + i]);
     if (PyErr_Occurred()) return nullptr;
   }
-  if (device < 0 || device >= kMaxDevices || w < 0 || b < 0 || !p[0] || !p[1] || !p[2] || !p[3]) {
+  if (device < 0 || device >= kMaxDevices || w < 0 || b < 0 || !p[0] || !p[1] || !p[2] || !p[3] || !p[4]) {
     PyErr_SetString(PyExc_ValueError, "register_kernel_module: device, dtype or entry address out of range");
     return nullptr;
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   g_modules[device][w][b] = {reinterpret_cast<int (*)(const FwdArgs*)>(p[0]),
                              reinterpret_cast<int (*)(const BwdArgs*)>(p[1]),
-                             reinterpret_cast<int (*)(const void*)>(p[2]), reinterpret_cast<const char* (*)()>(p[3])};
+                             reinterpret_cast<int (*)(const CpArgs*)>(p[2]),
+                             reinterpret_cast<int (*)(const void*)>(p[3]), reinterpret_cast<const char* (*)()>(p[4])};
   Py_RETURN_NONE;
 }
 
 constexpr const char* kFwd = "cake_causal_conv1d_train_forward";
 constexpr const char* kBwd = "cake_causal_conv1d_train_backward";
+constexpr const char* kCp = "cake_causal_conv1d_cp";
 
 // Whether any tensor of `spans` from index first_written on overlaps one before it (null: absent).
 template <size_t N>
@@ -544,10 +553,7 @@ int round_preact_of(PyObject* policy) {
 // or None when declined.
 PyObject* try_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 8) {
-    PyErr_SetString(PyExc_TypeError, "try_forward takes 8 arguments");
-    return nullptr;
-  }
+  if (!takes("try_forward", nargs, 8)) return nullptr;
   ForwardCall c{};
   if (!as_tensor(args[0], false, &c.x) || !as_tensor(args[1], false, &c.weight) ||
       !as_tensor(args[2], false, &c.cu_seqlens) || !as_tensor(args[3], true, &c.bias) ||
@@ -566,10 +572,7 @@ PyObject* try_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // [, dinitial_states]), or None when declined.
 PyObject* try_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 13) {
-    PyErr_SetString(PyExc_TypeError, "try_backward takes 13 arguments");
-    return nullptr;
-  }
+  if (!takes("try_backward", nargs, 13)) return nullptr;
   BackwardCall c{};
   c.round_preact = round_preact_of(args[7]);
   if (!as_tensor(args[0], false, &c.x) || !as_tensor(args[1], false, &c.weight) ||
@@ -723,10 +726,7 @@ struct CakeCausalConv1dBackward final : Node {
 // declined (also when x is outside the backward's range: the error comes now, not in the backward).
 PyObject* try_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 7) {
-    PyErr_SetString(PyExc_TypeError, "try_autograd_forward takes 7 arguments");
-    return nullptr;
-  }
+  if (!takes("try_autograd_forward", nargs, 7)) return nullptr;
   ForwardCall c{};
   const int round_preact = round_preact_of(args[6]);
   const bool return_final = args[5] == Py_True;
@@ -779,6 +779,374 @@ PyObject* try_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t narg
   END_HANDLE_TH_ERRORS
 }
 
+// ---- Context parallelism: the phases of flashinfer_cake/cp/conv.py's calls, one C++ call each ----
+//
+// A CP call's forward and backward are three phases each, with the exchange (a collective, issued
+// from Python) after the first and waited for after the second. Their tensors come as tuples, one
+// item per tensor of a multi call (xs[i] with weights[i] and biases[i]), and the context's int32
+// tables as tensors. cp_accepts() applies the call's rules (_checks.py's and the CP ones:
+// contiguous x of the context's token count); when it declines, conv.py raises the precise
+// error. Each phase checks what its memory safety needs and returns None, having launched
+// nothing, when anything is off or a kernel module is not registered yet (conv.py registers it
+// and calls again; a second None is an internal error).
+
+// The tensors of a tuple argument: false when `obj` is not a tuple of `n` items (n < 0: at least
+// one) or an item is neither a tensor nor (optional) None.
+bool as_tensors(PyObject* obj, bool optional, Py_ssize_t n, std::vector<const at::Tensor*>* out) {
+  if (!PyTuple_Check(obj)) return false;
+  const Py_ssize_t size = PyTuple_GET_SIZE(obj);
+  if (n >= 0 ? size != n : size < 1) return false;
+  out->resize(size);
+  for (Py_ssize_t i = 0; i < size; ++i) {
+    if (!as_tensor(PyTuple_GET_ITEM(obj, i), optional, &(*out)[i])) return false;
+  }
+  return true;
+}
+
+// A CP call's items after cp_items(): each x with its weight, bias and kernel module.
+struct CpItems {
+  std::vector<const at::Tensor*> xs, weights, biases;
+  std::vector<KernelEntries> modules;
+  int64_t S = 0;        // the tokens, the same for every item
+  int64_t total_c = 0;  // the items' channels side by side: the width of the exchanged rows
+  int device = 0;
+};
+
+// xs, weights, biases: tuples of one length whose every item passes the forward's rules within
+// the backward's range (check_forward) with a contiguous x of the same S on one device, and whose
+// variant's module is registered.
+bool cp_items(PyObject* xs, PyObject* weights, PyObject* biases, const at::Tensor& cu_seqlens, CpItems* c) {
+  if (!as_tensors(xs, false, -1, &c->xs)) return false;
+  const size_t n = c->xs.size();
+  if (!as_tensors(weights, false, n, &c->weights) || !as_tensors(biases, true, n, &c->biases)) return false;
+  c->modules.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    ForwardCall f{};
+    f.x = c->xs[i];
+    f.weight = c->weights[i];
+    f.cu_seqlens = &cu_seqlens;
+    f.bias = c->biases[i];
+    if (!check_forward(&f, kBwdMaxS, kBwdMaxElements) || !f.m.cp || !f.m.bwd || !c->xs[i]->is_contiguous() ||
+        (i > 0 && (f.S != c->S || f.device != c->device))) {
+      return false;
+    }
+    c->S = f.S, c->device = f.device, c->modules[i] = f.m;
+    c->total_c += f.C;
+  }
+  return true;
+}
+
+// One tensor per item, each BF16 contiguous, 16-byte aligned, of its x's shape (dy, y, dx).
+bool cp_rows(PyObject* obj, const CpItems& c, std::vector<const at::Tensor*>* out) {
+  if (!as_tensors(obj, false, c.xs.size(), out)) return false;
+  for (size_t i = 0; i < out->size(); ++i) {
+    const at::Tensor& t = *(*out)[i];
+    if (!check_rows_like(t, *c.xs[i], kBwdMaxElements, c.device) || !t.is_contiguous() || misaligned16({&t})) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// One halo per item: BF16 [num_frags, 3, C], contiguous, 16-byte aligned.
+bool cp_halos(PyObject* obj, const CpItems& c, int64_t num_frags, std::vector<const at::Tensor*>* out) {
+  if (!as_tensors(obj, false, c.xs.size(), out)) return false;
+  for (size_t i = 0; i < out->size(); ++i) {
+    const at::Tensor& h = *(*out)[i];
+    if (!check_states(h, num_frags, c.xs[i]->size(-1), c.device) || misaligned16({&h})) return false;
+  }
+  return true;
+}
+
+// A context table: int32 1-D contiguous on `device`, of `numel` entries (any count when < 0).
+bool cp_table(PyObject* obj, int64_t numel, int device, const at::Tensor** out) {
+  if (!as_tensor(obj, false, out)) return false;
+  const at::Tensor& t = **out;
+  return t.scalar_type() == at::kInt && t.dim() == 1 && (numel < 0 || t.numel() == numel) && usable_on(t, device);
+}
+
+// Exchanged rows: `dtype` [rows, c.total_c] (any rows), contiguous, 16-byte aligned, on c's device.
+bool cp_exchanged(PyObject* obj, const CpItems& c, at::ScalarType dtype, const at::Tensor** out) {
+  if (!as_tensor(obj, false, out)) return false;
+  const at::Tensor& t = **out;
+  return t.scalar_type() == dtype && t.dim() == 2 && t.size(1) == c.total_c && usable_on(t, c.device) &&
+         !misaligned16({&t});
+}
+
+// An int argument in [lo, hi]; false otherwise (a Python error may be set: the caller returns None
+// after clearing it).
+bool as_int(PyObject* obj, int64_t lo, int64_t hi, int64_t* out) {
+  if (!PyLong_Check(obj)) return false;
+  *out = PyLong_AsLongLong(obj);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return *out >= lo && *out <= hi;
+}
+
+// The pass-specific arguments of one CP launch; the rest comes from the item.
+struct CpPass {
+  int pass = 0;
+  const at::Tensor *dy = nullptr, *out = nullptr, *halo = nullptr, *cu_seqlens = nullptr, *frag_info = nullptr,
+                   *g_rows = nullptr, *g_import = nullptr;
+  intptr_t g_out = 0, g_in = 0;
+  int64_t g_ld = 0, g_in_rows = 0;
+  int round_preact = 1;
+};
+
+// Launches pass p of item i on `stream` (causal_conv1d_cp_entry checks the rest).
+void run_cp_pass(const CpItems& c, size_t i, const CpPass& p, intptr_t stream) {
+  at::Tensor weight_copy, bias_copy;
+  CpArgs a{};
+  a.pass = p.pass;
+  a.x = address(c.xs[i]);
+  a.dy = address(p.dy);
+  a.out = address(p.out);
+  a.weight = aligned_param(c.weights[i], &weight_copy);
+  a.bias = aligned_param(c.biases[i], &bias_copy);
+  a.cu_seqlens = address(p.cu_seqlens);
+  a.halo = address(p.halo);
+  a.frag_info = address(p.frag_info);
+  a.g_rows = address(p.g_rows);
+  a.g_out = p.g_out;
+  a.g_in = p.g_in;
+  a.g_import = address(p.g_import);
+  a.g_ld = p.g_ld;
+  a.g_in_rows = p.g_in_rows;
+  a.S = c.S;
+  a.C = c.xs[i]->size(-1);
+  a.num_frags = p.frag_info->numel();
+  a.num_items = p.g_rows ? p.g_rows->numel() : 0;
+  a.round_preact = p.round_preact;
+  a.device = c.device;
+  a.stream = stream;
+  check_launch(c.modules[i], kCp, c.modules[i].cp(&a));
+}
+
+// A tuple of new references (all or nothing); null with the Python error set.
+PyObject* tuple_of(std::vector<PyObject*> items) {
+  bool ok = true;
+  for (PyObject* it : items) ok = ok && it;
+  PyObject* result = ok ? PyTuple_New(static_cast<Py_ssize_t>(items.size())) : nullptr;
+  if (!result) {
+    for (PyObject* it : items) Py_XDECREF(it);
+    return nullptr;
+  }
+  for (size_t i = 0; i < items.size(); ++i) PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), items[i]);
+  return result;
+}
+
+// cp_accepts(xs, weights, biases, cu_seqlens, num_tokens) -> bool.
+PyObject* cp_accepts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!takes("cp_accepts", nargs, 5)) return nullptr;
+  CpItems c;
+  const at::Tensor* cu;
+  int64_t tokens;
+  const bool ok = as_tensor(args[3], false, &cu) && as_int(args[4], 0, kBwdMaxS - 1, &tokens) &&
+                  cp_items(args[0], args[1], args[2], *cu, &c) && c.S == tokens;
+  return PyBool_FromLong(ok);
+  END_HANDLE_TH_ERRORS
+}
+
+// cp_send(xs, export_rows, recv_rows) -> (send, received): the forward's exchange buffers. send:
+// the rows other ranks' halos need, [export_rows.numel(), total C] BF16, each x's columns side by
+// side; received: [recv_rows + 1, total C], its last row zeros (the halo row before a document),
+// the others for the exchange to fill.
+PyObject* cp_send(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!takes("cp_send", nargs, 3)) return nullptr;
+  std::vector<const at::Tensor*> xs;
+  const at::Tensor* export_rows;
+  int64_t recv_rows;
+  if (!as_tensors(args[0], false, -1, &xs) || !as_int(args[2], 0, kMaxCuSeqlens, &recv_rows)) Py_RETURN_NONE;
+  int64_t S = 0, C = 0, total_c = 0;
+  int device = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    int64_t s;
+    int d;
+    if (!check_x(*xs[i], kBwdMaxS, kBwdMaxElements, &s, &C, &d) || !xs[i]->is_contiguous() ||
+        (i > 0 && (s != S || d != device))) {
+      Py_RETURN_NONE;
+    }
+    S = s, device = d, total_c += C;
+  }
+  if (!cp_table(args[1], -1, device, &export_rows)) Py_RETURN_NONE;
+  at::Tensor send, received;
+  {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> parts;
+    for (const at::Tensor* x : xs) parts.push_back(at::index_select(x->view({S, x->size(-1)}), 0, *export_rows));
+    send = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
+    received = at::empty({recv_rows + 1, total_c}, xs[0]->options());
+    received.select(0, recv_rows).zero_();
+  }
+  return tuple_of({THPVariable_Wrap(std::move(send)), THPVariable_Wrap(std::move(received))});
+  END_HANDLE_TH_ERRORS
+}
+
+// cp_forward(xs, weights, biases, cu_seqlens) -> ys: the main forward of every item, each
+// fragment read as a document (the head rows of continuing fragments still to fix).
+PyObject* cp_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!takes("cp_forward", nargs, 4)) return nullptr;
+  CpItems c;
+  const at::Tensor* cu;
+  if (!as_tensor(args[3], false, &cu) || !cp_items(args[0], args[1], args[2], *cu, &c)) Py_RETURN_NONE;
+  std::vector<PyObject*> ys;
+  for (size_t i = 0; i < c.xs.size(); ++i) {
+    ForwardCall f{};
+    f.x = c.xs[i], f.weight = c.weights[i], f.cu_seqlens = cu, f.bias = c.biases[i];
+    check_forward(&f, kBwdMaxS, kBwdMaxElements);  // accepted above: sets what run_forward reads
+    ys.push_back(THPVariable_Wrap(run_forward(f)));
+  }
+  return tuple_of(std::move(ys));
+  END_HANDLE_TH_ERRORS
+}
+
+// cp_forward_heads(ys, xs, weights, biases, received, import_rows, cu_seqlens, frag_info) ->
+// halos: each item's halo [num_frags, 3, C] gathered from the received rows (its columns of them)
+// and, with it, y of the head rows of the fragments that continue their documents rewritten.
+PyObject* cp_forward_heads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!takes("cp_forward_heads", nargs, 8)) return nullptr;
+  CpItems c;
+  std::vector<const at::Tensor*> ys;
+  const at::Tensor *received, *import_rows, *cu, *frag_info;
+  if (!as_tensor(args[6], false, &cu) || !cp_items(args[1], args[2], args[3], *cu, &c) || !cp_rows(args[0], c, &ys) ||
+      !cp_exchanged(args[4], c, at::kBFloat16, &received) || !cp_table(args[7], cu->numel() - 1, c.device, &frag_info) ||
+      !cp_table(args[5], 3 * frag_info->numel(), c.device, &import_rows)) {
+    Py_RETURN_NONE;
+  }
+  const int64_t F = frag_info->numel();
+  const intptr_t stream = current_stream(c.device);
+  std::vector<PyObject*> halos;
+  int64_t at_c = 0;
+  for (size_t i = 0; i < c.xs.size(); ++i) {
+    const int64_t C = c.xs[i]->size(-1);
+    at::Tensor halo;
+    {
+      at::NoGradGuard no_grad;
+      const at::Tensor cols = c.xs.size() == 1 ? *received : received->narrow(1, at_c, C);
+      halo = at::index_select(cols, 0, *import_rows).view({F, 3, C});  // new, contiguous
+    }
+    if (c.S > 0) {
+      CpPass p;
+      p.pass = flashinfer_cake::kCpFwdHeads, p.out = ys[i], p.halo = &halo, p.cu_seqlens = cu, p.frag_info = frag_info;
+      run_cp_pass(c, i, p, stream);
+    }
+    halos.push_back(THPVariable_Wrap(std::move(halo)));
+    at_c += C;
+  }
+  return tuple_of(std::move(halos));
+  END_HANDLE_TH_ERRORS
+}
+
+// cp_grad_send(xs, dys, weights, biases, halos, cu_seqlens, frag_info, g_rows, recv_rows,
+// round_preact) -> (send, received): the backward's exchange buffers, FP32. send [g_rows.numel(),
+// total C]: the g of the head tokens other ranks need, each item's columns side by side;
+// received: [recv_rows, total C], which the exchange fills.
+PyObject* cp_grad_send(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!takes("cp_grad_send", nargs, 10)) return nullptr;
+  CpItems c;
+  std::vector<const at::Tensor*> dys, halos;
+  const at::Tensor *cu, *frag_info, *g_rows;
+  int64_t recv_rows, round_preact;
+  if (!as_tensor(args[5], false, &cu) || !cp_items(args[0], args[2], args[3], *cu, &c) || !cp_rows(args[1], c, &dys) ||
+      !cp_table(args[6], cu->numel() - 1, c.device, &frag_info) || !cp_halos(args[4], c, frag_info->numel(), &halos) ||
+      !cp_table(args[7], -1, c.device, &g_rows) || !as_int(args[8], 0, kMaxCuSeqlens, &recv_rows) ||
+      !as_int(args[9], 0, 1, &round_preact)) {
+    Py_RETURN_NONE;
+  }
+  at::Tensor send, received;
+  {
+    const c10::DeviceGuard guard(c.xs[0]->device());
+    const auto options = c.xs[0]->options().dtype(at::kFloat);
+    send = at::empty({g_rows->numel(), c.total_c}, options);
+    received = at::empty({recv_rows, c.total_c}, options);
+  }
+  if (send.numel() > 0) {  // (the pass takes no empty buffer)
+    const intptr_t stream = current_stream(c.device);
+    int64_t at_c = 0;
+    for (size_t i = 0; i < c.xs.size(); ++i) {
+      CpPass p;
+      p.pass = flashinfer_cake::kCpBwdHeads, p.dy = dys[i], p.halo = halos[i], p.cu_seqlens = cu;
+      p.frag_info = frag_info, p.g_rows = g_rows;
+      p.g_out = address(&send) + 4 * at_c, p.g_ld = c.total_c, p.round_preact = static_cast<int>(round_preact);
+      run_cp_pass(c, i, p, stream);
+      at_c += c.xs[i]->size(-1);
+    }
+  }
+  return tuple_of({THPVariable_Wrap(std::move(send)), THPVariable_Wrap(std::move(received))});
+  END_HANDLE_TH_ERRORS
+}
+
+// cp_backward(xs, dys, weights, biases, halos, cu_seqlens, round_preact) -> (*dxs, *dweights,
+// *dbiases): the main backward of every item with its halo as the fragments' initial states (dx
+// of the tail rows of continuing fragments still to fix); a dbias is None without bias.
+PyObject* cp_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!takes("cp_backward", nargs, 7)) return nullptr;
+  CpItems c;
+  std::vector<const at::Tensor*> dys, halos;
+  const at::Tensor* cu;
+  int64_t round_preact;
+  if (!as_tensor(args[5], false, &cu) || !cp_items(args[0], args[2], args[3], *cu, &c) || !cp_rows(args[1], c, &dys) ||
+      !cp_halos(args[4], c, cu->numel() - 1, &halos) || !as_int(args[6], 0, 1, &round_preact)) {
+    Py_RETURN_NONE;
+  }
+  const size_t n = c.xs.size();
+  std::vector<PyObject*> out(3 * n, nullptr);
+  for (size_t i = 0; i < n; ++i) {
+    BackwardCall b{c.xs[i],  c.weights[i], cu,      dys[i],  c.biases[i], halos[i], nullptr,
+                   nullptr, nullptr,      nullptr, nullptr, nullptr,     static_cast<int>(round_preact)};
+    if (!check_backward(&b)) {
+      for (PyObject* o : out) Py_XDECREF(o);
+      Py_RETURN_NONE;
+    }
+    Grads g = run_backward(b);
+    out[i] = THPVariable_Wrap(std::move(g.dx));
+    out[n + i] = THPVariable_Wrap(std::move(g.dweight));
+    out[2 * n + i] = g.dbias.defined() ? THPVariable_Wrap(std::move(g.dbias)) : Py_NewRef(Py_None);
+  }
+  return tuple_of(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+// cp_backward_tails(dxs, xs, dys, weights, biases, halos, received, cu_seqlens, frag_info,
+// g_import, round_preact) -> True: dx of the tail rows of the fragments whose documents go on
+// rewritten, with the received head g (FP32 [rows, total C], each item's columns side by side).
+PyObject* cp_backward_tails(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!takes("cp_backward_tails", nargs, 11)) return nullptr;
+  CpItems c;
+  std::vector<const at::Tensor*> dxs, dys, halos;
+  const at::Tensor *received, *cu, *frag_info, *g_import;
+  int64_t round_preact;
+  if (!as_tensor(args[7], false, &cu) || !cp_items(args[1], args[3], args[4], *cu, &c) || !cp_rows(args[0], c, &dxs) ||
+      !cp_rows(args[2], c, &dys) || !cp_table(args[8], cu->numel() - 1, c.device, &frag_info) ||
+      !cp_halos(args[5], c, frag_info->numel(), &halos) || !cp_exchanged(args[6], c, at::kFloat, &received) ||
+      !cp_table(args[9], 3 * frag_info->numel(), c.device, &g_import) || !as_int(args[10], 0, 1, &round_preact)) {
+    Py_RETURN_NONE;
+  }
+  if (c.S > 0) {
+    const intptr_t stream = current_stream(c.device);
+    int64_t at_c = 0;
+    for (size_t i = 0; i < c.xs.size(); ++i) {
+      CpPass p;
+      p.pass = flashinfer_cake::kCpBwdTails, p.dy = dys[i], p.out = dxs[i], p.halo = halos[i], p.cu_seqlens = cu;
+      p.frag_info = frag_info, p.g_import = g_import, p.g_in = address(received) + 4 * at_c;
+      p.g_ld = c.total_c, p.g_in_rows = received->size(0), p.round_preact = static_cast<int>(round_preact);
+      run_cp_pass(c, i, p, stream);
+      at_c += c.xs[i]->size(-1);
+    }
+  }
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
 #define CAKE_METHOD(name, doc) \
   { #name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(name)), METH_FASTCALL, doc }
 
@@ -794,8 +1162,25 @@ PyMethodDef g_methods[] = {
                 "try_autograd_forward(x, weight, cu_seqlens, bias, initial_states, return_final_states, "
                 "silu_grad_preactivation) -> y or (y, final_states) with cake_causal_conv1d's autograd node, or None "
                 "when declined"),
+    CAKE_METHOD(cp_accepts,
+                "cp_accepts(xs, weights, biases, cu_seqlens, num_tokens) -> whether a context-parallel call's tensors "
+                "pass every rule (and their modules are registered)"),
+    CAKE_METHOD(cp_send, "cp_send(xs, export_rows, recv_rows) -> (send, received), or None"),
+    CAKE_METHOD(cp_forward, "cp_forward(xs, weights, biases, cu_seqlens) -> ys, or None"),
+    CAKE_METHOD(cp_forward_heads,
+                "cp_forward_heads(ys, xs, weights, biases, received, import_rows, cu_seqlens, frag_info) -> halos, or "
+                "None"),
+    CAKE_METHOD(cp_grad_send,
+                "cp_grad_send(xs, dys, weights, biases, halos, cu_seqlens, frag_info, g_rows, recv_rows, "
+                "round_preact) -> (send, received), or None"),
+    CAKE_METHOD(cp_backward,
+                "cp_backward(xs, dys, weights, biases, halos, cu_seqlens, round_preact) -> (*dxs, *dweights, "
+                "*dbiases), or None"),
+    CAKE_METHOD(cp_backward_tails,
+                "cp_backward_tails(dxs, xs, dys, weights, biases, halos, received, cu_seqlens, frag_info, g_import, "
+                "round_preact) -> True, or None"),
     CAKE_METHOD(register_kernel_module,
-                "register_kernel_module(device, weight_dtype, bias_dtype_or_None, fwd, bwd, capturing, message): "
+                "register_kernel_module(device, weight_dtype, bias_dtype_or_None, fwd, bwd, cp, capturing, message): "
                 "a kernel module's entries"),
     {nullptr, nullptr, 0, nullptr},
 };

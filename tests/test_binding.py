@@ -52,6 +52,30 @@ def test_declines_cpu_tensors_and_non_tensors(loaded):
     assert loaded.try_autograd_forward(x, w, cu, None, None, 1, "bf16") is None  # not a bool
 
 
+def test_cp_phases_decline_cpu_tensors_and_non_tuples(loaded):
+    """The context-parallel phases (flashinfer_cake/cp/conv.py) launch only on accepted CUDA
+    tensors: anything else is declined (cp_accepts False, a phase None), nothing read."""
+    x, w, cu = cpu_args()
+    xs, ws, bs = (x,), (w,), (None,)
+    table = torch.zeros(6, dtype=torch.int32)
+    halo = torch.zeros(2, 3, 32, dtype=torch.bfloat16)
+    fake = mock.Mock(spec=torch.Tensor)
+    assert loaded.cp_accepts(xs, ws, bs, cu, 16) is False
+    assert loaded.cp_accepts([x], ws, bs, cu, 16) is False  # a list, not a tuple
+    assert loaded.cp_accepts((fake,), ws, bs, cu, 16) is False
+    assert loaded.cp_accepts(xs, ws, (None, None), cu, 16) is False  # lengths differ
+    assert loaded.cp_accepts((), (), (), cu, 16) is False
+    assert loaded.cp_accepts(xs, ws, bs, cu, -1) is False
+    assert loaded.cp_send(xs, table, 3) is None
+    assert loaded.cp_send((fake,), table, 3) is None
+    assert loaded.cp_forward(xs, ws, bs, cu) is None
+    assert loaded.cp_forward_heads(xs, xs, ws, bs, x, table, cu, table[:2]) is None
+    assert loaded.cp_grad_send(xs, xs, ws, bs, (halo,), cu, table[:2], table, 0, 1) is None
+    assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, 1) is None
+    assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, 2) is None
+    assert loaded.cp_backward_tails(xs, xs, xs, ws, bs, (halo,), x.float(), cu, table[:2], table, 1) is None
+
+
 def test_wrong_argument_count_is_a_type_error(loaded):
     x, w, cu = cpu_args()
     with pytest.raises(TypeError, match="try_forward takes 8 arguments"):
@@ -60,6 +84,10 @@ def test_wrong_argument_count_is_a_type_error(loaded):
         loaded.try_backward(x, w, cu, x)
     with pytest.raises(TypeError, match="try_autograd_forward takes 7 arguments"):
         loaded.try_autograd_forward(x, w, cu)
+    for name, count in (("cp_accepts", 5), ("cp_send", 3), ("cp_forward", 4), ("cp_forward_heads", 8),
+                        ("cp_grad_send", 10), ("cp_backward", 7), ("cp_backward_tails", 11)):
+        with pytest.raises(TypeError, match=f"{name} takes {count} arguments"):
+            getattr(loaded, name)(x, w)
 
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -69,9 +97,9 @@ F32, BF16 = torch.float32, torch.bfloat16
                                                   (0, F32, torch.float64), (0, "fp32", None), (0, F32, 0)])
 def test_register_kernel_module_rejects_bad_arguments(loaded, device, weight, bias):
     with pytest.raises(ValueError, match="out of range"):
-        loaded.register_kernel_module(device, weight, bias, 1, 1, 1, 1)
+        loaded.register_kernel_module(device, weight, bias, 1, 1, 1, 1, 1)
     with pytest.raises(ValueError, match="out of range"):
-        loaded.register_kernel_module(0, F32, BF16, 0, 1, 1, 1)  # a null entry
+        loaded.register_kernel_module(0, F32, BF16, 1, 1, 0, 1, 1)  # a null entry (cp)
 
 
 def prefix() -> str:

@@ -304,18 +304,18 @@ def test_recompute_handle_keeps_one_halo_per_input_identity():
     handle = CPRecomputeHandle(max_kept=2)
     ctx_a, ctx_b = object(), object()
     x, y, z = torch.zeros(4, 8), torch.ones(4, 8), torch.full((4, 8), 2.0)
-    handle._keep(ctx_a, [x], ["halo x"])
-    handle._keep(ctx_a, [y], ["halo y"])
+    handle._keep(ctx_a, [x], "rows x")
+    handle._keep(ctx_a, [y], "rows y")
     assert len(handle) == 2 and "2 halos" in repr(handle)
     assert handle._take(ctx_b, [x]) is None  # another context
     x.add_(1)  # a new version of x: not the inputs the halo was exchanged for
     assert handle._take(ctx_a, [x]) is None
-    assert handle._take(ctx_a, [y]) == ("halo y",)
+    assert handle._take(ctx_a, [y]) == "rows y"
     assert handle._take(ctx_a, [y]) is None  # taken once
-    handle._keep(ctx_a, [x], ["x1"])
-    handle._keep(ctx_a, [y], ["y1"])
-    handle._keep(ctx_a, [z], ["z1"])  # the oldest (x) dropped
-    assert len(handle) == 2 and handle._take(ctx_a, [x]) is None and handle._take(ctx_a, [z]) == ("z1",)
+    handle._keep(ctx_a, [x], "x1")
+    handle._keep(ctx_a, [y], "y1")
+    handle._keep(ctx_a, [z], "z1")  # the oldest (x) dropped
+    assert len(handle) == 2 and handle._take(ctx_a, [x]) is None and handle._take(ctx_a, [z]) == "z1"
 
 
 _VERIFY_WORKER = textwrap.dedent("""

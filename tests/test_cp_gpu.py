@@ -113,23 +113,23 @@ def simulate_ranks(part, x, w, b, dy, policy):
     idx = [torch.tensor(part.global_tokens(r), dtype=torch.long, device=DEV) for r in range(P)]
     xs = [x.index_select(0, i) for i in idx]
     dys = [dy.index_select(0, i) for i in idx]
-    received = exchanged_by_hand(ctxs, [cp_conv.halo_send(c, [xl]) for c, xl in zip(ctxs, xs)], "halo")
+    sends = [cp_conv.send_rows(c, (xl,), (w,), (b,))[0] for c, xl in zip(ctxs, xs)]
+    received = exchanged_by_hand(ctxs, sends, "halo")
     ys, halos = [], []
     for c, xl, rows in zip(ctxs, xs, received):
-        y = cp_conv.forward_interior(c, [xl], [w], [b])
-        h = cp_conv.halos_of(c, torch.cat([rows, x.new_zeros(1, C)]), [xl])
+        y = cp_conv.forward_interior(c, (xl,), (w,), (b,))
         for t in y:
             assert not t.isnan().any()
-        cp_conv.forward_heads(c, y, [xl], [w], [b], h)
+        h = cp_conv.forward_heads(c, y, (xl,), (w,), (b,), torch.cat([rows, x.new_zeros(1, C)]))
         ys.append(y[0])
         halos.append(h)
     rp = 1 if policy == "bf16" else 0
-    g_sends = [cp_conv.grad_send(c, [xl], [d], [w], [b], h, rp) for c, xl, d, h in zip(ctxs, xs, dys, halos)]
+    g_sends = [cp_conv.grad_send(c, (xl,), (d,), (w,), (b,), h, rp)[0] for c, xl, d, h in zip(ctxs, xs, dys, halos)]
     g_received = exchanged_by_hand(ctxs, g_sends, "g")
     out = []
     for r, (c, xl, d, h) in enumerate(zip(ctxs, xs, dys, halos)):
-        (dx, dw, db), = cp_conv.backward_interior(c, [xl], [d], [w], [b], h, policy)
-        cp_conv.backward_tails(c, [dx], [xl], [d], [w], [b], h, g_received[r], rp)
+        (dx,), (dw,), (db,) = cp_conv.backward_interior(c, (xl,), (d,), (w,), (b,), h, rp)
+        cp_conv.backward_tails(c, (dx,), (xl,), (d,), (w,), (b,), h, g_received[r], rp)
         out.append((idx[r], ys[r], dx, dw, db))
     return out
 

@@ -22,18 +22,15 @@ from __future__ import annotations
 import collections
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .. import _checks, jit
-from ..cake_causal_conv1d_train import cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
-from .exchange import exchange_halo, exchange_head_grads, halo_send, halos_of
+from .. import _checks, _dispatch
+from .exchange import exchange_halo, exchange_head_grads
 from .partition import CPContext, capturing, check_call, check_context
 
 __all__ = ["CPRecomputeHandle", "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"]
 
 _FN, _FN_MULTI = "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"
-FWD_HEADS, BWD_HEADS, BWD_TAILS = 0, 1, 2  # the passes of causal_conv1d_cp.cuh (causal_conv1d_contract.h)
 
 
 class CPRecomputeHandle:
@@ -59,10 +56,11 @@ class CPRecomputeHandle:
     def _key(cp, xs) -> tuple:
         return (id(cp), *((x.data_ptr(), x._version, tuple(x.shape)) for x in xs))
 
-    def _keep(self, cp, xs, halos) -> None:
+    def _keep(self, cp, xs, received: torch.Tensor) -> None:
+        """Keeps the call's received exchange rows (its halos are gathered from them)."""
         key = self._key(cp, xs)
         self._kept.pop(key, None)
-        self._kept[key] = tuple(halos)
+        self._kept[key] = received
         while len(self._kept) > self._max_kept:
             self._kept.popitem(last=False)
 
@@ -76,103 +74,67 @@ class CPRecomputeHandle:
         return f"CPRecomputeHandle(holding {len(self._kept)} halo{'s' if len(self._kept) != 1 else ''})"
 
 
-_modules: dict = {}
+def _native(phase: str, weights, biases, device: int, *args):
+    """A phase of the torch binding (torch_binding.cpp: cp_send, cp_forward, ...) on the current
+    stream. A phase declines (None) while a kernel module of the call is not registered: this
+    registers them (loading, building them if needed) and calls again."""
+    binding = _dispatch.binding
+    result = None if binding is None else getattr(binding, phase)(*args)
+    if result is None:
+        for w, b in zip(weights, biases):
+            binding = _dispatch.binding_for(device, w, b)
+        result = getattr(binding, phase)(*args)
+        if result is None:
+            raise _dispatch.declined_error(f"{_FN} ({phase})")
+    return result
 
 
-def _module(weight: torch.Tensor, bias: torch.Tensor | None, device: int):
-    """The kernel module of the call's variant (loaded, building it if needed, on first use)."""
-    key = (weight.dtype, None if bias is None else bias.dtype, device)
-    module = _modules.get(key)
-    if module is None:
-        bias_name = "none" if bias is None else _checks.PARAM_DTYPES[bias.dtype]
-        module = jit.load(jit.variant_spec(_checks.PARAM_DTYPES[weight.dtype], bias_name, _checks.arch_of(device)))
-        _modules[key] = module
-    return module
+# The phases of one call over tensors of the same tokens (xs[i] with weights[i] and biases[i]:
+# tuples), each on the current stream; the collectives go between them (exchange.py). Tests run
+# the phases of several ranks in one process, with the exchanged rows built by hand.
+
+def send_rows(cp: CPContext, xs, weights, biases) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward exchange's buffers: (this rank's halo rows for every rank, every x's columns
+    side by side, ``[sum(halo_send_splits), sum C]``; the buffer it receives into, with a zero
+    row after the received rows)."""
+    return _native("cp_send", weights, biases, xs[0].get_device(), xs, cp.export_rows, sum(cp.halo_recv_splits))
 
 
-def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
-    """The kernels read taps and bias 16 bytes at a time: a misaligned view is copied (a few KB)."""
-    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()
-
-
-def _run_pass(pass_: int, cp: CPContext, x, weight, bias, halo, *, dy=None, out=None, g_out=0, g_in=0, g_ld=0,
-              g_in_rows=0, round_preact=1) -> None:
-    """One pass of causal_conv1d_cp.cuh on the current stream (the FP32 exchange rows as
-    addresses: column slices of the buffers the tensors of a multi call share)."""
-    device = x.device.index
-    C = x.shape[-1]
-    if (halo.shape != (cp.num_fragments, 3, C) or halo.dtype != torch.bfloat16 or not halo.is_contiguous()
-            or halo.device != x.device):  # the passes read num_fragments * 3 rows of C
-        raise RuntimeError(f"{_FN}: internal error: a halo of shape {tuple(halo.shape)}, {halo.dtype} on {halo.device} "
-                           f"for {cp.num_fragments} fragments of {C} channels on {x.device}")
-    module = _module(weight, bias, device)
-    weight, bias = _aligned(weight), _aligned(bias)
-    fields = {"pass": pass_, "x": x.data_ptr(), "dy": 0 if dy is None else dy.data_ptr(),
-              "out": 0 if out is None else out.data_ptr(), "weight": weight.data_ptr(),
-              "bias": 0 if bias is None else bias.data_ptr(), "cu_seqlens": cp.cu_seqlens.data_ptr(),
-              "halo": halo.data_ptr(), "frag_info": cp.frag_info.data_ptr(), "g_rows": cp.g_rows.data_ptr(),
-              "g_out": g_out, "g_in": g_in, "g_import": cp.g_import.data_ptr(), "g_ld": g_ld,
-              "g_in_rows": g_in_rows, "S": x.shape[-2], "C": C, "num_frags": cp.num_fragments,
-              "num_items": cp.g_rows.numel(), "round_preact": round_preact, "device": device,
-              "stream": torch._C._cuda_getCurrentRawStream(device)}  # private (inductor uses it): 0.15 us
-    rc = module.causal_conv1d_cp(**fields)
-    if rc != 0:
-        raise RuntimeError(f"{_FN}: {module.last_error_message()} (CUDA error {rc})")
-
-
-# The phases of one call, each on the current stream; the collectives go between them (the halo's
-# send rows and received buffer: exchange.py). Tests run the phases of several ranks in one
-# process, with the exchanged rows built by hand.
-
-def forward_interior(cp: CPContext, xs, weights, biases) -> list[torch.Tensor]:
+def forward_interior(cp: CPContext, xs, weights, biases) -> tuple[torch.Tensor, ...]:
     """y of every local token, each fragment read as a document (head rows of continuing
     fragments still to fix)."""
-    return [cake_causal_conv1d_train_forward(x, w, cp.cu_seqlens, bias=b) for x, w, b in zip(xs, weights, biases)]
+    return _native("cp_forward", weights, biases, xs[0].get_device(), xs, weights, biases, cp.cu_seqlens)
 
 
-def forward_heads(cp: CPContext, ys, xs, weights, biases, halos) -> None:
-    """Rewrites y of the head rows of the fragments that continue their documents."""
-    if cp.num_tokens == 0:
-        return
-    for y, x, w, b, h in zip(ys, xs, weights, biases, halos):
-        _run_pass(FWD_HEADS, cp, x, w, b, h, out=y)
+def forward_heads(cp: CPContext, ys, xs, weights, biases, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each x's halos ``[num_fragments, 3, C]`` from the received rows, and with them y of the
+    head rows of the fragments that continue their documents rewritten."""
+    return _native("cp_forward_heads", weights, biases, xs[0].get_device(), tuple(ys), xs, weights, biases, received,
+                   cp.import_rows, cp.cu_seqlens, cp.frag_info)
 
 
-def grad_send(cp: CPContext, xs, dys, weights, biases, halos, round_preact: int) -> torch.Tensor:
-    """The FP32 g of the head tokens this rank sends each rank, every tensor side by side:
-    ``[sum(g_send_splits), sum C]``."""
-    total = sum(x.shape[-1] for x in xs)
-    send = torch.empty(cp.g_rows.numel(), total, dtype=torch.float32, device=xs[0].device)
-    if send.shape[0] == 0:  # nothing to send (the pass takes no empty buffer)
-        return send
-    at = 0
-    for x, dy, w, b, h in zip(xs, dys, weights, biases, halos):
-        _run_pass(BWD_HEADS, cp, x, w, b, h, dy=dy, g_out=send.data_ptr() + 4 * at, g_ld=total,
-                  round_preact=round_preact)
-        at += x.shape[-1]
-    return send
+def grad_send(cp: CPContext, xs, dys, weights, biases, halos, round_preact: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward exchange's buffers, FP32: (the g of the head tokens this rank sends each
+    rank, every tensor's columns side by side, ``[sum(g_send_splits), sum C]``; the buffer it
+    receives into)."""
+    return _native("cp_grad_send", weights, biases, xs[0].get_device(), xs, tuple(dys), weights, biases, tuple(halos),
+                   cp.cu_seqlens, cp.frag_info, cp.g_rows, sum(cp.g_recv_splits), round_preact)
 
 
-def backward_interior(cp: CPContext, xs, dys, weights, biases, halos, policy: str):
-    """dx (tail rows of continuing fragments still to fix), dweight and dbias of every tensor."""
-    grads = []
-    for x, dy, w, b, h in zip(xs, dys, weights, biases, halos):
-        dx, dw, *rest = cake_causal_conv1d_train_backward(x, w, cp.cu_seqlens, dy, bias=b, initial_states=h,
-                                                          silu_grad_preactivation=policy)
-        grads.append((dx, dw, rest[0] if b is not None else None))
-    return grads
+def backward_interior(cp: CPContext, xs, dys, weights, biases, halos, round_preact: int):
+    """(dxs, dweights, dbiases) of every tensor (a dbias None without bias; dx of the tail rows of
+    continuing fragments still to fix)."""
+    n = len(xs)
+    grads = _native("cp_backward", weights, biases, xs[0].get_device(), xs, tuple(dys), weights, biases, tuple(halos),
+                    cp.cu_seqlens, round_preact)
+    return grads[:n], grads[n: 2 * n], grads[2 * n:]
 
 
-def backward_tails(cp: CPContext, dxs, xs, dys, weights, biases, halos, received_g: torch.Tensor,
+def backward_tails(cp: CPContext, dxs, xs, dys, weights, biases, halos, received: torch.Tensor,
                    round_preact: int) -> None:
     """Rewrites dx of the tail rows of the fragments whose documents go on after them."""
-    if cp.num_tokens == 0:
-        return
-    at, total = 0, received_g.shape[1]
-    for dx, x, dy, w, b, h in zip(dxs, xs, dys, weights, biases, halos):
-        _run_pass(BWD_TAILS, cp, x, w, b, h, dy=dy, out=dx, g_in=received_g.data_ptr() + 4 * at, g_ld=total,
-                  g_in_rows=received_g.shape[0], round_preact=round_preact)
-        at += x.shape[-1]
+    _native("cp_backward_tails", weights, biases, xs[0].get_device(), tuple(dxs), xs, tuple(dys), weights, biases,
+            tuple(halos), received, cp.cu_seqlens, cp.frag_info, cp.g_import, round_preact)
 
 
 def _as_rows(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -187,51 +149,47 @@ def _in_backward() -> bool:
 
 
 class _CPConv(torch.autograd.Function):
-    """The autograd of one call over n tensors: inputs (cp, handle, policy, n, *xs, *weights,
+    """The autograd of one call over n tensors: inputs (cp, handle, round_preact, n, *xs, *weights,
     *biases)."""
 
     @staticmethod
-    def forward(ctx, cp, handle, policy, n, *tensors):
-        xs, weights, biases = list(tensors[:n]), list(tensors[n: 2 * n]), list(tensors[2 * n:])
-        halos = None
-        if handle is not None and _in_backward():  # checkpoint's recomputation: the kept halo
-            halos = handle._take(cp, xs)
-            if halos is None:
+    def forward(ctx, cp, handle, round_preact, n, *tensors):
+        xs, weights, biases = tensors[:n], tensors[n: 2 * n], tensors[2 * n:]
+        received = None
+        if handle is not None and _in_backward():  # checkpoint's recomputation: the kept rows
+            received = handle._take(cp, xs)
+            if received is None:
                 raise RuntimeError(f"{_FN}: the recompute_handle holds no halo for these inputs: a forward recomputed "
                                    "in a backward pass takes the halo its first run kept (one handle per checkpointed "
                                    "call site; the first run must happen outside the backward)")
-            halos = list(halos)
-        work = received = None
-        if halos is None:
-            work, received = exchange_halo(cp, halo_send(cp, xs), async_op=True)
+            work = None
+        else:
+            send, received = send_rows(cp, xs, weights, biases)
+            work, received = exchange_halo(cp, send, received, async_op=True)
         ys = forward_interior(cp, xs, weights, biases)  # overlaps the exchange
-        if halos is None:
+        if work is not None:
             work.wait()
-            halos = halos_of(cp, received, xs)
             if handle is not None:
-                handle._keep(cp, xs, halos)
-        forward_heads(cp, ys, xs, weights, biases, halos)
-        ctx.cp, ctx.policy, ctx.n = cp, policy, n
+                handle._keep(cp, xs, received)
+        halos = forward_heads(cp, ys, xs, weights, biases, received)
+        ctx.cp, ctx.round_preact, ctx.n = cp, round_preact, n
         ctx.save_for_backward(*xs, *weights, *biases, *halos)
         ctx.set_materialize_grads(True)
-        return tuple(ys)
+        return ys
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *dys):
-        n, cp, policy = ctx.n, ctx.cp, ctx.policy
+        n, cp, round_preact = ctx.n, ctx.cp, ctx.round_preact
         saved = ctx.saved_tensors
         xs, weights, biases, halos = saved[:n], saved[n: 2 * n], saved[2 * n: 3 * n], saved[3 * n:]
-        dys = [_as_rows(dy, x) for dy, x in zip(dys, xs)]
-        round_preact = 1 if policy == "bf16" else 0
-        work, received = exchange_head_grads(cp, grad_send(cp, xs, dys, weights, biases, halos, round_preact),
-                                             async_op=True)
-        grads = backward_interior(cp, xs, dys, weights, biases, halos, policy)  # overlaps the exchange
+        dys = tuple(_as_rows(dy, x) for dy, x in zip(dys, xs))
+        send, received = grad_send(cp, xs, dys, weights, biases, halos, round_preact)
+        work, received = exchange_head_grads(cp, send, received, async_op=True)
+        dxs, dweights, dbiases = backward_interior(cp, xs, dys, weights, biases, halos, round_preact)  # overlaps it
         work.wait()
-        dxs = [g[0] for g in grads]
         backward_tails(cp, dxs, xs, dys, weights, biases, halos, received, round_preact)
-        return (None, None, None, None, *(dx.view(x.shape) for dx, x in zip(dxs, xs)), *(g[1] for g in grads),
-                *(g[2] for g in grads))
+        return (None, None, None, None, *dxs, *dweights, *dbiases)
 
 
 def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
@@ -243,6 +201,9 @@ def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
             raise RuntimeError(f"{fn}: recompute_handle is host state and cannot be used inside CUDA graph capture "
                                "(capture without it: a captured step replays its own exchange)")
     _checks.check_policy(fn, policy)
+    binding = _dispatch.binding  # the rules checked natively (~1 µs); where it declines, the errors below
+    if binding is not None and binding.cp_accepts(xs, weights, biases, cp.cu_seqlens, cp.num_tokens):
+        return
     if not xs or len(weights) != len(xs) or len(biases) != len(xs):
         raise ValueError(f"{fn}: expected as many weights and biases as inputs (at least one), got {len(xs)} inputs, "
                          f"{len(weights)} weights, {len(biases)} biases")
@@ -277,15 +238,15 @@ def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.
     """Both public calls: their checks under the caller's name (check_call: on a context built
     with verify=True, also the same call on every rank, except in the recomputation through a
     recompute_handle, which exchanges nothing), then the autograd function."""
-    xs, weights = list(xs), list(weights)
-    biases = [None] * len(xs) if biases is None else list(biases)
+    xs, weights = tuple(xs), tuple(weights)
+    biases = (None,) * len(xs) if biases is None else tuple(biases)
     check_context(fn, ctx)
     check_call(fn, ctx, lambda: _check_call(fn, ctx, xs, weights, biases, policy, handle),
                lambda: (f"{len(xs)} tensor(s) of {[x.shape[-1] for x in xs]} channels, x {[str(x.dtype) for x in xs]}, "
                         f"weight {[str(w.dtype) for w in weights]}, bias "
                         f"{[None if b is None else str(b.dtype) for b in biases]}, silu_grad_preactivation {policy!r}"),
                collective=handle is None or not _in_backward())
-    return list(_CPConv.apply(ctx, handle, policy, len(xs), *xs, *weights, *biases))
+    return list(_CPConv.apply(ctx, handle, 1 if policy == "bf16" else 0, len(xs), *xs, *weights, *biases))
 
 
 def cake_causal_conv1d_cp(x_local: torch.Tensor, weight: torch.Tensor, ctx: CPContext, bias: torch.Tensor | None = None,

@@ -44,18 +44,23 @@ def exchange_rows(out: torch.Tensor, send: torch.Tensor, out_splits, send_splits
     return work
 
 
-def exchange_halo(cp: CPContext, send: torch.Tensor, async_op: bool = False):
+def exchange_halo(cp: CPContext, send: torch.Tensor, received: torch.Tensor | None = None, async_op: bool = False):
     """The forward's exchange of halo_send's rows: (work, the rows every rank sends this one and a
-    zero row after them, the halo rows before a document)."""
-    received = send.new_empty(sum(cp.halo_recv_splits) + 1, send.shape[1])
-    received[-1].zero_()
+    zero row after them, the halo rows before a document). ``received``: that buffer, made by the
+    caller (its last row zeros), or None to make it here."""
+    if received is None:
+        received = send.new_empty(sum(cp.halo_recv_splits) + 1, send.shape[1])
+        received[-1].zero_()
     return exchange_rows(received[:-1], send, cp.halo_recv_splits, cp.halo_send_splits, cp.group, async_op), received
 
 
-def exchange_head_grads(cp: CPContext, send: torch.Tensor, async_op: bool = False):
+def exchange_head_grads(cp: CPContext, send: torch.Tensor, received: torch.Tensor | None = None,
+                        async_op: bool = False):
     """The backward's exchange of the head tokens' rows (g_rows order): (work, the rows every rank
-    sends this one, which g_import indexes)."""
-    received = send.new_empty(sum(cp.g_recv_splits), send.shape[1])
+    sends this one, which g_import indexes). ``received``: that buffer, made by the caller, or
+    None to make it here."""
+    if received is None:
+        received = send.new_empty(sum(cp.g_recv_splits), send.shape[1])
     return exchange_rows(received, send, cp.g_recv_splits, cp.g_send_splits, cp.group, async_op), received
 
 
