@@ -23,6 +23,8 @@ SOURCE = Path(__file__).with_name("torch_binding.cpp")
 @functools.cache
 def binding_spec() -> JitSpec:
     """The binding for the running torch and Python."""
+    import torch.distributed  # (its is_available(): whether torch was built with it)
+
     torch_dir = Path(torch.__file__).resolve().parent
     lib = torch_dir / "lib"
     return JitSpec(
@@ -37,6 +39,7 @@ def binding_spec() -> JitSpec:
             "-fvisibility=hidden",  # only PyInit_* is exported
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
             "-w",  # torch's headers warn under -std=c++20 with some compilers; nothing of ours
+            f"-DCAKE_C10D={int(torch.distributed.is_available())}",  # the CP calls' collectives need it
         ),
         ldflags=(f"-L{lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{lib}"),
         include_dirs=(str(torch_dir / "include"), sysconfig.get_paths()["include"]),

@@ -16,7 +16,7 @@ def _args_struct(name: str, fields: str) -> type[ctypes.Structure]:
 class KernelModule:
     """A loaded kernel module. ``entry_addresses`` (fwd, bwd, cp, stream_is_capturing,
     last_error_message) are what the torch binding calls: the public path.
-    :meth:`causal_conv1d_fwd` / :meth:`causal_conv1d_bwd` call the entries from Python with every
+    :meth:`causal_conv1d_fwd` / :meth:`causal_conv1d_bwd` / :meth:`causal_conv1d_cp` call the entries from Python with every
     field of the entry's argument struct by keyword (device pointers and the stream as ints; the
     names and their meaning are in include/flashinfer_cake/causal_conv1d_contract.h), and return a
     cudaError_t code (0 on success; else :meth:`last_error_message` says why): for tools and
@@ -59,8 +59,7 @@ class KernelModule:
         return self._bwd(ctypes.addressof(args))
 
     def causal_conv1d_cp(self, **kwargs) -> int:
-        """A context-parallel pass (causal_conv1d_cp.cuh; flashinfer_cake.cp calls it through the
-        torch binding)."""
+        """A context-parallel pass (causal_conv1d_cp.cuh)."""
         args = self._pack(self.cp_args, kwargs)
         return self._cp(ctypes.addressof(args))
 

@@ -15,11 +15,14 @@
 // causal_conv1d_contract.h and the backward's sizes from causal_conv1d_bwd_plan.h; that these
 // checks decline exactly what _checks.py rejects is tested on the GPU (every bad-argument case of
 // tests/test_*_validation.py goes through this file first, every valid call must not decline).
+// The context-parallel calls (flashinfer_cake/cp) have a section of their own at the end: the
+// same pattern (cp_accepts, cp_autograd_forward with its node), plus the collectives.
 //
 // Built once per torch build by flashinfer_cake.jit.binding (CPython API + ATen, no pybind11; no
-// CUDA header: the current stream comes through c10's device-generic interface). The Python
-// functions run under the GIL; the autograd node's backward runs on the engine's thread without
-// it, so this file's tables have a mutex of their own.
+// CUDA header: the current stream comes through c10's device-generic interface; c10d's process
+// groups where torch has them, CAKE_C10D). The Python functions run under the GIL; the autograd
+// nodes' backwards run on the engine's thread without it, so this file's tables have a mutex of
+// their own.
 
 #include <Python.h>
 #include <torch/csrc/Dtype.h>
@@ -30,6 +33,10 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
+#if CAKE_C10D  // torch.distributed is built (jit/binding.py): the CP calls' collectives
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#endif
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/CUDAHooksInterface.h>
@@ -622,6 +629,20 @@ auto make_node() {
   }
 }
 
+// A node's gradients as @once_differentiable returns them: when an incoming gradient requires
+// grad (create_graph=True), outputs whose own backward raises when it is taken.
+variable_list once_differentiable(variable_list out, const variable_list& grads) {
+  bool differentiable = false;
+  for (const at::Tensor& g : grads) differentiable = differentiable || (g.defined() && g.requires_grad());
+  if (!differentiable || !at::GradMode::is_enabled()) return out;
+  for (at::Tensor& t : out) {
+    if (t.defined()) t = t.detach().requires_grad_(true);
+  }
+  return std::make_shared<torch::autograd::DelayedError>(
+             "trying to differentiate twice a function that was marked with @once_differentiable", int64_t(out.size()))
+      ->apply(std::move(out));
+}
+
 // The autograd node of cake_causal_conv1d's eager calls, written as torch's generated nodes are
 // (a torch::autograd::Function's generic bookkeeping costs ~2 us more per forward). It does what
 // CakeCausalConv1dFunction (the path under torch.compile) does: saves x, weight, bias, cu_seqlens
@@ -647,9 +668,6 @@ struct CakeCausalConv1dBackward final : Node {
     std::lock_guard<std::mutex> lock(mutex_);
     const at::Tensor xs = x.unpack(), ws = weight.unpack(), bs = bias.unpack(), cus = cu_seqlens.unpack(),
                      inits = initial_states.unpack();
-    bool differentiable = false;
-    for (const at::Tensor& g : grads) differentiable = differentiable || (g.defined() && g.requires_grad());
-    differentiable = differentiable && at::GradMode::is_enabled();
     Grads g;
     {
       at::NoGradGuard no_grad;
@@ -673,16 +691,7 @@ struct CakeCausalConv1dBackward final : Node {
       g = run_backward(c);
     }
     variable_list out = {std::move(g.dx), std::move(g.dweight), std::move(g.dbias), std::move(g.dinitial_states)};
-    if (differentiable) {  // double backward: an error when it is taken, as @once_differentiable
-      for (at::Tensor& t : out) {
-        if (t.defined()) t = t.detach().requires_grad_(true);
-      }
-      out = std::make_shared<torch::autograd::DelayedError>(
-                "trying to differentiate twice a function that was marked with @once_differentiable",
-                int64_t(out.size()))
-                ->apply(std::move(out));
-    }
-    return out;
+    return once_differentiable(std::move(out), grads);
   }
 
   // Compiled autograd (torch._dynamo.compiled_autograd) traces the node through these two: its
@@ -779,16 +788,19 @@ PyObject* try_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t narg
   END_HANDLE_TH_ERRORS
 }
 
-// ---- Context parallelism: the phases of flashinfer_cake/cp/conv.py's calls, one C++ call each ----
+// ---- Context parallelism (flashinfer_cake/cp/conv.py) ----
 //
-// A CP call's forward and backward are three phases each, with the exchange (a collective, issued
-// from Python) after the first and waited for after the second. Their tensors come as tuples, one
-// item per tensor of a multi call (xs[i] with weights[i] and biases[i]), and the context's int32
-// tables as tensors. cp_accepts() applies the call's rules (_checks.py's and the CP ones:
-// contiguous x of the context's token count); when it declines, conv.py raises the precise
-// error. Each phase checks what its memory safety needs and returns None, having launched
-// nothing, when anything is off or a kernel module is not registered yet (conv.py registers it
-// and calls again; a second None is an internal error).
+// cp_autograd_forward() is a CP call's eager forward: the halo exchange (one all_to_all on the
+// call's process group, issued here), the main forward while it is in flight, then the head rows;
+// it records a C++ autograd node whose backward runs the backward's exchange and passes the same
+// way, on the engine's thread without the GIL. The tensors come as tuples, one item per tensor of
+// a multi call (xs[i] with weights[i] and biases[i]), the context's tables as tensors.
+// cp_accepts() applies the call's rules (_checks.py's and the CP ones: a contiguous x of the
+// context's token count); when it declines, conv.py raises the precise error. The phases are also
+// exposed one by one (cp_send ... cp_backward_tails): the tests run several ranks' phases in one
+// process with the exchanges done by hand. Each entry checks what its memory safety needs and
+// returns None, having launched nothing, when anything is off or a kernel module is not
+// registered yet (conv.py registers it and calls again; a second None is an internal error).
 
 // The tensors of a tuple argument: false when `obj` is not a tuple of `n` items (n < 0: at least
 // one) or an item is neither a tensor nor (optional) None.
@@ -803,7 +815,47 @@ bool as_tensors(PyObject* obj, bool optional, Py_ssize_t n, std::vector<const at
   return true;
 }
 
-// A CP call's items after cp_items(): each x with its weight, bias and kernel module.
+// An int argument in [lo, hi]; false otherwise.
+bool as_int(PyObject* obj, int64_t lo, int64_t hi, int64_t* out) {
+  if (!PyLong_Check(obj)) return false;
+  *out = PyLong_AsLongLong(obj);
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return *out >= lo && *out <= hi;
+}
+
+// A tuple of non-negative ints (an exchange's rows per rank).
+bool as_splits(PyObject* obj, std::vector<int64_t>* out) {
+  if (!PyTuple_Check(obj)) return false;
+  out->resize(PyTuple_GET_SIZE(obj));
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(obj); ++i) {
+    if (!as_int(PyTuple_GET_ITEM(obj, i), 0, kMaxCuSeqlens, &(*out)[i])) return false;
+  }
+  return true;
+}
+
+int64_t sum_of(const std::vector<int64_t>& v) {
+  int64_t s = 0;
+  for (int64_t x : v) s += x;
+  return s;
+}
+
+// A tuple of new references (all or nothing); null with the Python error set.
+PyObject* tuple_of(std::vector<PyObject*> items) {
+  bool ok = true;
+  for (PyObject* it : items) ok = ok && it;
+  PyObject* result = ok ? PyTuple_New(static_cast<Py_ssize_t>(items.size())) : nullptr;
+  if (!result) {
+    for (PyObject* it : items) Py_XDECREF(it);
+    return nullptr;
+  }
+  for (size_t i = 0; i < items.size(); ++i) PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), items[i]);
+  return result;
+}
+
+// A CP call's items: each x with its weight, bias (null: None) and kernel module.
 struct CpItems {
   std::vector<const at::Tensor*> xs, weights, biases;
   std::vector<KernelEntries> modules;
@@ -812,14 +864,13 @@ struct CpItems {
   int device = 0;
 };
 
-// xs, weights, biases: tuples of one length whose every item passes the forward's rules within
-// the backward's range (check_forward) with a contiguous x of the same S on one device, and whose
-// variant's module is registered.
-bool cp_items(PyObject* xs, PyObject* weights, PyObject* biases, const at::Tensor& cu_seqlens, CpItems* c) {
-  if (!as_tensors(xs, false, -1, &c->xs)) return false;
+// Every item passes the forward's rules within the backward's range (check_forward) with a
+// contiguous x of the same S on one device, and its variant's module is registered.
+bool check_items(const at::Tensor& cu_seqlens, CpItems* c) {
   const size_t n = c->xs.size();
-  if (!as_tensors(weights, false, n, &c->weights) || !as_tensors(biases, true, n, &c->biases)) return false;
+  if (n < 1 || c->weights.size() != n || c->biases.size() != n) return false;
   c->modules.resize(n);
+  c->total_c = 0;
   for (size_t i = 0; i < n; ++i) {
     ForwardCall f{};
     f.x = c->xs[i];
@@ -836,53 +887,69 @@ bool cp_items(PyObject* xs, PyObject* weights, PyObject* biases, const at::Tenso
   return true;
 }
 
-// One tensor per item, each BF16 contiguous, 16-byte aligned, of its x's shape (dy, y, dx).
+// The items of tuple arguments xs, weights, biases, checked.
+bool cp_items(PyObject* xs, PyObject* weights, PyObject* biases, const at::Tensor& cu_seqlens, CpItems* c) {
+  return as_tensors(xs, false, -1, &c->xs) && as_tensors(weights, false, c->xs.size(), &c->weights) &&
+         as_tensors(biases, true, c->xs.size(), &c->biases) && check_items(cu_seqlens, c);
+}
+
+// Rows of an item: BF16 contiguous, 16-byte aligned, of its x's shape (dy, y, dx).
+bool rows_ok(const at::Tensor& t, const CpItems& c, size_t i) {
+  return check_rows_like(t, *c.xs[i], kBwdMaxElements, c.device) && t.is_contiguous() && !misaligned16({&t});
+}
+
+// One tensor per item, each rows_ok.
 bool cp_rows(PyObject* obj, const CpItems& c, std::vector<const at::Tensor*>* out) {
   if (!as_tensors(obj, false, c.xs.size(), out)) return false;
   for (size_t i = 0; i < out->size(); ++i) {
-    const at::Tensor& t = *(*out)[i];
-    if (!check_rows_like(t, *c.xs[i], kBwdMaxElements, c.device) || !t.is_contiguous() || misaligned16({&t})) {
-      return false;
-    }
+    if (!rows_ok(*(*out)[i], c, i)) return false;
   }
   return true;
 }
 
-// One halo per item: BF16 [num_frags, 3, C], contiguous, 16-byte aligned.
+// An item's halo: BF16 [num_frags, 3, C], contiguous, 16-byte aligned.
+bool halo_ok(const at::Tensor& h, const CpItems& c, size_t i, int64_t num_frags) {
+  return check_states(h, num_frags, c.xs[i]->size(-1), c.device) && !misaligned16({&h});
+}
+
 bool cp_halos(PyObject* obj, const CpItems& c, int64_t num_frags, std::vector<const at::Tensor*>* out) {
   if (!as_tensors(obj, false, c.xs.size(), out)) return false;
   for (size_t i = 0; i < out->size(); ++i) {
-    const at::Tensor& h = *(*out)[i];
-    if (!check_states(h, num_frags, c.xs[i]->size(-1), c.device) || misaligned16({&h})) return false;
+    if (!halo_ok(*(*out)[i], c, i, num_frags)) return false;
   }
   return true;
 }
 
 // A context table: int32 1-D contiguous on `device`, of `numel` entries (any count when < 0).
-bool cp_table(PyObject* obj, int64_t numel, int device, const at::Tensor** out) {
-  if (!as_tensor(obj, false, out)) return false;
-  const at::Tensor& t = **out;
+bool table_ok(const at::Tensor& t, int64_t numel, int device) {
   return t.scalar_type() == at::kInt && t.dim() == 1 && (numel < 0 || t.numel() == numel) && usable_on(t, device);
 }
 
-// Exchanged rows: `dtype` [rows, c.total_c] (any rows), contiguous, 16-byte aligned, on c's device.
-bool cp_exchanged(PyObject* obj, const CpItems& c, at::ScalarType dtype, const at::Tensor** out) {
-  if (!as_tensor(obj, false, out)) return false;
-  const at::Tensor& t = **out;
+bool cp_table(PyObject* obj, int64_t numel, int device, const at::Tensor** out) {
+  return as_tensor(obj, false, out) && table_ok(**out, numel, device);
+}
+
+// Exchanged rows: `dtype` [rows, c.total_c], contiguous, 16-byte aligned, on c's device.
+bool exchanged_ok(const at::Tensor& t, const CpItems& c, at::ScalarType dtype) {
   return t.scalar_type() == dtype && t.dim() == 2 && t.size(1) == c.total_c && usable_on(t, c.device) &&
          !misaligned16({&t});
 }
 
-// An int argument in [lo, hi]; false otherwise (a Python error may be set: the caller returns None
-// after clearing it).
-bool as_int(PyObject* obj, int64_t lo, int64_t hi, int64_t* out) {
-  if (!PyLong_Check(obj)) return false;
-  *out = PyLong_AsLongLong(obj);
-  if (PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
-  return *out >= lo && *out <= hi;
+bool cp_exchanged(PyObject* obj, const CpItems& c, at::ScalarType dtype, const at::Tensor** out) {
+  return as_tensor(obj, false, out) && exchanged_ok(**out, c, dtype);
+}
+
+// The context's tables (CPContext), checked against each other on `device`.
+struct CpTables {
+  const at::Tensor *cu_seqlens, *export_rows, *import_rows, *frag_info, *g_rows, *g_import;
+};
+
+bool tables_ok(const CpTables& t, int device) {
+  if (!table_ok(*t.cu_seqlens, -1, device) || t.cu_seqlens->numel() < 1) return false;
+  const int64_t F = t.cu_seqlens->numel() - 1;
+  return table_ok(*t.frag_info, F, device) && table_ok(*t.import_rows, 3 * F, device) &&
+         table_ok(*t.g_import, 3 * F, device) && table_ok(*t.export_rows, -1, device) &&
+         table_ok(*t.g_rows, -1, device);
 }
 
 // The pass-specific arguments of one CP launch; the rest comes from the item.
@@ -924,17 +991,128 @@ void run_cp_pass(const CpItems& c, size_t i, const CpPass& p, intptr_t stream) {
   check_launch(c.modules[i], kCp, c.modules[i].cp(&a));
 }
 
-// A tuple of new references (all or nothing); null with the Python error set.
-PyObject* tuple_of(std::vector<PyObject*> items) {
-  bool ok = true;
-  for (PyObject* it : items) ok = ok && it;
-  PyObject* result = ok ? PyTuple_New(static_cast<Py_ssize_t>(items.size())) : nullptr;
-  if (!result) {
-    for (PyObject* it : items) Py_XDECREF(it);
-    return nullptr;
+// The phases, on the current stream of the items' device.
+
+// The forward's exchange buffers: (send: the rows other ranks' halos need, [export_rows.numel(),
+// total C] BF16, each x's columns side by side; received: [recv_rows + 1, total C], its last row
+// zeros (the halo row before a document), the others for the exchange to fill).
+std::pair<at::Tensor, at::Tensor> send_phase(const CpItems& c, const at::Tensor& export_rows, int64_t recv_rows) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> parts;
+  for (const at::Tensor* x : c.xs) parts.push_back(at::index_select(x->view({c.S, x->size(-1)}), 0, export_rows));
+  at::Tensor send = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
+  at::Tensor received = at::empty({recv_rows + 1, c.total_c}, c.xs[0]->options());
+  received.select(0, recv_rows).zero_();
+  return {std::move(send), std::move(received)};
+}
+
+// y of every item, each fragment read as a document (the head rows of continuing fragments still
+// to fix).
+std::vector<at::Tensor> forward_phase(const CpItems& c, const at::Tensor& cu_seqlens) {
+  std::vector<at::Tensor> ys;
+  for (size_t i = 0; i < c.xs.size(); ++i) {
+    ForwardCall f{};
+    f.x = c.xs[i], f.weight = c.weights[i], f.cu_seqlens = &cu_seqlens, f.bias = c.biases[i];
+    if (!check_forward(&f, kBwdMaxS, kBwdMaxElements)) {  // (accepted by check_items: sets what run_forward reads)
+      throw std::runtime_error(std::string(kCp) + ": internal error: the forward declined a checked item");
+    }
+    ys.push_back(run_forward(f));
   }
-  for (size_t i = 0; i < items.size(); ++i) PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), items[i]);
-  return result;
+  return ys;
+}
+
+// Each item's halo [num_frags, 3, C] gathered from the received rows (its columns of them) and,
+// with it, y of the head rows of the fragments that continue their documents rewritten.
+std::vector<at::Tensor> heads_phase(const CpItems& c, const std::vector<const at::Tensor*>& ys,
+                                    const at::Tensor& received, const at::Tensor& import_rows,
+                                    const at::Tensor& cu_seqlens, const at::Tensor& frag_info) {
+  const int64_t F = frag_info.numel();
+  const intptr_t stream = current_stream(c.device);
+  std::vector<at::Tensor> halos;
+  int64_t at_c = 0;
+  for (size_t i = 0; i < c.xs.size(); ++i) {
+    const int64_t C = c.xs[i]->size(-1);
+    at::Tensor halo;
+    {
+      at::NoGradGuard no_grad;
+      const at::Tensor cols = c.xs.size() == 1 ? received : received.narrow(1, at_c, C);
+      halo = at::index_select(cols, 0, import_rows).view({F, 3, C});  // new, contiguous
+    }
+    if (c.S > 0) {
+      CpPass p;
+      p.pass = flashinfer_cake::kCpFwdHeads, p.out = ys[i], p.halo = &halo, p.cu_seqlens = &cu_seqlens;
+      p.frag_info = &frag_info;
+      run_cp_pass(c, i, p, stream);
+    }
+    halos.push_back(std::move(halo));
+    at_c += C;
+  }
+  return halos;
+}
+
+// The backward's exchange buffers, FP32: (send [g_rows.numel(), total C]: the g of the head tokens
+// other ranks need, each item's columns side by side; received: [recv_rows, total C], which the
+// exchange fills).
+std::pair<at::Tensor, at::Tensor> grad_send_phase(const CpItems& c, const std::vector<const at::Tensor*>& dys,
+                                                  const std::vector<const at::Tensor*>& halos,
+                                                  const at::Tensor& cu_seqlens, const at::Tensor& frag_info,
+                                                  const at::Tensor& g_rows, int64_t recv_rows, int round_preact) {
+  at::Tensor send, received;
+  {
+    const c10::DeviceGuard guard(c.xs[0]->device());
+    const auto options = c.xs[0]->options().dtype(at::kFloat);
+    send = at::empty({g_rows.numel(), c.total_c}, options);
+    received = at::empty({recv_rows, c.total_c}, options);
+  }
+  if (send.numel() > 0) {  // (the pass takes no empty buffer)
+    const intptr_t stream = current_stream(c.device);
+    int64_t at_c = 0;
+    for (size_t i = 0; i < c.xs.size(); ++i) {
+      CpPass p;
+      p.pass = flashinfer_cake::kCpBwdHeads, p.dy = dys[i], p.halo = halos[i], p.cu_seqlens = &cu_seqlens;
+      p.frag_info = &frag_info, p.g_rows = &g_rows;
+      p.g_out = address(&send) + 4 * at_c, p.g_ld = c.total_c, p.round_preact = round_preact;
+      run_cp_pass(c, i, p, stream);
+      at_c += c.xs[i]->size(-1);
+    }
+  }
+  return {std::move(send), std::move(received)};
+}
+
+// The main backward of every item, its halo as the fragments' initial states (dx of the tail rows
+// of continuing fragments still to fix): dx, dweight, dbias (undefined without bias) per item.
+std::vector<Grads> backward_phase(const CpItems& c, const std::vector<const at::Tensor*>& dys,
+                                  const std::vector<const at::Tensor*>& halos, const at::Tensor& cu_seqlens,
+                                  int round_preact) {
+  std::vector<Grads> grads;
+  for (size_t i = 0; i < c.xs.size(); ++i) {
+    BackwardCall b{c.xs[i],  c.weights[i], &cu_seqlens, dys[i],  c.biases[i], halos[i], nullptr,
+                   nullptr, nullptr,      nullptr,     nullptr, nullptr,     round_preact};
+    if (!check_backward(&b)) {
+      throw std::runtime_error(std::string(kCp) + ": internal error: the backward declined a checked item");
+    }
+    grads.push_back(run_backward(b));
+  }
+  return grads;
+}
+
+// dx of the tail rows of the fragments whose documents go on, rewritten with the received head g
+// (FP32 [rows, total C], each item's columns side by side).
+void tails_phase(const CpItems& c, const std::vector<const at::Tensor*>& dxs, const std::vector<const at::Tensor*>& dys,
+                 const std::vector<const at::Tensor*>& halos, const at::Tensor& received, const at::Tensor& cu_seqlens,
+                 const at::Tensor& frag_info, const at::Tensor& g_import, int round_preact) {
+  if (c.S == 0) return;
+  const intptr_t stream = current_stream(c.device);
+  int64_t at_c = 0;
+  for (size_t i = 0; i < c.xs.size(); ++i) {
+    CpPass p;
+    p.pass = flashinfer_cake::kCpBwdTails, p.dy = dys[i], p.out = dxs[i], p.halo = halos[i];
+    p.cu_seqlens = &cu_seqlens, p.frag_info = &frag_info, p.g_import = &g_import;
+    p.g_in = address(&received) + 4 * at_c, p.g_ld = c.total_c, p.g_in_rows = received.size(0);
+    p.round_preact = round_preact;
+    run_cp_pass(c, i, p, stream);
+    at_c += c.xs[i]->size(-1);
+  }
 }
 
 // cp_accepts(xs, weights, biases, cu_seqlens, num_tokens) -> bool.
@@ -950,44 +1128,239 @@ PyObject* cp_accepts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// cp_send(xs, export_rows, recv_rows) -> (send, received): the forward's exchange buffers. send:
-// the rows other ranks' halos need, [export_rows.numel(), total C] BF16, each x's columns side by
-// side; received: [recv_rows + 1, total C], its last row zeros (the halo row before a document),
-// the others for the exchange to fill.
+#if CAKE_C10D
+// Releases the GIL while it lives (the caller holds it), so that other Python threads run while a
+// collective blocks this one.
+class WithoutGil {
+ public:
+  WithoutGil() : state_(PyEval_SaveThread()) {}
+  ~WithoutGil() { PyEval_RestoreThread(state_); }
+  WithoutGil(const WithoutGil&) = delete;
+  WithoutGil& operator=(const WithoutGil&) = delete;
+
+ private:
+  PyThreadState* const state_;
+};
+
+// The process group's all_to_all of rows: all_to_all_single where it has one (torch 2.13), else
+// alltoall_base (deprecated there).
+template <class Group, class = void>
+struct HasAllToAllSingle : std::false_type {};
+template <class Group>
+struct HasAllToAllSingle<Group, std::void_t<decltype(std::declval<Group&>().all_to_all_single(
+                                    std::declval<at::Tensor&>(), std::declval<at::Tensor&>(),
+                                    std::declval<std::vector<int64_t>&>(), std::declval<std::vector<int64_t>&>()))>>
+    : std::true_type {};
+
+template <class Group>
+c10::intrusive_ptr<c10d::Work> all_to_all_single(Group& group, at::Tensor& out, at::Tensor& in,
+                                                 std::vector<int64_t>& out_splits, std::vector<int64_t>& in_splits) {
+  if constexpr (HasAllToAllSingle<Group>::value) {
+    return group.all_to_all_single(out, in, out_splits, in_splits);
+  } else {
+    return group.alltoall_base(out, in, out_splits, in_splits);
+  }
+}
+
+// One all_to_all of rows on `group` (the current stream waits for it at work->wait()): send's rows,
+// send_splits[t] for rank t, into received's first rows, recv_splits[s] from rank s.
+c10::intrusive_ptr<c10d::Work> exchange(const c10::intrusive_ptr<c10d::ProcessGroup>& group, at::Tensor received,
+                                        at::Tensor send, std::vector<int64_t> recv_splits,
+                                        std::vector<int64_t> send_splits) {
+  at::Tensor head = received.narrow(0, 0, sum_of(recv_splits));
+  return all_to_all_single(*group, head, send, recv_splits, send_splits);
+}
+
+// Pointers into a vector of tensors (null for an undefined one: a bias of None).
+std::vector<const at::Tensor*> pointers(const std::vector<at::Tensor>& ts) {
+  std::vector<const at::Tensor*> out;
+  for (const at::Tensor& t : ts) out.push_back(t.defined() ? &t : nullptr);
+  return out;
+}
+
+// The autograd node of a CP call (n items): saves the items' x, weight, bias and halo and the
+// context's tables; gradients for x, weight and bias of every item, in that order. Passes an
+// incoming gradient through when the passes read it as it is (BF16 contiguous, 16-byte aligned),
+// else materializes it (zeros when undefined); is not itself differentiable.
+struct CakeCPConvBackward final : Node {
+  std::vector<SavedVariable> xs, weights, biases, halos;  // a bias of None: default-constructed
+  at::Tensor cu_seqlens, frag_info, g_rows, g_import;    // the context's tables (no gradient)
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::vector<int64_t> g_send_splits, g_recv_splits;
+  int round_preact = 1;
+
+  std::string name() const override { return "CakeCPConvBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto* v : {&xs, &weights, &biases, &halos}) {
+      for (SavedVariable& s : *v) s.reset_data();
+    }
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto unpack = [](std::vector<SavedVariable>& v) {
+      std::vector<at::Tensor> out;
+      for (SavedVariable& s : v) out.push_back(s.unpack());
+      return out;
+    };
+    const std::vector<at::Tensor> x = unpack(xs), w = unpack(weights), b = unpack(biases), h = unpack(halos);
+    const size_t n = x.size();
+    variable_list out(3 * n);
+    {
+      at::NoGradGuard no_grad;
+      CpItems c;
+      c.xs = pointers(x), c.weights = pointers(w), c.biases = pointers(b);
+      if (!check_items(cu_seqlens, &c)) {
+        throw std::runtime_error(std::string(kCp) + ": internal error: the backward declined the forward's saved "
+                                 "tensors (please report it, with the arguments' dtypes, shapes and devices)");
+      }
+      std::vector<at::Tensor> dy(n);
+      for (size_t i = 0; i < n; ++i) {
+        dy[i] = grads[i];
+        if (!dy[i].defined()) {
+          dy[i] = at::zeros(x[i].sizes(), x[i].options());
+        } else if (!rows_ok(dy[i], c, i)) {
+          dy[i] = at::empty(x[i].sizes(), x[i].options()).copy_(dy[i]);
+        }
+      }
+      const std::vector<const at::Tensor*> dys = pointers(dy), hs = pointers(h);
+      auto [send, received] = grad_send_phase(c, dys, hs, cu_seqlens, frag_info, g_rows, sum_of(g_recv_splits),
+                                              round_preact);
+      const auto work = exchange(group, received, send, g_recv_splits, g_send_splits);
+      std::vector<Grads> g = backward_phase(c, dys, hs, cu_seqlens, round_preact);  // overlaps the exchange
+      work->wait();
+      std::vector<at::Tensor> dx;
+      for (Grads& gi : g) dx.push_back(gi.dx);
+      tails_phase(c, pointers(dx), dys, hs, received, cu_seqlens, frag_info, g_import, round_preact);
+      for (size_t i = 0; i < n; ++i) {
+        out[i] = std::move(g[i].dx), out[n + i] = std::move(g[i].dweight), out[2 * n + i] = std::move(g[i].dbias);
+      }
+    }
+    return once_differentiable(std::move(out), grads);
+  }
+};
+
+// cp_autograd_forward(xs, weights, biases, received, (cu_seqlens, export_rows, import_rows,
+// frag_info, g_rows, g_import), group_name, (halo_send_splits, halo_recv_splits, g_send_splits,
+// g_recv_splits), round_preact) -> (ys, received): the call's forward, recorded for autograd when
+// grad mode is on and an x, weight or bias requires grad. received: None to exchange the halo
+// rows (returned for a recompute handle to keep), or the rows an earlier run received (the
+// recomputation under activation checkpointing: nothing is exchanged). None when declined.
+PyObject* cp_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (!takes("cp_autograd_forward", nargs, 8)) return nullptr;
+  CpItems c;
+  CpTables t{};
+  std::vector<int64_t> splits[4];
+  const at::Tensor* given = nullptr;
+  int64_t round_preact;
+  PyObject* tables = args[4];
+  PyObject* split_tuple = args[6];
+  if (!PyTuple_Check(tables) || PyTuple_GET_SIZE(tables) != 6 || !PyTuple_Check(split_tuple) ||
+      PyTuple_GET_SIZE(split_tuple) != 4 || !PyUnicode_Check(args[5]) || !as_int(args[7], 0, 1, &round_preact)) {
+    Py_RETURN_NONE;
+  }
+  const at::Tensor** table_fields[6] = {&t.cu_seqlens, &t.export_rows, &t.import_rows, &t.frag_info, &t.g_rows,
+                                        &t.g_import};
+  for (int i = 0; i < 6; ++i) {
+    if (!as_tensor(PyTuple_GET_ITEM(tables, i), false, table_fields[i])) Py_RETURN_NONE;
+  }
+  for (int i = 0; i < 4; ++i) {
+    if (!as_splits(PyTuple_GET_ITEM(split_tuple, i), &splits[i])) Py_RETURN_NONE;
+  }
+  const auto& [halo_send_splits, halo_recv_splits, g_send_splits, g_recv_splits] = splits;
+  if (!cp_items(args[0], args[1], args[2], *t.cu_seqlens, &c) || !tables_ok(t, c.device) ||
+      sum_of(halo_send_splits) != t.export_rows->numel() || sum_of(g_send_splits) != t.g_rows->numel() ||
+      !as_tensor(args[3], true, &given) ||
+      (given && !(exchanged_ok(*given, c, at::kBFloat16) && given->size(0) == sum_of(halo_recv_splits) + 1))) {
+    Py_RETURN_NONE;
+  }
+  for (size_t i = 0; i < c.xs.size(); ++i) {
+    const at::Tensor bias = c.biases[i] ? *c.biases[i] : at::Tensor();
+    TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(*c.xs[i]) &&
+                                    !torch::autograd::isFwGradDefined(*c.weights[i]) &&
+                                    !torch::autograd::isFwGradDefined(bias),
+                                kCp, ": forward-mode AD (dual tensors, torch.func.jvp) is not supported");
+  }
+  const char* group_name = PyUnicode_AsUTF8(args[5]);
+  if (!group_name) return nullptr;
+  const auto group = c10d::resolve_process_group(group_name);
+  std::vector<at::Tensor> ys, halos;
+  at::Tensor received;
+  {
+    at::NoGradGuard no_grad;  // as a Function's forward: nothing in it is recorded
+    c10::intrusive_ptr<c10d::Work> work;
+    if (given) {
+      received = *given;
+    } else {
+      at::Tensor send;
+      std::tie(send, received) = send_phase(c, *t.export_rows, sum_of(halo_recv_splits));
+      const WithoutGil unlocked;  // a collective may block (a lazy NCCL communicator's setup, a blocking wait)
+      work = exchange(group, received, send, halo_recv_splits, halo_send_splits);
+    }
+    ys = forward_phase(c, *t.cu_seqlens);  // overlaps the exchange
+    if (work) {
+      const WithoutGil unlocked;
+      work->wait();
+    }
+    halos = heads_phase(c, pointers(ys), received, *t.import_rows, *t.cu_seqlens, *t.frag_info);
+  }
+  std::vector<at::Tensor> x, w, b;
+  for (size_t i = 0; i < c.xs.size(); ++i) {
+    x.push_back(*c.xs[i]), w.push_back(*c.weights[i]), b.push_back(c.biases[i] ? *c.biases[i] : at::Tensor());
+  }
+  if (torch::autograd::compute_requires_grad(x, w, b)) {
+    auto node = make_node<CakeCPConvBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, w, b));
+    for (size_t i = 0; i < x.size(); ++i) {
+      node->xs.emplace_back(x[i], false);
+      node->weights.emplace_back(w[i], false);
+      node->biases.emplace_back(b[i], false);
+      node->halos.emplace_back(halos[i], false);
+    }
+    node->cu_seqlens = *t.cu_seqlens, node->frag_info = *t.frag_info, node->g_rows = *t.g_rows;
+    node->g_import = *t.g_import, node->group = group, node->g_send_splits = g_send_splits;
+    node->g_recv_splits = g_recv_splits, node->round_preact = static_cast<int>(round_preact);
+    torch::autograd::set_history(ys, node);
+  }
+  std::vector<PyObject*> items;
+  for (at::Tensor& y : ys) items.push_back(THPVariable_Wrap(std::move(y)));
+  PyObject* y_tuple = tuple_of(std::move(items));
+  if (!y_tuple) return nullptr;
+  return tuple_of({y_tuple, THPVariable_Wrap(std::move(received))});
+  END_HANDLE_TH_ERRORS
+}
+
+#endif  // CAKE_C10D
+
+// The phases one by one, for tests (see above).
+
+// cp_send(xs, export_rows, recv_rows) -> (send, received) (send_phase).
 PyObject* cp_send(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!takes("cp_send", nargs, 3)) return nullptr;
-  std::vector<const at::Tensor*> xs;
+  CpItems c;
   const at::Tensor* export_rows;
   int64_t recv_rows;
-  if (!as_tensors(args[0], false, -1, &xs) || !as_int(args[2], 0, kMaxCuSeqlens, &recv_rows)) Py_RETURN_NONE;
-  int64_t S = 0, C = 0, total_c = 0;
-  int device = 0;
-  for (size_t i = 0; i < xs.size(); ++i) {
-    int64_t s;
+  if (!as_tensors(args[0], false, -1, &c.xs) || !as_int(args[2], 0, kMaxCuSeqlens, &recv_rows)) Py_RETURN_NONE;
+  for (size_t i = 0; i < c.xs.size(); ++i) {
+    int64_t S, C;
     int d;
-    if (!check_x(*xs[i], kBwdMaxS, kBwdMaxElements, &s, &C, &d) || !xs[i]->is_contiguous() ||
-        (i > 0 && (s != S || d != device))) {
+    if (!check_x(*c.xs[i], kBwdMaxS, kBwdMaxElements, &S, &C, &d) || !c.xs[i]->is_contiguous() ||
+        (i > 0 && (S != c.S || d != c.device))) {
       Py_RETURN_NONE;
     }
-    S = s, device = d, total_c += C;
+    c.S = S, c.device = d, c.total_c += C;
   }
-  if (!cp_table(args[1], -1, device, &export_rows)) Py_RETURN_NONE;
-  at::Tensor send, received;
-  {
-    at::NoGradGuard no_grad;
-    std::vector<at::Tensor> parts;
-    for (const at::Tensor* x : xs) parts.push_back(at::index_select(x->view({S, x->size(-1)}), 0, *export_rows));
-    send = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
-    received = at::empty({recv_rows + 1, total_c}, xs[0]->options());
-    received.select(0, recv_rows).zero_();
-  }
+  if (!cp_table(args[1], -1, c.device, &export_rows)) Py_RETURN_NONE;
+  auto [send, received] = send_phase(c, *export_rows, recv_rows);
   return tuple_of({THPVariable_Wrap(std::move(send)), THPVariable_Wrap(std::move(received))});
   END_HANDLE_TH_ERRORS
 }
 
-// cp_forward(xs, weights, biases, cu_seqlens) -> ys: the main forward of every item, each
-// fragment read as a document (the head rows of continuing fragments still to fix).
+// cp_forward(xs, weights, biases, cu_seqlens) -> ys (forward_phase).
 PyObject* cp_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!takes("cp_forward", nargs, 4)) return nullptr;
@@ -995,19 +1368,13 @@ PyObject* cp_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const at::Tensor* cu;
   if (!as_tensor(args[3], false, &cu) || !cp_items(args[0], args[1], args[2], *cu, &c)) Py_RETURN_NONE;
   std::vector<PyObject*> ys;
-  for (size_t i = 0; i < c.xs.size(); ++i) {
-    ForwardCall f{};
-    f.x = c.xs[i], f.weight = c.weights[i], f.cu_seqlens = cu, f.bias = c.biases[i];
-    check_forward(&f, kBwdMaxS, kBwdMaxElements);  // accepted above: sets what run_forward reads
-    ys.push_back(THPVariable_Wrap(run_forward(f)));
-  }
+  for (at::Tensor& y : forward_phase(c, *cu)) ys.push_back(THPVariable_Wrap(std::move(y)));
   return tuple_of(std::move(ys));
   END_HANDLE_TH_ERRORS
 }
 
-// cp_forward_heads(ys, xs, weights, biases, received, import_rows, cu_seqlens, frag_info) ->
-// halos: each item's halo [num_frags, 3, C] gathered from the received rows (its columns of them)
-// and, with it, y of the head rows of the fragments that continue their documents rewritten.
+// cp_forward_heads(ys, xs, weights, biases, received, import_rows, cu_seqlens, frag_info) -> halos
+// (heads_phase).
 PyObject* cp_forward_heads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!takes("cp_forward_heads", nargs, 8)) return nullptr;
@@ -1019,34 +1386,16 @@ PyObject* cp_forward_heads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !cp_table(args[5], 3 * frag_info->numel(), c.device, &import_rows)) {
     Py_RETURN_NONE;
   }
-  const int64_t F = frag_info->numel();
-  const intptr_t stream = current_stream(c.device);
   std::vector<PyObject*> halos;
-  int64_t at_c = 0;
-  for (size_t i = 0; i < c.xs.size(); ++i) {
-    const int64_t C = c.xs[i]->size(-1);
-    at::Tensor halo;
-    {
-      at::NoGradGuard no_grad;
-      const at::Tensor cols = c.xs.size() == 1 ? *received : received->narrow(1, at_c, C);
-      halo = at::index_select(cols, 0, *import_rows).view({F, 3, C});  // new, contiguous
-    }
-    if (c.S > 0) {
-      CpPass p;
-      p.pass = flashinfer_cake::kCpFwdHeads, p.out = ys[i], p.halo = &halo, p.cu_seqlens = cu, p.frag_info = frag_info;
-      run_cp_pass(c, i, p, stream);
-    }
-    halos.push_back(THPVariable_Wrap(std::move(halo)));
-    at_c += C;
+  for (at::Tensor& h : heads_phase(c, ys, *received, *import_rows, *cu, *frag_info)) {
+    halos.push_back(THPVariable_Wrap(std::move(h)));
   }
   return tuple_of(std::move(halos));
   END_HANDLE_TH_ERRORS
 }
 
 // cp_grad_send(xs, dys, weights, biases, halos, cu_seqlens, frag_info, g_rows, recv_rows,
-// round_preact) -> (send, received): the backward's exchange buffers, FP32. send [g_rows.numel(),
-// total C]: the g of the head tokens other ranks need, each item's columns side by side;
-// received: [recv_rows, total C], which the exchange fills.
+// round_preact) -> (send, received) (grad_send_phase).
 PyObject* cp_grad_send(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!takes("cp_grad_send", nargs, 10)) return nullptr;
@@ -1060,32 +1409,14 @@ PyObject* cp_grad_send(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !as_int(args[9], 0, 1, &round_preact)) {
     Py_RETURN_NONE;
   }
-  at::Tensor send, received;
-  {
-    const c10::DeviceGuard guard(c.xs[0]->device());
-    const auto options = c.xs[0]->options().dtype(at::kFloat);
-    send = at::empty({g_rows->numel(), c.total_c}, options);
-    received = at::empty({recv_rows, c.total_c}, options);
-  }
-  if (send.numel() > 0) {  // (the pass takes no empty buffer)
-    const intptr_t stream = current_stream(c.device);
-    int64_t at_c = 0;
-    for (size_t i = 0; i < c.xs.size(); ++i) {
-      CpPass p;
-      p.pass = flashinfer_cake::kCpBwdHeads, p.dy = dys[i], p.halo = halos[i], p.cu_seqlens = cu;
-      p.frag_info = frag_info, p.g_rows = g_rows;
-      p.g_out = address(&send) + 4 * at_c, p.g_ld = c.total_c, p.round_preact = static_cast<int>(round_preact);
-      run_cp_pass(c, i, p, stream);
-      at_c += c.xs[i]->size(-1);
-    }
-  }
+  auto [send, received] = grad_send_phase(c, dys, halos, *cu, *frag_info, *g_rows, recv_rows,
+                                          static_cast<int>(round_preact));
   return tuple_of({THPVariable_Wrap(std::move(send)), THPVariable_Wrap(std::move(received))});
   END_HANDLE_TH_ERRORS
 }
 
 // cp_backward(xs, dys, weights, biases, halos, cu_seqlens, round_preact) -> (*dxs, *dweights,
-// *dbiases): the main backward of every item with its halo as the fragments' initial states (dx
-// of the tail rows of continuing fragments still to fix); a dbias is None without bias.
+// *dbiases), a dbias None without bias (backward_phase).
 PyObject* cp_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!takes("cp_backward", nargs, 7)) return nullptr;
@@ -1097,27 +1428,20 @@ PyObject* cp_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !cp_halos(args[4], c, cu->numel() - 1, &halos) || !as_int(args[6], 0, 1, &round_preact)) {
     Py_RETURN_NONE;
   }
-  const size_t n = c.xs.size();
-  std::vector<PyObject*> out(3 * n, nullptr);
+  std::vector<Grads> g = backward_phase(c, dys, halos, *cu, static_cast<int>(round_preact));
+  const size_t n = g.size();
+  std::vector<PyObject*> out(3 * n);
   for (size_t i = 0; i < n; ++i) {
-    BackwardCall b{c.xs[i],  c.weights[i], cu,      dys[i],  c.biases[i], halos[i], nullptr,
-                   nullptr, nullptr,      nullptr, nullptr, nullptr,     static_cast<int>(round_preact)};
-    if (!check_backward(&b)) {
-      for (PyObject* o : out) Py_XDECREF(o);
-      Py_RETURN_NONE;
-    }
-    Grads g = run_backward(b);
-    out[i] = THPVariable_Wrap(std::move(g.dx));
-    out[n + i] = THPVariable_Wrap(std::move(g.dweight));
-    out[2 * n + i] = g.dbias.defined() ? THPVariable_Wrap(std::move(g.dbias)) : Py_NewRef(Py_None);
+    out[i] = THPVariable_Wrap(std::move(g[i].dx));
+    out[n + i] = THPVariable_Wrap(std::move(g[i].dweight));
+    out[2 * n + i] = g[i].dbias.defined() ? THPVariable_Wrap(std::move(g[i].dbias)) : Py_NewRef(Py_None);
   }
   return tuple_of(std::move(out));
   END_HANDLE_TH_ERRORS
 }
 
 // cp_backward_tails(dxs, xs, dys, weights, biases, halos, received, cu_seqlens, frag_info,
-// g_import, round_preact) -> True: dx of the tail rows of the fragments whose documents go on
-// rewritten, with the received head g (FP32 [rows, total C], each item's columns side by side).
+// g_import, round_preact) -> True (tails_phase).
 PyObject* cp_backward_tails(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!takes("cp_backward_tails", nargs, 11)) return nullptr;
@@ -1131,18 +1455,7 @@ PyObject* cp_backward_tails(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
       !cp_table(args[9], 3 * frag_info->numel(), c.device, &g_import) || !as_int(args[10], 0, 1, &round_preact)) {
     Py_RETURN_NONE;
   }
-  if (c.S > 0) {
-    const intptr_t stream = current_stream(c.device);
-    int64_t at_c = 0;
-    for (size_t i = 0; i < c.xs.size(); ++i) {
-      CpPass p;
-      p.pass = flashinfer_cake::kCpBwdTails, p.dy = dys[i], p.out = dxs[i], p.halo = halos[i], p.cu_seqlens = cu;
-      p.frag_info = frag_info, p.g_import = g_import, p.g_in = address(received) + 4 * at_c;
-      p.g_ld = c.total_c, p.g_in_rows = received->size(0), p.round_preact = static_cast<int>(round_preact);
-      run_cp_pass(c, i, p, stream);
-      at_c += c.xs[i]->size(-1);
-    }
-  }
+  tails_phase(c, dxs, dys, halos, *received, *cu, *frag_info, *g_import, static_cast<int>(round_preact));
   Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS
 }
@@ -1165,6 +1478,11 @@ PyMethodDef g_methods[] = {
     CAKE_METHOD(cp_accepts,
                 "cp_accepts(xs, weights, biases, cu_seqlens, num_tokens) -> whether a context-parallel call's tensors "
                 "pass every rule (and their modules are registered)"),
+#if CAKE_C10D
+    CAKE_METHOD(cp_autograd_forward,
+                "cp_autograd_forward(xs, weights, biases, received, tables, group_name, splits, round_preact) -> "
+                "(ys, received) with the CP call's autograd node, or None when declined"),
+#endif
     CAKE_METHOD(cp_send, "cp_send(xs, export_rows, recv_rows) -> (send, received), or None"),
     CAKE_METHOD(cp_forward, "cp_forward(xs, weights, biases, cu_seqlens) -> ys, or None"),
     CAKE_METHOD(cp_forward_heads,

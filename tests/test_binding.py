@@ -74,6 +74,11 @@ def test_cp_phases_decline_cpu_tensors_and_non_tuples(loaded):
     assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, 1) is None
     assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, 2) is None
     assert loaded.cp_backward_tails(xs, xs, xs, ws, bs, (halo,), x.float(), cu, table[:2], table, 1) is None
+    tables, splits = (cu, table, table, table[:2], table, table), ((0,), (0,), (6,), (0,))
+    assert loaded.cp_autograd_forward(xs, ws, bs, None, tables, "0", splits, 1) is None
+    assert loaded.cp_autograd_forward(xs, ws, bs, None, tables[:5], "0", splits, 1) is None
+    assert loaded.cp_autograd_forward(xs, ws, bs, None, tables, 0, splits, 1) is None
+    assert loaded.cp_autograd_forward(xs, ws, bs, None, tables, "0", ((-1,), (0,), (6,), (0,)), 1) is None
 
 
 def test_wrong_argument_count_is_a_type_error(loaded):
@@ -84,7 +89,7 @@ def test_wrong_argument_count_is_a_type_error(loaded):
         loaded.try_backward(x, w, cu, x)
     with pytest.raises(TypeError, match="try_autograd_forward takes 7 arguments"):
         loaded.try_autograd_forward(x, w, cu)
-    for name, count in (("cp_accepts", 5), ("cp_send", 3), ("cp_forward", 4), ("cp_forward_heads", 8),
+    for name, count in (("cp_accepts", 5), ("cp_autograd_forward", 8), ("cp_send", 3), ("cp_forward", 4), ("cp_forward_heads", 8),
                         ("cp_grad_send", 10), ("cp_backward", 7), ("cp_backward_tails", 11)):
         with pytest.raises(TypeError, match=f"{name} takes {count} arguments"):
             getattr(loaded, name)(x, w)

@@ -151,7 +151,7 @@ def test_tables_give_each_fragment_its_documents_previous_rows(cu, world_size, l
 _WORKER = textwrap.dedent("""
     import datetime, json, os, sys, torch, torch.distributed as dist
     from flashinfer_cake.cp import build_cp_context, cp_partition, halo_exchange, halo_exchange_multi
-    from flashinfer_cake.cp.exchange import exchange_head_grads
+    from flashinfer_cake.cp.exchange import exchange_rows
     from flashinfer_cake.reference import causal_conv1d_backward_reference, causal_conv1d_reference
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method="file://" + os.environ["CP_TEST_STORE"], rank=rank, world_size=world,
@@ -184,14 +184,16 @@ _WORKER = textwrap.dedent("""
     multi_grads = torch.autograd.grad(together, qkv, gs)
     alone_grads = torch.autograd.grad(alone, qkv, gs)
     ok_multi = ok_multi and all(torch.equal(a, b) for a, b in zip(multi_grads, alone_grads))
-    # the conv's backward exchange (exchange_head_grads): rows carrying their global token, found
-    # through g_import as the j-th token after each fragment
+    # the conv's backward exchange (the torch binding's, of these splits): rows carrying their
+    # global token, found through g_import as the j-th token after each fragment
     starts = [0]
     for n in part.doc_lengths:
         starts.append(starts[-1] + n)
     tokens = [starts[frag[0]] + frag[1] + (code & 3) for code in ctx.g_rows.tolist()
               for frag in [part.fragments[rank][code >> 2]]]
-    _, got = exchange_head_grads(ctx, torch.tensor(tokens, dtype=torch.float64).view(-1, 1))
+    got = torch.empty(sum(ctx.g_recv_splits), 1, dtype=torch.float64)
+    exchange_rows(got, torch.tensor(tokens, dtype=torch.float64).view(-1, 1), ctx.g_recv_splits, ctx.g_send_splits,
+                  ctx.group)
     ok_g = True
     for (d, o, n), row in zip(part.fragments[rank], ctx.g_import.view(-1, 3).tolist()):
         for j in range(3):

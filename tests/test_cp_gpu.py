@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from doclengths import fill, one_doc, split, tiny_docs
+import cp_by_hand
 from cp_by_hand import exchanged_by_hand
 from flashinfer_cake import cake_causal_conv1d
 from flashinfer_cake.cp import (
@@ -32,8 +33,6 @@ from flashinfer_cake.cp import (
     cake_causal_conv1d_cp_multi,
     cp_partition,
 )
-from flashinfer_cake.cp import conv as cp_conv
-from flashinfer_cake.cp import exchange as cp_exchange
 
 pytestmark = pytest.mark.gpu
 
@@ -113,23 +112,23 @@ def simulate_ranks(part, x, w, b, dy, policy):
     idx = [torch.tensor(part.global_tokens(r), dtype=torch.long, device=DEV) for r in range(P)]
     xs = [x.index_select(0, i) for i in idx]
     dys = [dy.index_select(0, i) for i in idx]
-    sends = [cp_conv.send_rows(c, (xl,), (w,), (b,))[0] for c, xl in zip(ctxs, xs)]
+    sends = [cp_by_hand.send_rows(c, (xl,), (w,), (b,))[0] for c, xl in zip(ctxs, xs)]
     received = exchanged_by_hand(ctxs, sends, "halo")
     ys, halos = [], []
     for c, xl, rows in zip(ctxs, xs, received):
-        y = cp_conv.forward_interior(c, (xl,), (w,), (b,))
+        y = cp_by_hand.forward_interior(c, (xl,), (w,), (b,))
         for t in y:
             assert not t.isnan().any()
-        h = cp_conv.forward_heads(c, y, (xl,), (w,), (b,), torch.cat([rows, x.new_zeros(1, C)]))
+        h = cp_by_hand.forward_heads(c, y, (xl,), (w,), (b,), torch.cat([rows, x.new_zeros(1, C)]))
         ys.append(y[0])
         halos.append(h)
     rp = 1 if policy == "bf16" else 0
-    g_sends = [cp_conv.grad_send(c, (xl,), (d,), (w,), (b,), h, rp)[0] for c, xl, d, h in zip(ctxs, xs, dys, halos)]
+    g_sends = [cp_by_hand.grad_send(c, (xl,), (d,), (w,), (b,), h, rp)[0] for c, xl, d, h in zip(ctxs, xs, dys, halos)]
     g_received = exchanged_by_hand(ctxs, g_sends, "g")
     out = []
     for r, (c, xl, d, h) in enumerate(zip(ctxs, xs, dys, halos)):
-        (dx,), (dw,), (db,) = cp_conv.backward_interior(c, (xl,), (d,), (w,), (b,), h, rp)
-        cp_conv.backward_tails(c, (dx,), (xl,), (d,), (w,), (b,), h, g_received[r], rp)
+        (dx,), (dw,), (db,) = cp_by_hand.backward_interior(c, (xl,), (d,), (w,), (b,), h, rp)
+        cp_by_hand.backward_tails(c, (dx,), (xl,), (d,), (w,), (b,), h, g_received[r], rp)
         out.append((idx[r], ys[r], dx, dw, db))
     return out
 
@@ -293,31 +292,32 @@ def test_multi_is_bitwise_separate_calls(nccl_group):
         assert torch.equal(a, c)
 
 
-def test_recompute_handle_under_checkpoint_exchanges_nothing(nccl_group, monkeypatch):
+def test_recompute_handle_under_checkpoint_exchanges_nothing(nccl_group):
     part, cu, x, dy, w, b, idx = one_rank_batch(13)
     ctx = build_cp_context(part, nccl_group, 0, DEV)
-    calls = []
-    real = cp_exchange.exchange_rows
-    monkeypatch.setattr(cp_exchange, "exchange_rows", lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
+    exchanges = nccl_group._get_sequence_number_for_group  # counts the collectives on the group
     handle = CPRecomputeHandle()
 
-    def step(checkpointed):
+    def step(checkpointed, counts):
         xl = x[idx].clone().requires_grad_()
         wl = w.clone().requires_grad_()
 
         def layer(t):  # the handle on the checkpointed call site only (a plain call's halo would stay kept)
             return cake_causal_conv1d_cp(t, wl, ctx, b, recompute_handle=handle if checkpointed else None) * 1.5
 
+        start = exchanges()
         y = torch.utils.checkpoint.checkpoint(layer, xl, use_reentrant=False) if checkpointed else layer(xl)
+        counts.append(exchanges() - start)
         y.backward(dy[idx])
+        counts.append(exchanges() - start)
         return y.detach(), xl.grad, wl.grad
 
-    plain = step(False)
-    calls.clear()
-    ckpt = step(True)
-    # one halo exchange (BF16) in the first forward, one gradient exchange (FP32) in the
-    # backward, none in the recomputation
-    assert calls == [BF16, F32], calls
+    plain_counts, ckpt_counts = [], []
+    plain = step(False, plain_counts)
+    ckpt = step(True, ckpt_counts)
+    # one halo exchange in the forward, one gradient exchange in the backward (the plain step shows
+    # that the counter sees them), none in the recomputation
+    assert plain_counts == [1, 2] and ckpt_counts == [1, 2], (plain_counts, ckpt_counts)
     assert len(handle) == 0, handle
     for a, c in zip(plain, ckpt):
         assert torch.equal(a, c)
@@ -422,11 +422,17 @@ def test_recompute_handle_refused_in_capture(nccl_group):
     ("ctx", TypeError, "CPContext"),
     ("policy", ValueError, "silu_grad_preactivation"),
     ("weight", ValueError, "weight must have shape"),
+    ("bias", ValueError, "bias must have shape"),
+    ("dtype", ValueError, "x must have dtype torch.bfloat16"),
+    ("misaligned", ValueError, "16-byte aligned address"),
 ])
 def test_bad_arguments(nccl_group, case, error, match):
+    """Each bad argument is the Python rules' error, after a valid call has registered the
+    variant's module (so the binding's native check, cp_accepts, sees the call first)."""
     part, cu, x, dy, w, b, idx = one_rank_batch(17)
     ctx = build_cp_context(part, nccl_group, 0, DEV)
     xl = x[idx].contiguous()
+    cake_causal_conv1d_cp(xl, w, ctx, b)
     kwargs = {}
     if case == "tokens":
         xl = xl[1:]
@@ -438,5 +444,55 @@ def test_bad_arguments(nccl_group, case, error, match):
         kwargs["silu_grad_preactivation"] = "fp16"
     elif case == "weight":
         w = w[:, :3]
+    elif case == "bias":
+        b = b[1:]
+    elif case == "dtype":
+        xl = xl.float()
+    elif case == "misaligned":
+        xl = torch.cat([xl.new_zeros(1), xl.flatten()])[1:].view(xl.shape)
     with pytest.raises(error, match=match):
         cake_causal_conv1d_cp(xl, w, ctx, b, **kwargs)
+
+
+def test_autograd_node_semantics(nccl_group):
+    """The call's C++ autograd node does what the Python Function it replaced did: an output left
+    out of the loss (multi) counts as a zero gradient; only the inputs that require grad get one;
+    no node under no_grad; create_graph=True gives gradients whose own backward raises (as
+    @once_differentiable); retain_graph runs the backward (and its exchange) twice, equal."""
+    part, cu, x, dy, w, b, idx = one_rank_batch(19)
+    ctx = build_cp_context(part, nccl_group, 0, DEV)
+    xl = x[idx].contiguous()
+    T = idx.numel()
+    # multi, y[1] unused: its x's gradient is the one of a zero dy
+    x2 = torch.randn(T, 32, device=DEV).to(BF16)
+    w2 = torch.randn(32, 4, device=DEV)
+    a, a2 = xl.clone().requires_grad_(), x2.clone().requires_grad_()
+    ys = cake_causal_conv1d_cp_multi([a, a2], [w, w2], ctx, [b, None])
+    ys[0].backward(dy[idx])
+    ref = xl.clone().requires_grad_()
+    cake_causal_conv1d_cp(ref, w, ctx, b).backward(dy[idx])
+    ref2 = x2.clone().requires_grad_()
+    cake_causal_conv1d_cp(ref2, w2, ctx).backward(torch.zeros_like(x2))
+    assert torch.equal(a.grad, ref.grad) and torch.equal(a2.grad, ref2.grad)
+    # only the weight requires grad
+    wl = w.clone().requires_grad_()
+    y = cake_causal_conv1d_cp(xl, wl, ctx, b)
+    (dw,) = torch.autograd.grad(y, wl, dy[idx])
+    wr = w.clone().requires_grad_()
+    cake_causal_conv1d_cp(xl.clone().requires_grad_(), wr, ctx, b).backward(dy[idx])
+    assert torch.equal(dw, wr.grad)
+    # no_grad: no node
+    with torch.no_grad():
+        assert cake_causal_conv1d_cp(xl.clone().requires_grad_(), wl, ctx, b).grad_fn is None
+    # create_graph=True: the gradients' own backward raises
+    xg = xl.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(cake_causal_conv1d_cp(xg, w, ctx, b), xg, dy[idx].clone().requires_grad_(),
+                                create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.float().sum().backward()
+    # retain_graph: twice, equal
+    xr = xl.clone().requires_grad_()
+    y = cake_causal_conv1d_cp(xr, w, ctx, b)
+    (g1,) = torch.autograd.grad(y, xr, dy[idx], retain_graph=True)
+    (g2,) = torch.autograd.grad(y, xr, dy[idx])
+    assert torch.equal(g1, g2) and torch.equal(g1, ref.grad)

@@ -14,6 +14,9 @@ on, summing the received terms in the single-GPU order. Each rank's dweight/dbia
 fixed-order partial sum of its own tokens' terms; summed over the ranks (the data-parallel
 all-reduce does it) it equals the single-GPU gradient within FP32 summation order.
 
+The forward, the collectives included, is one call of the torch binding (jit/torch_binding.cpp:
+cp_autograd_forward), and the backward a C++ autograd node run by the engine without the GIL:
+the Python here checks the arguments (natively first) and keeps the recompute handle's rows.
 No host synchronization; the collectives are the same on every rank whatever the data; CUDA-graph
 capturable (build the context before capturing)."""
 
@@ -22,10 +25,9 @@ from __future__ import annotations
 import collections
 
 import torch
-from torch.autograd.function import once_differentiable
+import torch.distributed as dist
 
 from .. import _checks, _dispatch
-from .exchange import exchange_halo, exchange_head_grads
 from .partition import CPContext, capturing, check_call, check_context
 
 __all__ = ["CPRecomputeHandle", "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"]
@@ -37,8 +39,9 @@ class CPRecomputeHandle:
     """Lets an activation-checkpointed CP conv recompute its forward without communicating.
 
     Pass one handle to one checkpointed call site (one layer): a forward outside a backward pass
-    exchanges the halo and keeps it in the handle, under the identity of its inputs (their
-    addresses and versions) and context; a forward run inside a backward pass (the recomputation
+    exchanges the halo and keeps it in the handle (the received rows, ``[halo rows + 1, sum C]``
+    BF16, from which its halos are gathered), under the identity of its inputs (their addresses
+    and versions) and context; a forward run inside a backward pass (the recomputation
     of ``torch.utils.checkpoint``) takes the halo kept for the same inputs and exchanges nothing,
     so ranks that recompute their layers in different orders cannot deadlock. Several micro-batches
     in flight (pipeline schedules) each find their own. At most ``max_kept`` halos are kept (the
@@ -74,122 +77,23 @@ class CPRecomputeHandle:
         return f"CPRecomputeHandle(holding {len(self._kept)} halo{'s' if len(self._kept) != 1 else ''})"
 
 
-def _native(phase: str, weights, biases, device: int, *args):
-    """A phase of the torch binding (torch_binding.cpp: cp_send, cp_forward, ...) on the current
-    stream. A phase declines (None) while a kernel module of the call is not registered: this
-    registers them (loading, building them if needed) and calls again."""
+def _native(entry: str, weights, biases, device: int, *args):
+    """An entry of the torch binding (torch_binding.cpp: cp_autograd_forward, and the phases one by
+    one for tests) on the current stream. It declines (None) while a kernel module of the call is
+    not registered: this registers them (loading, building them if needed) and calls again."""
     binding = _dispatch.binding
-    result = None if binding is None else getattr(binding, phase)(*args)
+    result = None if binding is None else getattr(binding, entry)(*args)
     if result is None:
         for w, b in zip(weights, biases):
             binding = _dispatch.binding_for(device, w, b)
-        result = getattr(binding, phase)(*args)
+        result = getattr(binding, entry)(*args)
         if result is None:
-            raise _dispatch.declined_error(f"{_FN} ({phase})")
+            raise _dispatch.declined_error(f"flashinfer_cake.cp ({entry})")
     return result
-
-
-# The phases of one call over tensors of the same tokens (xs[i] with weights[i] and biases[i]:
-# tuples), each on the current stream; the collectives go between them (exchange.py). Tests run
-# the phases of several ranks in one process, with the exchanged rows built by hand.
-
-def send_rows(cp: CPContext, xs, weights, biases) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward exchange's buffers: (this rank's halo rows for every rank, every x's columns
-    side by side, ``[sum(halo_send_splits), sum C]``; the buffer it receives into, with a zero
-    row after the received rows)."""
-    return _native("cp_send", weights, biases, xs[0].get_device(), xs, cp.export_rows, sum(cp.halo_recv_splits))
-
-
-def forward_interior(cp: CPContext, xs, weights, biases) -> tuple[torch.Tensor, ...]:
-    """y of every local token, each fragment read as a document (head rows of continuing
-    fragments still to fix)."""
-    return _native("cp_forward", weights, biases, xs[0].get_device(), xs, weights, biases, cp.cu_seqlens)
-
-
-def forward_heads(cp: CPContext, ys, xs, weights, biases, received: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each x's halos ``[num_fragments, 3, C]`` from the received rows, and with them y of the
-    head rows of the fragments that continue their documents rewritten."""
-    return _native("cp_forward_heads", weights, biases, xs[0].get_device(), tuple(ys), xs, weights, biases, received,
-                   cp.import_rows, cp.cu_seqlens, cp.frag_info)
-
-
-def grad_send(cp: CPContext, xs, dys, weights, biases, halos, round_preact: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward exchange's buffers, FP32: (the g of the head tokens this rank sends each
-    rank, every tensor's columns side by side, ``[sum(g_send_splits), sum C]``; the buffer it
-    receives into)."""
-    return _native("cp_grad_send", weights, biases, xs[0].get_device(), xs, tuple(dys), weights, biases, tuple(halos),
-                   cp.cu_seqlens, cp.frag_info, cp.g_rows, sum(cp.g_recv_splits), round_preact)
-
-
-def backward_interior(cp: CPContext, xs, dys, weights, biases, halos, round_preact: int):
-    """(dxs, dweights, dbiases) of every tensor (a dbias None without bias; dx of the tail rows of
-    continuing fragments still to fix)."""
-    n = len(xs)
-    grads = _native("cp_backward", weights, biases, xs[0].get_device(), xs, tuple(dys), weights, biases, tuple(halos),
-                    cp.cu_seqlens, round_preact)
-    return grads[:n], grads[n: 2 * n], grads[2 * n:]
-
-
-def backward_tails(cp: CPContext, dxs, xs, dys, weights, biases, halos, received: torch.Tensor,
-                   round_preact: int) -> None:
-    """Rewrites dx of the tail rows of the fragments whose documents go on after them."""
-    _native("cp_backward_tails", weights, biases, xs[0].get_device(), tuple(dxs), xs, tuple(dys), weights, biases,
-            tuple(halos), received, cp.cu_seqlens, cp.frag_info, cp.g_import, round_preact)
-
-
-def _as_rows(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """An incoming gradient as the passes read it: BF16, contiguous, 16-byte aligned, x's shape."""
-    if dy.dtype == torch.bfloat16 and dy.is_contiguous() and dy.data_ptr() % 16 == 0:
-        return dy
-    return torch.empty_like(x, memory_format=torch.contiguous_format).copy_(dy)
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-class _CPConv(torch.autograd.Function):
-    """The autograd of one call over n tensors: inputs (cp, handle, round_preact, n, *xs, *weights,
-    *biases)."""
-
-    @staticmethod
-    def forward(ctx, cp, handle, round_preact, n, *tensors):
-        xs, weights, biases = tensors[:n], tensors[n: 2 * n], tensors[2 * n:]
-        received = None
-        if handle is not None and _in_backward():  # checkpoint's recomputation: the kept rows
-            received = handle._take(cp, xs)
-            if received is None:
-                raise RuntimeError(f"{_FN}: the recompute_handle holds no halo for these inputs: a forward recomputed "
-                                   "in a backward pass takes the halo its first run kept (one handle per checkpointed "
-                                   "call site; the first run must happen outside the backward)")
-            work = None
-        else:
-            send, received = send_rows(cp, xs, weights, biases)
-            work, received = exchange_halo(cp, send, received, async_op=True)
-        ys = forward_interior(cp, xs, weights, biases)  # overlaps the exchange
-        if work is not None:
-            work.wait()
-            if handle is not None:
-                handle._keep(cp, xs, received)
-        halos = forward_heads(cp, ys, xs, weights, biases, received)
-        ctx.cp, ctx.round_preact, ctx.n = cp, round_preact, n
-        ctx.save_for_backward(*xs, *weights, *biases, *halos)
-        ctx.set_materialize_grads(True)
-        return ys
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *dys):
-        n, cp, round_preact = ctx.n, ctx.cp, ctx.round_preact
-        saved = ctx.saved_tensors
-        xs, weights, biases, halos = saved[:n], saved[n: 2 * n], saved[2 * n: 3 * n], saved[3 * n:]
-        dys = tuple(_as_rows(dy, x) for dy, x in zip(dys, xs))
-        send, received = grad_send(cp, xs, dys, weights, biases, halos, round_preact)
-        work, received = exchange_head_grads(cp, send, received, async_op=True)
-        dxs, dweights, dbiases = backward_interior(cp, xs, dys, weights, biases, halos, round_preact)  # overlaps it
-        work.wait()
-        backward_tails(cp, dxs, xs, dys, weights, biases, halos, received, round_preact)
-        return (None, None, None, None, *dxs, *dweights, *dbiases)
 
 
 def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
@@ -237,16 +141,38 @@ def cake_causal_conv1d_cp_multi(xs, weights, ctx: CPContext, biases=None, *, sil
 def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.Tensor]:
     """Both public calls: their checks under the caller's name (check_call: on a context built
     with verify=True, also the same call on every rank, except in the recomputation through a
-    recompute_handle, which exchanges nothing), then the autograd function."""
+    recompute_handle, which exchanges nothing), then the forward with its autograd node (the
+    torch binding's cp_autograd_forward)."""
     xs, weights = tuple(xs), tuple(weights)
     biases = (None,) * len(xs) if biases is None else tuple(biases)
     check_context(fn, ctx)
+    recompute = handle is not None and _in_backward()  # checkpoint's recomputation: the kept rows
     check_call(fn, ctx, lambda: _check_call(fn, ctx, xs, weights, biases, policy, handle),
                lambda: (f"{len(xs)} tensor(s) of {[x.shape[-1] for x in xs]} channels, x {[str(x.dtype) for x in xs]}, "
                         f"weight {[str(w.dtype) for w in weights]}, bias "
                         f"{[None if b is None else str(b.dtype) for b in biases]}, silu_grad_preactivation {policy!r}"),
-               collective=handle is None or not _in_backward())
-    return list(_CPConv.apply(ctx, handle, 1 if policy == "bf16" else 0, len(xs), *xs, *weights, *biases))
+               collective=not recompute)
+    received = None
+    if recompute:
+        received = handle._take(ctx, xs)
+        if received is None:
+            raise RuntimeError(f"{fn}: the recompute_handle holds no halo for these inputs: a forward recomputed "
+                               "in a backward pass takes the halo its first run kept (one handle per checkpointed "
+                               "call site; the first run must happen outside the backward)")
+    if not dist.is_available():
+        raise RuntimeError(f"{fn}: needs torch.distributed, which this torch was built without")
+    group = dist.group.WORLD if ctx.group is None else ctx.group
+    if group is None:
+        raise RuntimeError(f"{fn}: the context's group is None and the default process group is not initialized "
+                           "(torch.distributed.init_process_group)")
+    ys, received = _native("cp_autograd_forward", weights, biases, xs[0].get_device(), xs, weights, biases, received,
+                           (ctx.cu_seqlens, ctx.export_rows, ctx.import_rows, ctx.frag_info, ctx.g_rows, ctx.g_import),
+                           group.group_name,
+                           (ctx.halo_send_splits, ctx.halo_recv_splits, ctx.g_send_splits, ctx.g_recv_splits),
+                           1 if policy == "bf16" else 0)
+    if handle is not None and not recompute:
+        handle._keep(ctx, xs, received)
+    return list(ys)
 
 
 def cake_causal_conv1d_cp(x_local: torch.Tensor, weight: torch.Tensor, ctx: CPContext, bias: torch.Tensor | None = None,

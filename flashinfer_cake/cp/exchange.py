@@ -1,7 +1,10 @@
 """The halo exchange with autograd, on its own: each local fragment's initial state gathered from
-the ranks holding the rows before it, and its gradient returned to them (:func:`halo_exchange`).
-The conv itself (:mod:`.conv`) has an exchange of its own, overlapped with its kernels and exact
-in the backward; this one is for callers that feed the states to other ops."""
+the ranks holding the rows before it, and its gradient returned to them (:func:`halo_exchange`),
+for callers that feed the states to other ops; any dtype and backend (gloo included). The conv
+(:mod:`.conv`) has an exchange of its own in the torch binding (jit/torch_binding.cpp:
+send_phase / heads_phase gather the same rows through the same tables: export_rows, then
+import_rows with the zero row after the received ones), overlapped with its kernels and exact in
+the backward."""
 
 from __future__ import annotations
 
@@ -26,42 +29,30 @@ def _options_take_async() -> bool:
     return _AllToAllOptions is not None and hasattr(_AllToAllOptions(), "asyncOp")
 
 
-def exchange_rows(out: torch.Tensor, send: torch.Tensor, out_splits, send_splits, group, async_op: bool = False):
-    """One all_to_all of rows: ``send``'s rows, ``send_splits[t]`` for rank t in rank order, and
-    ``out``'s, ``out_splits[s]`` from rank s (a pair may have none). The process group's own call
-    where it has one (the public wrappers' checks cost ~130 µs of host time per all_gather call,
-    NOTES_cp.md): the returned work's wait() orders the current stream after it (async_op), or it
-    has been waited for."""
+def exchange_rows(out: torch.Tensor, send: torch.Tensor, out_splits, send_splits, group) -> None:
+    """One all_to_all of rows, waited for (the current stream is ordered after it): ``send``'s
+    rows, ``send_splits[t]`` for rank t in rank order, into ``out``, ``out_splits[s]`` from rank s
+    (a pair may have none). The process group's own call where it has one (the public wrapper's
+    checks cost ~130 µs of host time per call, NOTES_cp.md)."""
     pg = dist.group.WORLD if group is None else group
     call = getattr(pg, "all_to_all_single", None) or getattr(pg, "alltoall_base", None)  # torch 2.13 / 2.11
     if call is None or not _options_take_async():
-        return dist.all_to_all_single(out, send, list(out_splits), list(send_splits), group=group, async_op=async_op)
+        dist.all_to_all_single(out, send, list(out_splits), list(send_splits), group=group)
+        return
     opts = _AllToAllOptions()
-    opts.asyncOp = async_op
+    opts.asyncOp = False
     work = call(out, send, list(out_splits), list(send_splits), opts)
-    if not async_op and work is not None:  # (a backend may have waited itself: no work)
+    if work is not None:  # (a backend may have waited itself: no work)
         work.wait()
-    return work
 
 
-def exchange_halo(cp: CPContext, send: torch.Tensor, received: torch.Tensor | None = None, async_op: bool = False):
-    """The forward's exchange of halo_send's rows: (work, the rows every rank sends this one and a
-    zero row after them, the halo rows before a document). ``received``: that buffer, made by the
-    caller (its last row zeros), or None to make it here."""
-    if received is None:
-        received = send.new_empty(sum(cp.halo_recv_splits) + 1, send.shape[1])
-        received[-1].zero_()
-    return exchange_rows(received[:-1], send, cp.halo_recv_splits, cp.halo_send_splits, cp.group, async_op), received
-
-
-def exchange_head_grads(cp: CPContext, send: torch.Tensor, received: torch.Tensor | None = None,
-                        async_op: bool = False):
-    """The backward's exchange of the head tokens' rows (g_rows order): (work, the rows every rank
-    sends this one, which g_import indexes). ``received``: that buffer, made by the caller, or
-    None to make it here."""
-    if received is None:
-        received = send.new_empty(sum(cp.g_recv_splits), send.shape[1])
-    return exchange_rows(received, send, cp.g_recv_splits, cp.g_send_splits, cp.group, async_op), received
+def exchange_halo(cp: CPContext, send: torch.Tensor) -> torch.Tensor:
+    """The forward's exchange of halo_send's rows: the rows every rank sends this one and a zero
+    row after them, the halo rows before a document."""
+    received = send.new_empty(sum(cp.halo_recv_splits) + 1, send.shape[1])
+    received[-1].zero_()
+    exchange_rows(received[:-1], send, cp.halo_recv_splits, cp.halo_send_splits, cp.group)
+    return received
 
 
 def halo_send(cp: CPContext, xs) -> torch.Tensor:
@@ -88,7 +79,7 @@ class _HaloExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, cp, *xs):
-        _, received = exchange_halo(cp, halo_send(cp, xs))
+        received = exchange_halo(cp, halo_send(cp, xs))
         ctx.cp, ctx.shapes, ctx.widths = cp, [x.shape for x in xs], [x.shape[-1] for x in xs]
         return tuple(halos_of(cp, received, xs))
 
