@@ -229,59 +229,82 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
         raise problem
     rank = operator.index(rank)
     P, lengths = partition.world_size, partition.doc_lengths
-    # The owner (rank, local row, fragment, position in it) of every token, by document.
-    owners = [[] for _ in lengths]
+    frags = partition.fragments
+    # The documents this rank holds fragments of (empty ones too: they have a halo) are the only
+    # ones its tables involve. In each: the non-empty spans (offset, length, rank, local row,
+    # fragment) by offset, and every fragment's start and (non-empty ones) end, with its rank.
+    spans, starts, ends = {}, {}, {}
+    for d, _, _ in frags[rank]:
+        spans[d], starts[d], ends[d] = [], [], []
     for r in range(P):
         row = 0
-        for f, (d, o, n) in enumerate(partition.fragments[r]):
-            if n:
-                owners[d].append((o, n, r, row, f))
+        for f, (d, o, n) in enumerate(frags[r]):
+            if d in spans:
+                starts[d].append((o, r))
+                if n:
+                    spans[d].append((o, n, r, row, f))
+                    ends[d].append((o + n, r))
             row += n
-    for spans in owners:
-        spans.sort()
+    for d in spans:
+        spans[d].sort()
+        starts[d].sort()
+        ends[d].sort()
 
     def owner(d: int, p: int) -> tuple[int, int, int, int]:
-        spans = owners[d]
-        o, _, r, row, f = spans[bisect.bisect_right(spans, (p, float("inf"))) - 1]
+        """(rank, local row, fragment, position in it) of token p of document d."""
+        o, _, r, row, f = spans[d][bisect.bisect_right(spans[d], (p, float("inf"))) - 1]
         return r, row + p - o, f, p - o
 
-    # Forward: the halo rows (3 before each fragment) by owner; backward: the head tokens (the 3
-    # after each non-empty fragment whose document goes on), by owner; each by (sender, receiver).
-    halo_needs, g_needs = [[] for _ in range(P)], [[] for _ in range(P)]
-    halo_pairs = [[set() for _ in range(P)] for _ in range(P)]  # [sender][receiver]: sender's local rows
-    g_pairs = [[{} for _ in range(P)] for _ in range(P)]  # [sender][receiver]: local row -> 4 * fragment + position
-    for r in range(P):
-        for d, o, n in partition.fragments[r]:
-            for j in range(3):
-                p = o - 3 + j
-                h = owner(d, p)[:2] if p >= 0 else None
-                halo_needs[r].append(h)
-                if h is not None:
-                    halo_pairs[h[0]][r].add(h[1])
-                p = o + n + j
-                t = owner(d, p) if n and p < lengths[d] else None
-                g_needs[r].append(None if t is None else t[:2])
-                if t is not None:
-                    g_pairs[t[0]][r][t[1]] = 4 * t[2] + t[3]
+    # Forward: the halo rows (the 3 before each fragment); backward: the head tokens (the 3 after
+    # each non-empty fragment whose document goes on). What this rank needs, by sender (its
+    # local rows), and what each rank needs from it: for each of its spans [o, o + n), the
+    # fragments starting in o + 1 .. o + n + 2 (their halo reaches into it) and those ending in
+    # o - 2 .. o + n - 1 (their head tokens are in it).
+    halo_needs, g_needs = [], []
+    halo_in, g_in = [set() for _ in range(P)], [set() for _ in range(P)]  # [sender]: its local rows
+    halo_out, g_out = [set() for _ in range(P)], [{} for _ in range(P)]  # [receiver]: my rows (-> g code)
+    for d, o, n in frags[rank]:
+        for j in range(3):
+            p = o - 3 + j
+            h = owner(d, p)[:2] if p >= 0 else None
+            halo_needs.append(h)
+            if h is not None:
+                halo_in[h[0]].add(h[1])
+            p = o + n + j
+            t = owner(d, p)[:2] if n and p < lengths[d] else None
+            g_needs.append(t)
+            if t is not None:
+                g_in[t[0]].add(t[1])
+    for d in spans:
+        for o, n, r, row, f in spans[d]:
+            if r != rank:
+                continue
+            for o2, r2 in starts[d][bisect.bisect_left(starts[d], (o + 1, -1)):
+                                    bisect.bisect_left(starts[d], (o + n + 3, -1))]:
+                for p in range(max(o2 - 3, o), min(o2, o + n)):
+                    halo_out[r2].add(row + p - o)
+            for e2, r2 in ends[d][bisect.bisect_left(ends[d], (o - 2, -1)): bisect.bisect_left(ends[d], (o + n, -1))]:
+                for p in range(max(e2, o), min(e2 + 3, o + n, lengths[d])):
+                    g_out[r2][row + p - o] = 4 * f + p - o
     # One all_to_all per direction: each pair's rows (a pair may have none) in the sender's local
     # order; the receiver finds sender s's rows after those of the ranks before s.
-    halo_lists = [[sorted(halo_pairs[s][t]) for t in range(P)] for s in range(P)]
-    g_lists = [[sorted(g_pairs[s][t]) for t in range(P)] for s in range(P)]
+    halo_lists = {"in": [sorted(rows) for rows in halo_in], "out": [sorted(rows) for rows in halo_out]}
+    g_lists = {"in": [sorted(rows) for rows in g_in], "out": [sorted(rows) for rows in g_out]}
 
     def received_at(lists, rows_needed) -> list[int]:
         """Each needed (sender, row)'s row in this rank's received rows; None stays None."""
         base = [0]
         for s in range(P):
-            base.append(base[-1] + len(lists[s][rank]))
-        slot = [{row: i for i, row in enumerate(lists[s][rank])} for s in range(P)]
+            base.append(base[-1] + len(lists["in"][s]))
+        slot = [{row: i for i, row in enumerate(lists["in"][s])} for s in range(P)]
         return [None if h is None else base[h[0]] + slot[h[0]][h[1]] for h in rows_needed]
 
-    halo_at, g_at = received_at(halo_lists, halo_needs[rank]), received_at(g_lists, g_needs[rank])
-    halo_recv = sum(len(halo_lists[s][rank]) for s in range(P))
+    halo_at, g_at = received_at(halo_lists, halo_needs), received_at(g_lists, g_needs)
+    halo_recv = sum(len(rows) for rows in halo_lists["in"])
     imports = [halo_recv if i is None else i for i in halo_at]  # the zero row after the received rows
     g_import = [-1 if i is None else i for i in g_at]
-    mine = [row for t in range(P) for row in halo_lists[rank][t]]
-    g_rows = [g_pairs[rank][t][row] for t in range(P) for row in g_lists[rank][t]]
+    mine = [row for t in range(P) for row in halo_lists["out"][t]]
+    g_rows = [g_out[t][row] for t in range(P) for row in g_lists["out"][t]]
     frag_info = [min(o, FRAG_HEAD_MASK) | (FRAG_CONTINUES if o + n < lengths[d] else 0)
                  for d, o, n in partition.fragments[rank]]
     cu = partition.local_cu_seqlens(rank)
@@ -293,8 +316,8 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
     for part in parts:
         views.append(dev[at: at + len(part)])
         at += len(part)
-    sends = [tuple(len(lists[rank][t]) for t in range(P)) for lists in (halo_lists, g_lists)]
-    recvs = [tuple(len(lists[s][rank]) for s in range(P)) for lists in (halo_lists, g_lists)]
+    sends = [tuple(len(rows) for rows in lists["out"]) for lists in (halo_lists, g_lists)]
+    recvs = [tuple(len(rows) for rows in lists["in"]) for lists in (halo_lists, g_lists)]
     return CPContext(partition, group, rank, *views, sends[0], recvs[0], sends[1], recvs[1], cu[-1], len(cu) - 1,
                      verify=bool(verify))
 
