@@ -1,5 +1,6 @@
-"""The context-parallel all_to_alls done by hand on one process (tests/test_cp.py, test_cp_gpu.py),
-and the conv's phases one by one (test_cp_gpu.py)."""
+"""Context parallelism by hand, for tests/test_cp.py and test_cp_gpu.py: the all_to_alls done on
+one process, random ragged fragments, the plain all-pairs plan (build_cp_context's oracle), and
+the conv's phases one by one."""
 
 from __future__ import annotations
 
@@ -19,6 +20,76 @@ def exchanged_by_hand(ctxs, sends, kind: str) -> list[torch.Tensor]:
         for t in range(P):
             assert parts[s][t].shape[0] == getattr(ctxs[t], f"{kind}_recv_splits")[s], (kind, s, t)
     return [torch.cat([parts[s][t] for s in range(P)]) for t in range(P)]
+
+
+def random_fragments(lengths, P, rng, pieces=(0, 1, 2, 3, 5, 30)):
+    """Every document cut into pieces of `pieces` tokens (0: an empty fragment), each on a random
+    rank; each rank's list shuffled (a rank may hold non-adjacent pieces of one document, in any
+    order)."""
+    frags = [[] for _ in range(P)]
+    for d, n in enumerate(lengths):
+        at = 0
+        while True:
+            k = min(n - at, rng.choice(pieces))
+            frags[rng.randrange(P)].append((d, at, k))
+            at += k
+            if at == n:
+                break
+    for f in frags:
+        rng.shuffle(f)
+    return frags
+
+
+def all_pairs_tables(part, rank: int) -> dict:
+    """build_cp_context's tables for `rank`, the plain way (test oracle): every rank's needs of
+    every other rank, then this rank's view of them. Same layout as CPContext's fields (lists)."""
+    P, lengths = part.world_size, part.doc_lengths
+    owners = [[] for _ in lengths]  # by document: (offset, length, rank, local row, fragment)
+    for r in range(P):
+        row = 0
+        for f, (d, o, n) in enumerate(part.fragments[r]):
+            if n:
+                owners[d].append((o, n, r, row, f))
+            row += n
+
+    def owner(d, p):
+        for o, n, r, row, f in owners[d]:
+            if o <= p < o + n:
+                return r, row + p - o, 4 * f + p - o
+        raise AssertionError((d, p))
+
+    halo = [[set() for _ in range(P)] for _ in range(P)]  # [sender][receiver]: sender's rows
+    g = [[{} for _ in range(P)] for _ in range(P)]  # [sender][receiver]: sender's row -> code
+    halo_needs, g_needs = [[] for _ in range(P)], [[] for _ in range(P)]
+    for r in range(P):
+        for d, o, n in part.fragments[r]:
+            for j in range(3):
+                h = owner(d, o - 3 + j) if o - 3 + j >= 0 else None
+                halo_needs[r].append(h)
+                if h:
+                    halo[h[0]][r].add(h[1])
+                t = owner(d, o + n + j) if n and o + n + j < lengths[d] else None
+                g_needs[r].append(t)
+                if t:
+                    g[t[0]][r][t[1]] = t[2]
+    halo = [[sorted(rows) for rows in to] for to in halo]
+    g_sorted = [[sorted(rows) for rows in to] for to in g]
+
+    def at(lists, needs, missing):
+        base = [sum(len(lists[s][rank]) for s in range(k)) for k in range(P + 1)]
+        return [missing if h is None else base[h[0]] + lists[h[0]][rank].index(h[1]) for h in needs]
+
+    halo_recv = sum(len(halo[s][rank]) for s in range(P))
+    return {"cu_seqlens": part.local_cu_seqlens(rank),
+            "export_rows": [row for t in range(P) for row in halo[rank][t]],
+            "import_rows": at(halo, halo_needs[rank], halo_recv),
+            "frag_info": [min(o, 3) | (4 if o + n < lengths[d] else 0) for d, o, n in part.fragments[rank]],
+            "g_rows": [g[rank][t][row] for t in range(P) for row in g_sorted[rank][t]],
+            "g_import": at(g_sorted, g_needs[rank], -1),
+            "halo_send_splits": tuple(len(halo[rank][t]) for t in range(P)),
+            "halo_recv_splits": tuple(len(halo[s][rank]) for s in range(P)),
+            "g_send_splits": tuple(len(g_sorted[rank][t]) for t in range(P)),
+            "g_recv_splits": tuple(len(g_sorted[s][rank]) for s in range(P))}
 
 
 # The phases of one CP call over tensors of the same tokens (xs[i] with weights[i] and biases[i]:

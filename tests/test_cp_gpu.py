@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from doclengths import fill, one_doc, split, tiny_docs
 import cp_by_hand
-from cp_by_hand import exchanged_by_hand
+from cp_by_hand import exchanged_by_hand, random_fragments
 from flashinfer_cake import cake_causal_conv1d
 from flashinfer_cake.cp import (
     CPRecomputeHandle,
@@ -53,23 +53,6 @@ def short_mix(S, rng):
 
 
 MIXES = {"one": one_doc, "random": random_mix, "tiny": tiny_docs, "short": short_mix}
-
-
-def random_fragments(lengths, P, rng):
-    """Every document cut into pieces of 0-3 tokens and longer, each on a random rank; each rank's
-    list shuffled (a rank may hold non-adjacent pieces of one document, in any order)."""
-    frags = [[] for _ in range(P)]
-    for d, n in enumerate(lengths):
-        at = 0
-        while True:
-            k = min(n - at, rng.choice((0, 1, 2, 3, 5, 30)))
-            frags[rng.randrange(P)].append((d, at, k))
-            at += k
-            if at == n:
-                break
-    for f in frags:
-        rng.shuffle(f)
-    return frags
 
 
 def global_cu(lengths):

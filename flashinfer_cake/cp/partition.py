@@ -5,9 +5,10 @@ A document cut by the partition becomes fragments, one per rank piece, in each r
 packed batch in the partition's order. A fragment starting at offset ``o > 0`` of its document
 continues the rows at positions ``o - 3 .. o - 1`` (its halo), which may live on other ranks
 (several, when fragments are shorter than 3 tokens) or on the same rank; a fragment whose
-document goes on after it needs, in the backward, the gradient terms of the next 3 tokens. The
-tables say, for every rank alike, which rows each rank sends to each other rank and where each
-fragment finds what it needs in the received rows: fixed sizes, derived from the partition alone."""
+document goes on after it needs, in the backward, the gradient terms of the next 3 tokens. A
+rank's tables say which of its rows it sends to each rank and where each of its fragments finds
+what it needs in the rows it receives: fixed sizes, derived from the partition alone, so the
+plans of all ranks agree."""
 
 from __future__ import annotations
 
@@ -232,79 +233,80 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
     frags = partition.fragments
     # The documents this rank holds fragments of (empty ones too: they have a halo) are the only
     # ones its tables involve. In each: the non-empty spans (offset, length, rank, local row,
-    # fragment) by offset, and every fragment's start and (non-empty ones) end, with its rank.
-    spans, starts, ends = {}, {}, {}
+    # fragment) by offset, every fragment's (offset, rank) and every non-empty one's (end, rank).
+    spans, frag_starts, frag_ends = {}, {}, {}
     for d, _, _ in frags[rank]:
-        spans[d], starts[d], ends[d] = [], [], []
+        spans[d], frag_starts[d], frag_ends[d] = [], [], []
     for r in range(P):
         row = 0
         for f, (d, o, n) in enumerate(frags[r]):
             if d in spans:
-                starts[d].append((o, r))
+                frag_starts[d].append((o, r))
                 if n:
                     spans[d].append((o, n, r, row, f))
-                    ends[d].append((o + n, r))
+                    frag_ends[d].append((o + n, r))
             row += n
     for d in spans:
         spans[d].sort()
-        starts[d].sort()
-        ends[d].sort()
+        frag_starts[d].sort()
+        frag_ends[d].sort()
 
-    def owner(d: int, p: int) -> tuple[int, int, int, int]:
-        """(rank, local row, fragment, position in it) of token p of document d."""
-        o, _, r, row, f = spans[d][bisect.bisect_right(spans[d], (p, float("inf"))) - 1]
-        return r, row + p - o, f, p - o
+    def owner(d: int, p: int) -> tuple[int, int]:
+        """(rank, local row) of token p of document d."""
+        o, _, r, row, _ = spans[d][bisect.bisect_right(spans[d], (p, float("inf"))) - 1]
+        return r, row + p - o
 
     # Forward: the halo rows (the 3 before each fragment); backward: the head tokens (the 3 after
-    # each non-empty fragment whose document goes on). What this rank needs, by sender (its
-    # local rows), and what each rank needs from it: for each of its spans [o, o + n), the
-    # fragments starting in o + 1 .. o + n + 2 (their halo reaches into it) and those ending in
-    # o - 2 .. o + n - 1 (their head tokens are in it).
+    # each non-empty fragment whose document goes on). What this rank needs, by sender (its local
+    # rows), and what each rank needs from it: for each of its spans [o, o + n), the fragments
+    # starting in o + 1 .. o + n + 2 (their halo reaches into it) and the non-empty ones ending in
+    # o - 2 .. o + n - 1 (their head tokens are in it; the span's fragment f and position give the
+    # backward pass's code 4 f + position).
     halo_needs, g_needs = [], []
     halo_in, g_in = [set() for _ in range(P)], [set() for _ in range(P)]  # [sender]: its local rows
     halo_out, g_out = [set() for _ in range(P)], [{} for _ in range(P)]  # [receiver]: my rows (-> g code)
     for d, o, n in frags[rank]:
         for j in range(3):
             p = o - 3 + j
-            h = owner(d, p)[:2] if p >= 0 else None
+            h = owner(d, p) if p >= 0 else None
             halo_needs.append(h)
             if h is not None:
                 halo_in[h[0]].add(h[1])
             p = o + n + j
-            t = owner(d, p)[:2] if n and p < lengths[d] else None
+            t = owner(d, p) if n and p < lengths[d] else None
             g_needs.append(t)
             if t is not None:
                 g_in[t[0]].add(t[1])
     for d in spans:
+        starts, ends = frag_starts[d], frag_ends[d]
         for o, n, r, row, f in spans[d]:
             if r != rank:
                 continue
-            for o2, r2 in starts[d][bisect.bisect_left(starts[d], (o + 1, -1)):
-                                    bisect.bisect_left(starts[d], (o + n + 3, -1))]:
+            for o2, r2 in starts[bisect.bisect_left(starts, (o + 1, -1)): bisect.bisect_left(starts, (o + n + 3, -1))]:
                 for p in range(max(o2 - 3, o), min(o2, o + n)):
                     halo_out[r2].add(row + p - o)
-            for e2, r2 in ends[d][bisect.bisect_left(ends[d], (o - 2, -1)): bisect.bisect_left(ends[d], (o + n, -1))]:
-                for p in range(max(e2, o), min(e2 + 3, o + n, lengths[d])):
+            for e2, r2 in ends[bisect.bisect_left(ends, (o - 2, -1)): bisect.bisect_left(ends, (o + n, -1))]:
+                for p in range(max(e2, o), min(e2 + 3, o + n)):  # (o + n <= the document's length)
                     g_out[r2][row + p - o] = 4 * f + p - o
     # One all_to_all per direction: each pair's rows (a pair may have none) in the sender's local
     # order; the receiver finds sender s's rows after those of the ranks before s.
-    halo_lists = {"in": [sorted(rows) for rows in halo_in], "out": [sorted(rows) for rows in halo_out]}
-    g_lists = {"in": [sorted(rows) for rows in g_in], "out": [sorted(rows) for rows in g_out]}
+    halo_from, halo_to = [sorted(rows) for rows in halo_in], [sorted(rows) for rows in halo_out]
+    g_from, g_to = [sorted(rows) for rows in g_in], [sorted(rows) for rows in g_out]
 
-    def received_at(lists, rows_needed) -> list[int]:
+    def received_at(from_sender, rows_needed) -> list[int]:
         """Each needed (sender, row)'s row in this rank's received rows; None stays None."""
         base = [0]
-        for s in range(P):
-            base.append(base[-1] + len(lists["in"][s]))
-        slot = [{row: i for i, row in enumerate(lists["in"][s])} for s in range(P)]
+        for rows in from_sender:
+            base.append(base[-1] + len(rows))
+        slot = [{row: i for i, row in enumerate(rows)} for rows in from_sender]
         return [None if h is None else base[h[0]] + slot[h[0]][h[1]] for h in rows_needed]
 
-    halo_at, g_at = received_at(halo_lists, halo_needs), received_at(g_lists, g_needs)
-    halo_recv = sum(len(rows) for rows in halo_lists["in"])
+    halo_at, g_at = received_at(halo_from, halo_needs), received_at(g_from, g_needs)
+    halo_recv = sum(len(rows) for rows in halo_from)
     imports = [halo_recv if i is None else i for i in halo_at]  # the zero row after the received rows
     g_import = [-1 if i is None else i for i in g_at]
-    mine = [row for t in range(P) for row in halo_lists["out"][t]]
-    g_rows = [g_out[t][row] for t in range(P) for row in g_lists["out"][t]]
+    mine = [row for rows in halo_to for row in rows]
+    g_rows = [g_out[t][row] for t in range(P) for row in g_to[t]]
     frag_info = [min(o, FRAG_HEAD_MASK) | (FRAG_CONTINUES if o + n < lengths[d] else 0)
                  for d, o, n in partition.fragments[rank]]
     cu = partition.local_cu_seqlens(rank)
@@ -316,8 +318,8 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
     for part in parts:
         views.append(dev[at: at + len(part)])
         at += len(part)
-    sends = [tuple(len(rows) for rows in lists["out"]) for lists in (halo_lists, g_lists)]
-    recvs = [tuple(len(rows) for rows in lists["in"]) for lists in (halo_lists, g_lists)]
+    sends = [tuple(len(rows) for rows in to) for to in (halo_to, g_to)]
+    recvs = [tuple(len(rows) for rows in frm) for frm in (halo_from, g_from)]
     return CPContext(partition, group, rank, *views, sends[0], recvs[0], sends[1], recvs[1], cu[-1], len(cu) - 1,
                      verify=bool(verify))
 
