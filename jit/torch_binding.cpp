@@ -16,7 +16,7 @@
 // checks decline exactly what _checks.py rejects is tested on the GPU (every bad-argument case of
 // tests/test_*_validation.py goes through this file first, every valid call must not decline).
 // The context-parallel calls (flashinfer_cake/cp) have a section of their own at the end: the
-// same pattern (cp_accepts, cp_autograd_forward with its node), plus the collectives.
+// same pattern (cp_autograd_forward with its node), plus the collectives.
 //
 // Built once per torch build by flashinfer_cake.jit.binding (CPython API + ATen, no pybind11; no
 // CUDA header: the current stream comes through c10's device-generic interface; c10d's process
@@ -795,10 +795,10 @@ PyObject* try_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t narg
 // it records a C++ autograd node whose backward runs the backward's exchange and passes the same
 // way, on the engine's thread without the GIL. The tensors come as tuples, one item per tensor of
 // a multi call (xs[i] with weights[i] and biases[i]), the context's tables as tensors.
-// cp_accepts() applies the call's rules (_checks.py's and the CP ones: a contiguous x of the
-// context's token count); when it declines, conv.py raises the precise error. The phases are also
-// exposed one by one (cp_send ... cp_backward_tails): the tests run several ranks' phases in one
-// process with the exchanges done by hand. Each entry checks what its memory safety needs and
+// It applies the call's rules (_checks.py's and the CP ones: a contiguous x of the context's token
+// count) before anything is exchanged; when it declines, conv.py raises the precise error. The
+// phases are also exposed one by one (cp_send ... cp_backward_tails): the tests run several ranks'
+// phases in one process with the exchanges done by hand. Each entry checks what its memory safety needs and
 // returns None, having launched nothing, when anything is off or a kernel module is not
 // registered yet (conv.py registers it and calls again; a second None is an internal error).
 
@@ -853,6 +853,13 @@ PyObject* tuple_of(std::vector<PyObject*> items) {
   }
   for (size_t i = 0; i < items.size(); ++i) PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), items[i]);
   return result;
+}
+
+// A tuple of tensors (an undefined one: None); null with the Python error set.
+PyObject* tensor_tuple(std::vector<at::Tensor> ts) {
+  std::vector<PyObject*> items;
+  for (at::Tensor& t : ts) items.push_back(t.defined() ? THPVariable_Wrap(std::move(t)) : Py_NewRef(Py_None));
+  return tuple_of(std::move(items));
 }
 
 // A CP call's items: each x with its weight, bias (null: None) and kernel module.
@@ -1115,19 +1122,6 @@ void tails_phase(const CpItems& c, const std::vector<const at::Tensor*>& dxs, co
   }
 }
 
-// cp_accepts(xs, weights, biases, cu_seqlens, num_tokens) -> bool.
-PyObject* cp_accepts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  if (!takes("cp_accepts", nargs, 5)) return nullptr;
-  CpItems c;
-  const at::Tensor* cu;
-  int64_t tokens;
-  const bool ok = as_tensor(args[3], false, &cu) && as_int(args[4], 0, kBwdMaxS - 1, &tokens) &&
-                  cp_items(args[0], args[1], args[2], *cu, &c) && c.S == tokens;
-  return PyBool_FromLong(ok);
-  END_HANDLE_TH_ERRORS
-}
-
 #if CAKE_C10D
 // Releases the GIL while it lives (the caller holds it), so that other Python threads run while a
 // collective blocks this one.
@@ -1243,23 +1237,26 @@ struct CakeCPConvBackward final : Node {
 };
 
 // cp_autograd_forward(xs, weights, biases, received, (cu_seqlens, export_rows, import_rows,
-// frag_info, g_rows, g_import), group_name, (halo_send_splits, halo_recv_splits, g_send_splits,
-// g_recv_splits), round_preact) -> (ys, received): the call's forward, recorded for autograd when
-// grad mode is on and an x, weight or bias requires grad. received: None to exchange the halo
-// rows (returned for a recompute handle to keep), or the rows an earlier run received (the
-// recomputation under activation checkpointing: nothing is exchanged). None when declined.
+// frag_info, g_rows, g_import), num_tokens, group_name, (halo_send_splits, halo_recv_splits,
+// g_send_splits, g_recv_splits), silu_grad_preactivation) -> (ys, received): the call's forward,
+// recorded for autograd when grad mode is on and an x, weight or bias requires grad. received:
+// None to exchange the halo rows (returned for a recompute handle to keep), or the rows an earlier
+// run received (the recomputation under activation checkpointing: nothing is exchanged). None when
+// declined (the xs' rows must be the context's num_tokens: export_rows index them).
 PyObject* cp_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (!takes("cp_autograd_forward", nargs, 8)) return nullptr;
+  if (!takes("cp_autograd_forward", nargs, 9)) return nullptr;
   CpItems c;
   CpTables t{};
   std::vector<int64_t> splits[4];
   const at::Tensor* given = nullptr;
-  int64_t round_preact;
+  int64_t num_tokens;
   PyObject* tables = args[4];
-  PyObject* split_tuple = args[6];
-  if (!PyTuple_Check(tables) || PyTuple_GET_SIZE(tables) != 6 || !PyTuple_Check(split_tuple) ||
-      PyTuple_GET_SIZE(split_tuple) != 4 || !PyUnicode_Check(args[5]) || !as_int(args[7], 0, 1, &round_preact)) {
+  PyObject* split_tuple = args[7];
+  const int round_preact = round_preact_of(args[8]);
+  if (!PyTuple_Check(tables) || PyTuple_GET_SIZE(tables) != 6 || !as_int(args[5], 0, kBwdMaxS - 1, &num_tokens) ||
+      !PyUnicode_Check(args[6]) || !PyTuple_Check(split_tuple) || PyTuple_GET_SIZE(split_tuple) != 4 ||
+      round_preact < 0) {
     Py_RETURN_NONE;
   }
   const at::Tensor** table_fields[6] = {&t.cu_seqlens, &t.export_rows, &t.import_rows, &t.frag_info, &t.g_rows,
@@ -1271,7 +1268,7 @@ PyObject* cp_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs
     if (!as_splits(PyTuple_GET_ITEM(split_tuple, i), &splits[i])) Py_RETURN_NONE;
   }
   const auto& [halo_send_splits, halo_recv_splits, g_send_splits, g_recv_splits] = splits;
-  if (!cp_items(args[0], args[1], args[2], *t.cu_seqlens, &c) || !tables_ok(t, c.device) ||
+  if (!cp_items(args[0], args[1], args[2], *t.cu_seqlens, &c) || c.S != num_tokens || !tables_ok(t, c.device) ||
       sum_of(halo_send_splits) != t.export_rows->numel() || sum_of(g_send_splits) != t.g_rows->numel() ||
       !as_tensor(args[3], true, &given) ||
       (given && !(exchanged_ok(*given, c, at::kBFloat16) && given->size(0) == sum_of(halo_recv_splits) + 1))) {
@@ -1284,7 +1281,7 @@ PyObject* cp_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs
                                     !torch::autograd::isFwGradDefined(bias),
                                 kCp, ": forward-mode AD (dual tensors, torch.func.jvp) is not supported");
   }
-  const char* group_name = PyUnicode_AsUTF8(args[5]);
+  const char* group_name = PyUnicode_AsUTF8(args[6]);
   if (!group_name) return nullptr;
   const auto group = c10d::resolve_process_group(group_name);
   std::vector<at::Tensor> ys, halos;
@@ -1322,14 +1319,10 @@ PyObject* cp_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs
     }
     node->cu_seqlens = *t.cu_seqlens, node->frag_info = *t.frag_info, node->g_rows = *t.g_rows;
     node->g_import = *t.g_import, node->group = group, node->g_send_splits = g_send_splits;
-    node->g_recv_splits = g_recv_splits, node->round_preact = static_cast<int>(round_preact);
+    node->g_recv_splits = g_recv_splits, node->round_preact = round_preact;
     torch::autograd::set_history(ys, node);
   }
-  std::vector<PyObject*> items;
-  for (at::Tensor& y : ys) items.push_back(THPVariable_Wrap(std::move(y)));
-  PyObject* y_tuple = tuple_of(std::move(items));
-  if (!y_tuple) return nullptr;
-  return tuple_of({y_tuple, THPVariable_Wrap(std::move(received))});
+  return tuple_of({tensor_tuple(std::move(ys)), THPVariable_Wrap(std::move(received))});
   END_HANDLE_TH_ERRORS
 }
 
@@ -1356,7 +1349,7 @@ PyObject* cp_send(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   if (!cp_table(args[1], -1, c.device, &export_rows)) Py_RETURN_NONE;
   auto [send, received] = send_phase(c, *export_rows, recv_rows);
-  return tuple_of({THPVariable_Wrap(std::move(send)), THPVariable_Wrap(std::move(received))});
+  return tensor_tuple({std::move(send), std::move(received)});
   END_HANDLE_TH_ERRORS
 }
 
@@ -1367,9 +1360,7 @@ PyObject* cp_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   CpItems c;
   const at::Tensor* cu;
   if (!as_tensor(args[3], false, &cu) || !cp_items(args[0], args[1], args[2], *cu, &c)) Py_RETURN_NONE;
-  std::vector<PyObject*> ys;
-  for (at::Tensor& y : forward_phase(c, *cu)) ys.push_back(THPVariable_Wrap(std::move(y)));
-  return tuple_of(std::move(ys));
+  return tensor_tuple(forward_phase(c, *cu));
   END_HANDLE_TH_ERRORS
 }
 
@@ -1386,11 +1377,7 @@ PyObject* cp_forward_heads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !cp_table(args[5], 3 * frag_info->numel(), c.device, &import_rows)) {
     Py_RETURN_NONE;
   }
-  std::vector<PyObject*> halos;
-  for (at::Tensor& h : heads_phase(c, ys, *received, *import_rows, *cu, *frag_info)) {
-    halos.push_back(THPVariable_Wrap(std::move(h)));
-  }
-  return tuple_of(std::move(halos));
+  return tensor_tuple(heads_phase(c, ys, *received, *import_rows, *cu, *frag_info));
   END_HANDLE_TH_ERRORS
 }
 
@@ -1411,7 +1398,7 @@ PyObject* cp_grad_send(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   auto [send, received] = grad_send_phase(c, dys, halos, *cu, *frag_info, *g_rows, recv_rows,
                                           static_cast<int>(round_preact));
-  return tuple_of({THPVariable_Wrap(std::move(send)), THPVariable_Wrap(std::move(received))});
+  return tensor_tuple({std::move(send), std::move(received)});
   END_HANDLE_TH_ERRORS
 }
 
@@ -1430,13 +1417,11 @@ PyObject* cp_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   std::vector<Grads> g = backward_phase(c, dys, halos, *cu, static_cast<int>(round_preact));
   const size_t n = g.size();
-  std::vector<PyObject*> out(3 * n);
+  std::vector<at::Tensor> out(3 * n);
   for (size_t i = 0; i < n; ++i) {
-    out[i] = THPVariable_Wrap(std::move(g[i].dx));
-    out[n + i] = THPVariable_Wrap(std::move(g[i].dweight));
-    out[2 * n + i] = g[i].dbias.defined() ? THPVariable_Wrap(std::move(g[i].dbias)) : Py_NewRef(Py_None);
+    out[i] = std::move(g[i].dx), out[n + i] = std::move(g[i].dweight), out[2 * n + i] = std::move(g[i].dbias);
   }
-  return tuple_of(std::move(out));
+  return tensor_tuple(std::move(out));
   END_HANDLE_TH_ERRORS
 }
 
@@ -1475,13 +1460,10 @@ PyMethodDef g_methods[] = {
                 "try_autograd_forward(x, weight, cu_seqlens, bias, initial_states, return_final_states, "
                 "silu_grad_preactivation) -> y or (y, final_states) with cake_causal_conv1d's autograd node, or None "
                 "when declined"),
-    CAKE_METHOD(cp_accepts,
-                "cp_accepts(xs, weights, biases, cu_seqlens, num_tokens) -> whether a context-parallel call's tensors "
-                "pass every rule (and their modules are registered)"),
 #if CAKE_C10D
     CAKE_METHOD(cp_autograd_forward,
-                "cp_autograd_forward(xs, weights, biases, received, tables, group_name, splits, round_preact) -> "
-                "(ys, received) with the CP call's autograd node, or None when declined"),
+                "cp_autograd_forward(xs, weights, biases, received, tables, num_tokens, group_name, splits, "
+                "silu_grad_preactivation) -> (ys, received) with the CP call's autograd node, or None when declined"),
 #endif
     CAKE_METHOD(cp_send, "cp_send(xs, export_rows, recv_rows) -> (send, received), or None"),
     CAKE_METHOD(cp_forward, "cp_forward(xs, weights, biases, cu_seqlens) -> ys, or None"),

@@ -1,9 +1,15 @@
-"""One rank of tests/test_cp_multi_gpu.py (run by torchrun, one process per GPU): every layout x
-document mix x variant x SiLU' policy through cake_causal_conv1d_cp over NCCL, checked against the
-single-GPU run of the global batch (computed by every rank on its own GPU): y and dx bitwise, the
-all-reduced dweight/dbias within FP32 summation order; then multi, the recompute handle under
-checkpoint, and the capture and replay of a two-layer training step. Writes its failures (a list
-of strings) to <out>/rank<r>.json; exit 0 when it ran to the end."""
+"""One rank of tests/test_cp_multi_gpu.py (run by torchrun): every layout x document mix x variant
+x SiLU' policy through cake_causal_conv1d_cp, checked against the single-GPU run of the global
+batch (computed by every rank on its own GPU): y and dx bitwise, the all-reduced dweight/dbias
+within FP32 summation order; then multi, the recompute handle under checkpoint, and (NCCL) the
+capture and replay of a two-layer training step. Writes its failures (a list of strings) to
+<out>/rank<r>.json; exit 0 when it ran to the end.
+
+    cp_worker.py OUT_DIR [nccl|gloo]
+
+nccl: one GPU per rank. gloo: every rank on the first GPU, the exchanges through gloo's CUDA
+collectives (host copies), so the multi-rank path runs on a single GPU too; no graph capture
+(gloo's collectives cannot be captured)."""
 
 from __future__ import annotations
 
@@ -57,7 +63,7 @@ def case(rank, P, layout, mix, wd, bd, policy, seed) -> list[str]:
     return failures
 
 
-def multi_recompute_graph(rank, P):
+def multi_recompute_graph(rank, P, capture: bool):
     rng = random.Random(99)
     S = 800
     lengths = MIXES["short"](S, rng)
@@ -95,6 +101,8 @@ def multi_recompute_graph(rank, P):
         if not all(torch.equal(a, c) for a, c in zip(run(mode), ref)):
             failures.append(f"{mode} differs from separate calls")
 
+    if not capture:
+        return failures
     # capture and replay of a two-layer step
     xin = torch.empty(T, C, device="cuda", dtype=BF16, requires_grad=True)
     dyin = torch.empty(T, C, device="cuda", dtype=BF16)
@@ -134,11 +142,15 @@ def multi_recompute_graph(rank, P):
 
 
 def main() -> int:
-    out_dir = sys.argv[1]
+    out_dir, backend = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "nccl")
     rank, P = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120),
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    timeout = datetime.timedelta(seconds=120)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo", timeout=timeout)
     failures, n = [], 0
     try:  # an exception (not a failed check) ends the run: the peers then fail on the NCCL timeout
         for layout in ("contiguous", "zigzag", "zigzag_per_document", "fragments"):
@@ -148,7 +160,7 @@ def main() -> int:
                         n += 1
                         failures += [f"{layout}/{mix}/{wd}/{bd}/{policy}: {f}"
                                      for f in case(rank, P, layout, mix, wd, bd, policy, seed=n)]
-        failures += [f"multi/recompute/graph: {f}" for f in multi_recompute_graph(rank, P)]
+        failures += [f"multi/recompute/graph: {f}" for f in multi_recompute_graph(rank, P, backend == "nccl")]
     except Exception:  # noqa: BLE001
         failures.append(traceback.format_exc())
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

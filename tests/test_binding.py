@@ -54,18 +54,12 @@ def test_declines_cpu_tensors_and_non_tensors(loaded):
 
 def test_cp_phases_decline_cpu_tensors_and_non_tuples(loaded):
     """The context-parallel phases (flashinfer_cake/cp/conv.py) launch only on accepted CUDA
-    tensors: anything else is declined (cp_accepts False, a phase None), nothing read."""
+    tensors: anything else is declined (None), nothing read."""
     x, w, cu = cpu_args()
     xs, ws, bs = (x,), (w,), (None,)
     table = torch.zeros(6, dtype=torch.int32)
     halo = torch.zeros(2, 3, 32, dtype=torch.bfloat16)
     fake = mock.Mock(spec=torch.Tensor)
-    assert loaded.cp_accepts(xs, ws, bs, cu, 16) is False
-    assert loaded.cp_accepts([x], ws, bs, cu, 16) is False  # a list, not a tuple
-    assert loaded.cp_accepts((fake,), ws, bs, cu, 16) is False
-    assert loaded.cp_accepts(xs, ws, (None, None), cu, 16) is False  # lengths differ
-    assert loaded.cp_accepts((), (), (), cu, 16) is False
-    assert loaded.cp_accepts(xs, ws, bs, cu, -1) is False
     assert loaded.cp_send(xs, table, 3) is None
     assert loaded.cp_send((fake,), table, 3) is None
     assert loaded.cp_forward(xs, ws, bs, cu) is None
@@ -75,10 +69,17 @@ def test_cp_phases_decline_cpu_tensors_and_non_tuples(loaded):
     assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, 2) is None
     assert loaded.cp_backward_tails(xs, xs, xs, ws, bs, (halo,), x.float(), cu, table[:2], table, 1) is None
     tables, splits = (cu, table, table, table[:2], table, table), ((0,), (0,), (6,), (0,))
-    assert loaded.cp_autograd_forward(xs, ws, bs, None, tables, "0", splits, 1) is None
-    assert loaded.cp_autograd_forward(xs, ws, bs, None, tables[:5], "0", splits, 1) is None
-    assert loaded.cp_autograd_forward(xs, ws, bs, None, tables, 0, splits, 1) is None
-    assert loaded.cp_autograd_forward(xs, ws, bs, None, tables, "0", ((-1,), (0,), (6,), (0,)), 1) is None
+    call = loaded.cp_autograd_forward  # (built with c10d: this torch has torch.distributed)
+    assert call(xs, ws, bs, None, tables, 16, "0", splits, "bf16") is None
+    assert call([x], ws, bs, None, tables, 16, "0", splits, "bf16") is None  # a list, not a tuple
+    assert call((fake,), ws, bs, None, tables, 16, "0", splits, "bf16") is None
+    assert call(xs, ws, (None, None), None, tables, 16, "0", splits, "bf16") is None  # lengths differ
+    assert call((), (), (), None, tables, 16, "0", splits, "bf16") is None
+    assert call(xs, ws, bs, None, tables[:5], 16, "0", splits, "bf16") is None
+    assert call(xs, ws, bs, None, tables, -1, "0", splits, "bf16") is None
+    assert call(xs, ws, bs, None, tables, 16, 0, splits, "bf16") is None
+    assert call(xs, ws, bs, None, tables, 16, "0", ((-1,), (0,), (6,), (0,)), "bf16") is None
+    assert call(xs, ws, bs, None, tables, 16, "0", splits, "fp16") is None
 
 
 def test_wrong_argument_count_is_a_type_error(loaded):
@@ -89,7 +90,7 @@ def test_wrong_argument_count_is_a_type_error(loaded):
         loaded.try_backward(x, w, cu, x)
     with pytest.raises(TypeError, match="try_autograd_forward takes 7 arguments"):
         loaded.try_autograd_forward(x, w, cu)
-    for name, count in (("cp_accepts", 5), ("cp_autograd_forward", 8), ("cp_send", 3), ("cp_forward", 4), ("cp_forward_heads", 8),
+    for name, count in (("cp_autograd_forward", 9), ("cp_send", 3), ("cp_forward", 4), ("cp_forward_heads", 8),
                         ("cp_grad_send", 10), ("cp_backward", 7), ("cp_backward_tails", 11)):
         with pytest.raises(TypeError, match=f"{name} takes {count} arguments"):
             getattr(loaded, name)(x, w)

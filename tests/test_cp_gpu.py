@@ -411,7 +411,8 @@ def test_recompute_handle_refused_in_capture(nccl_group):
 ])
 def test_bad_arguments(nccl_group, case, error, match):
     """Each bad argument is the Python rules' error, after a valid call has registered the
-    variant's module (so the binding's native check, cp_accepts, sees the call first)."""
+    variant's module (so the binding's native check, in cp_autograd_forward, sees the call first:
+    it must decline, before any exchange, for the Python rules to raise)."""
     part, cu, x, dy, w, b, idx = one_rank_batch(17)
     ctx = build_cp_context(part, nccl_group, 0, DEV)
     xl = x[idx].contiguous()

@@ -1,7 +1,7 @@
-"""The context-parallel conv over 2+ GPUs of one host (torchrun, NCCL): tests/cp_worker.py on
-every GPU, each rank's checks collected here. Skipped with fewer than 2 GPUs. NVLink multicast
-stays off in every process (NCCL_NVLS_ENABLE=0 and its peers), and the run has a timeout: a hung
-collective fails the test."""
+"""The context-parallel conv over several ranks (torchrun): tests/cp_worker.py on every GPU over
+NCCL (skipped with fewer than 2 GPUs), and 2 or 3 ranks sharing one GPU over gloo; each rank's
+checks collected here. NVLink multicast stays off in every process (NCCL_NVLS_ENABLE=0 and its
+peers), and each run has a timeout: a hung collective fails the test."""
 
 from __future__ import annotations
 
@@ -23,18 +23,15 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_every_layout_mix_and_variant_over_nccl(tmp_path: Path):
-    gpus = torch.cuda.device_count()
-    if gpus < 2:
-        pytest.skip(f"needs 2 GPUs, found {gpus}")
-    ranks = min(gpus, 4)
+def run_ranks(tmp_path: Path, ranks: int, backend: str) -> None:
+    """cp_worker.py on `ranks` processes (torchrun), each rank's report checked."""
     env = {**os.environ, **NO_MULTICAST, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     # every module built before the ranks start (a cold cache would build in each, past the timeouts)
     subprocess.run([sys.executable, "-m", "flashinfer_cake", "build"], env=env, check=True, timeout=900,
                    capture_output=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           str(Path(__file__).with_name("cp_worker.py")), str(tmp_path)]
+           str(Path(__file__).with_name("cp_worker.py")), str(tmp_path), backend]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -49,3 +46,20 @@ def test_every_layout_mix_and_variant_over_nccl(tmp_path: Path):
     failures = [f"rank {r}: {f}" for r, rep in enumerate(reports) for f in rep["failures"]]
     assert not failures, "\n".join(failures[:20])
     assert all(rep["cases"] == 4 * 4 * 6 * 2 for rep in reports)
+
+
+def test_every_layout_mix_and_variant_over_nccl(tmp_path: Path):
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        pytest.skip(f"needs 2 GPUs, found {gpus}")
+    run_ranks(tmp_path, min(gpus, 4), "nccl")
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_every_layout_mix_and_variant_over_gloo_on_one_gpu(tmp_path: Path, ranks: int):
+    """The same cases with every rank on one GPU and gloo's CUDA collectives: the multi-rank
+    exchange of the C++ path (real all_to_alls between processes) where only one GPU is at hand,
+    with an odd rank count too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    run_ranks(tmp_path, ranks, "gloo")

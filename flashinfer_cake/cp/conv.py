@@ -15,8 +15,10 @@ fixed-order partial sum of its own tokens' terms; summed over the ranks (the dat
 all-reduce does it) it equals the single-GPU gradient within FP32 summation order.
 
 The forward, the collectives included, is one call of the torch binding (jit/torch_binding.cpp:
-cp_autograd_forward), and the backward a C++ autograd node run by the engine without the GIL:
-the Python here checks the arguments (natively first) and keeps the recompute handle's rows.
+cp_autograd_forward), and the backward a C++ autograd node run by the engine without the GIL. The
+binding checks the arguments before it exchanges anything; where it declines, the Python rules
+here raise the precise error (or the call's kernel modules get registered and it is called
+again). The Python keeps the recompute handle's rows.
 No host synchronization; the collectives are the same on every rank whatever the data; CUDA-graph
 capturable (build the context before capturing)."""
 
@@ -96,18 +98,19 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
-    """Raises the error of the first rule the arguments break."""
+def _check_handle(fn: str, handle) -> None:
     if handle is not None:
         if not isinstance(handle, CPRecomputeHandle):
             raise TypeError(f"{fn}: recompute_handle must be a CPRecomputeHandle or None, got {type(handle).__name__}")
         if capturing():
             raise RuntimeError(f"{fn}: recompute_handle is host state and cannot be used inside CUDA graph capture "
                                "(capture without it: a captured step replays its own exchange)")
+
+
+def _check_call(fn: str, cp, xs, weights, biases, policy) -> None:
+    """Raises the error of the first rule the tensors or the policy break (the rules the binding
+    applies natively)."""
     _checks.check_policy(fn, policy)
-    binding = _dispatch.binding  # the rules checked natively (~1 µs); where it declines, the errors below
-    if binding is not None and binding.cp_accepts(xs, weights, biases, cp.cu_seqlens, cp.num_tokens):
-        return
     if not xs or len(weights) != len(xs) or len(biases) != len(xs):
         raise ValueError(f"{fn}: expected as many weights and biases as inputs (at least one), got {len(xs)} inputs, "
                          f"{len(weights)} weights, {len(biases)} biases")
@@ -139,37 +142,49 @@ def cake_causal_conv1d_cp_multi(xs, weights, ctx: CPContext, biases=None, *, sil
 
 
 def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.Tensor]:
-    """Both public calls: their checks under the caller's name (check_call: on a context built
-    with verify=True, also the same call on every rank, except in the recomputation through a
-    recompute_handle, which exchanges nothing), then the forward with its autograd node (the
-    torch binding's cp_autograd_forward)."""
+    """Both public calls: the forward with its autograd node (the torch binding's
+    cp_autograd_forward, which checks the tensors natively), the Python rules raising the precise
+    error where it declines, all under the caller's name. On a context built with verify=True the
+    Python rules run first, with check_call's test that every rank makes the same call (except in
+    the recomputation through a recompute_handle, which exchanges nothing)."""
     xs, weights = tuple(xs), tuple(weights)
     biases = (None,) * len(xs) if biases is None else tuple(biases)
     check_context(fn, ctx)
+    _check_handle(fn, handle)
     recompute = handle is not None and _in_backward()  # checkpoint's recomputation: the kept rows
-    check_call(fn, ctx, lambda: _check_call(fn, ctx, xs, weights, biases, policy, handle),
-               lambda: (f"{len(xs)} tensor(s) of {[x.shape[-1] for x in xs]} channels, x {[str(x.dtype) for x in xs]}, "
-                        f"weight {[str(w.dtype) for w in weights]}, bias "
-                        f"{[None if b is None else str(b.dtype) for b in biases]}, silu_grad_preactivation {policy!r}"),
-               collective=not recompute)
-    received = None
-    if recompute:
-        received = handle._take(ctx, xs)
-        if received is None:
+    check = lambda: _check_call(fn, ctx, xs, weights, biases, policy)  # noqa: E731
+    if ctx.verify:
+        check_call(fn, ctx, check,
+                   lambda: (f"{len(xs)} tensor(s) of {[x.shape[-1] for x in xs]} channels, x "
+                            f"{[str(x.dtype) for x in xs]}, weight {[str(w.dtype) for w in weights]}, bias "
+                            f"{[None if b is None else str(b.dtype) for b in biases]}, silu_grad_preactivation "
+                            f"{policy!r}"),
+                   collective=not recompute)
+    received = handle._take(ctx, xs) if recompute else None
+    group = None
+    if dist.is_available():
+        group = dist.group.WORLD if ctx.group is None else ctx.group
+    args = None
+    if group is not None and (received is not None or not recompute):
+        args = (xs, weights, biases, received,
+                (ctx.cu_seqlens, ctx.export_rows, ctx.import_rows, ctx.frag_info, ctx.g_rows, ctx.g_import),
+                ctx.num_tokens, group.group_name,
+                (ctx.halo_send_splits, ctx.halo_recv_splits, ctx.g_send_splits, ctx.g_recv_splits), policy)
+    binding = _dispatch.binding
+    result = None if binding is None or args is None else binding.cp_autograd_forward(*args)
+    if result is None:  # the errors (raised here, before any collective), or a first call
+        check()
+        if recompute and received is None:
             raise RuntimeError(f"{fn}: the recompute_handle holds no halo for these inputs: a forward recomputed "
                                "in a backward pass takes the halo its first run kept (one handle per checkpointed "
                                "call site; the first run must happen outside the backward)")
-    if not dist.is_available():
-        raise RuntimeError(f"{fn}: needs torch.distributed, which this torch was built without")
-    group = dist.group.WORLD if ctx.group is None else ctx.group
-    if group is None:
-        raise RuntimeError(f"{fn}: the context's group is None and the default process group is not initialized "
-                           "(torch.distributed.init_process_group)")
-    ys, received = _native("cp_autograd_forward", weights, biases, xs[0].get_device(), xs, weights, biases, received,
-                           (ctx.cu_seqlens, ctx.export_rows, ctx.import_rows, ctx.frag_info, ctx.g_rows, ctx.g_import),
-                           group.group_name,
-                           (ctx.halo_send_splits, ctx.halo_recv_splits, ctx.g_send_splits, ctx.g_recv_splits),
-                           1 if policy == "bf16" else 0)
+        if not dist.is_available():
+            raise RuntimeError(f"{fn}: needs torch.distributed, which this torch was built without")
+        if group is None:
+            raise RuntimeError(f"{fn}: the context's group is None and the default process group is not "
+                               "initialized (torch.distributed.init_process_group)")
+        result = _native("cp_autograd_forward", weights, biases, xs[0].get_device(), *args)
+    ys, received = result
     if handle is not None and not recompute:
         handle._keep(ctx, xs, received)
     return list(ys)
