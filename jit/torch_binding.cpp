@@ -328,6 +328,26 @@ bool takes(const char* fn, Py_ssize_t nargs, Py_ssize_t want) {
   return false;
 }
 
+// A tuple of new references (all or nothing); null with the Python error set.
+PyObject* tuple_of(std::vector<PyObject*> items) {
+  bool ok = true;
+  for (PyObject* it : items) ok = ok && it;
+  PyObject* result = ok ? PyTuple_New(static_cast<Py_ssize_t>(items.size())) : nullptr;
+  if (!result) {
+    for (PyObject* it : items) Py_XDECREF(it);
+    return nullptr;
+  }
+  for (size_t i = 0; i < items.size(); ++i) PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), items[i]);
+  return result;
+}
+
+// A tuple of tensors (an undefined one: None); null with the Python error set.
+PyObject* tensor_tuple(std::vector<at::Tensor> ts) {
+  std::vector<PyObject*> items;
+  for (at::Tensor& t : ts) items.push_back(t.defined() ? THPVariable_Wrap(std::move(t)) : Py_NewRef(Py_None));
+  return tuple_of(std::move(items));
+}
+
 // register_kernel_module(device, weight dtype, bias dtype or None, fwd, bwd, cp, capturing,
 // message): the addresses of a loaded kernel module's C entries (KernelModule.entry_addresses).
 PyObject* register_kernel_module(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -776,15 +796,7 @@ PyObject* try_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t narg
     if (return_final) torch::autograd::set_history(final_states, node);
   }
   if (!return_final) return THPVariable_Wrap(std::move(y));
-  PyObject* items[2] = {THPVariable_Wrap(std::move(y)), THPVariable_Wrap(std::move(final_states))};
-  PyObject* result = items[0] && items[1] ? PyTuple_New(2) : nullptr;
-  if (!result) {
-    for (PyObject* it : items) Py_XDECREF(it);
-    return nullptr;
-  }
-  PyTuple_SET_ITEM(result, 0, items[0]);
-  PyTuple_SET_ITEM(result, 1, items[1]);
-  return result;
+  return tensor_tuple({std::move(y), std::move(final_states)});
   END_HANDLE_TH_ERRORS
 }
 
@@ -795,8 +807,9 @@ PyObject* try_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t narg
 // it records a C++ autograd node whose backward runs the backward's exchange and passes the same
 // way, on the engine's thread without the GIL. The tensors come as tuples, one item per tensor of
 // a multi call (xs[i] with weights[i] and biases[i]), the context's tables as tensors.
-// It applies the call's rules (_checks.py's and the CP ones: a contiguous x of the context's token
-// count) before anything is exchanged; when it declines, conv.py raises the precise error. The
+// It applies the call's rules (_checks.py's, the policy and the CP ones: a contiguous x of the
+// context's token count; and the context's tables against each other) before anything is
+// exchanged; when it declines, conv.py raises the precise error. The
 // phases are also exposed one by one (cp_send ... cp_backward_tails): the tests run several ranks'
 // phases in one process with the exchanges done by hand. Each entry checks what its memory safety needs and
 // returns None, having launched nothing, when anything is off or a kernel module is not
@@ -840,26 +853,6 @@ int64_t sum_of(const std::vector<int64_t>& v) {
   int64_t s = 0;
   for (int64_t x : v) s += x;
   return s;
-}
-
-// A tuple of new references (all or nothing); null with the Python error set.
-PyObject* tuple_of(std::vector<PyObject*> items) {
-  bool ok = true;
-  for (PyObject* it : items) ok = ok && it;
-  PyObject* result = ok ? PyTuple_New(static_cast<Py_ssize_t>(items.size())) : nullptr;
-  if (!result) {
-    for (PyObject* it : items) Py_XDECREF(it);
-    return nullptr;
-  }
-  for (size_t i = 0; i < items.size(); ++i) PyTuple_SET_ITEM(result, static_cast<Py_ssize_t>(i), items[i]);
-  return result;
-}
-
-// A tuple of tensors (an undefined one: None); null with the Python error set.
-PyObject* tensor_tuple(std::vector<at::Tensor> ts) {
-  std::vector<PyObject*> items;
-  for (at::Tensor& t : ts) items.push_back(t.defined() ? THPVariable_Wrap(std::move(t)) : Py_NewRef(Py_None));
-  return tuple_of(std::move(items));
 }
 
 // A CP call's items: each x with its weight, bias (null: None) and kernel module.
@@ -1382,40 +1375,40 @@ PyObject* cp_forward_heads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // cp_grad_send(xs, dys, weights, biases, halos, cu_seqlens, frag_info, g_rows, recv_rows,
-// round_preact) -> (send, received) (grad_send_phase).
+// silu_grad_preactivation) -> (send, received) (grad_send_phase).
 PyObject* cp_grad_send(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!takes("cp_grad_send", nargs, 10)) return nullptr;
   CpItems c;
   std::vector<const at::Tensor*> dys, halos;
   const at::Tensor *cu, *frag_info, *g_rows;
-  int64_t recv_rows, round_preact;
+  int64_t recv_rows;
+  const int round_preact = round_preact_of(args[9]);
   if (!as_tensor(args[5], false, &cu) || !cp_items(args[0], args[2], args[3], *cu, &c) || !cp_rows(args[1], c, &dys) ||
       !cp_table(args[6], cu->numel() - 1, c.device, &frag_info) || !cp_halos(args[4], c, frag_info->numel(), &halos) ||
       !cp_table(args[7], -1, c.device, &g_rows) || !as_int(args[8], 0, kMaxCuSeqlens, &recv_rows) ||
-      !as_int(args[9], 0, 1, &round_preact)) {
+      round_preact < 0) {
     Py_RETURN_NONE;
   }
-  auto [send, received] = grad_send_phase(c, dys, halos, *cu, *frag_info, *g_rows, recv_rows,
-                                          static_cast<int>(round_preact));
+  auto [send, received] = grad_send_phase(c, dys, halos, *cu, *frag_info, *g_rows, recv_rows, round_preact);
   return tensor_tuple({std::move(send), std::move(received)});
   END_HANDLE_TH_ERRORS
 }
 
-// cp_backward(xs, dys, weights, biases, halos, cu_seqlens, round_preact) -> (*dxs, *dweights,
-// *dbiases), a dbias None without bias (backward_phase).
+// cp_backward(xs, dys, weights, biases, halos, cu_seqlens, silu_grad_preactivation) -> (*dxs,
+// *dweights, *dbiases), a dbias None without bias (backward_phase).
 PyObject* cp_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!takes("cp_backward", nargs, 7)) return nullptr;
   CpItems c;
   std::vector<const at::Tensor*> dys, halos;
   const at::Tensor* cu;
-  int64_t round_preact;
+  const int round_preact = round_preact_of(args[6]);
   if (!as_tensor(args[5], false, &cu) || !cp_items(args[0], args[2], args[3], *cu, &c) || !cp_rows(args[1], c, &dys) ||
-      !cp_halos(args[4], c, cu->numel() - 1, &halos) || !as_int(args[6], 0, 1, &round_preact)) {
+      !cp_halos(args[4], c, cu->numel() - 1, &halos) || round_preact < 0) {
     Py_RETURN_NONE;
   }
-  std::vector<Grads> g = backward_phase(c, dys, halos, *cu, static_cast<int>(round_preact));
+  std::vector<Grads> g = backward_phase(c, dys, halos, *cu, round_preact);
   const size_t n = g.size();
   std::vector<at::Tensor> out(3 * n);
   for (size_t i = 0; i < n; ++i) {
@@ -1426,21 +1419,21 @@ PyObject* cp_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // cp_backward_tails(dxs, xs, dys, weights, biases, halos, received, cu_seqlens, frag_info,
-// g_import, round_preact) -> True (tails_phase).
+// g_import, silu_grad_preactivation) -> True (tails_phase).
 PyObject* cp_backward_tails(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (!takes("cp_backward_tails", nargs, 11)) return nullptr;
   CpItems c;
   std::vector<const at::Tensor*> dxs, dys, halos;
   const at::Tensor *received, *cu, *frag_info, *g_import;
-  int64_t round_preact;
+  const int round_preact = round_preact_of(args[10]);
   if (!as_tensor(args[7], false, &cu) || !cp_items(args[1], args[3], args[4], *cu, &c) || !cp_rows(args[0], c, &dxs) ||
       !cp_rows(args[2], c, &dys) || !cp_table(args[8], cu->numel() - 1, c.device, &frag_info) ||
       !cp_halos(args[5], c, frag_info->numel(), &halos) || !cp_exchanged(args[6], c, at::kFloat, &received) ||
-      !cp_table(args[9], 3 * frag_info->numel(), c.device, &g_import) || !as_int(args[10], 0, 1, &round_preact)) {
+      !cp_table(args[9], 3 * frag_info->numel(), c.device, &g_import) || round_preact < 0) {
     Py_RETURN_NONE;
   }
-  tails_phase(c, dxs, dys, halos, *received, *cu, *frag_info, *g_import, static_cast<int>(round_preact));
+  tails_phase(c, dxs, dys, halos, *received, *cu, *frag_info, *g_import, round_preact);
   Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS
 }
@@ -1472,13 +1465,13 @@ PyMethodDef g_methods[] = {
                 "None"),
     CAKE_METHOD(cp_grad_send,
                 "cp_grad_send(xs, dys, weights, biases, halos, cu_seqlens, frag_info, g_rows, recv_rows, "
-                "round_preact) -> (send, received), or None"),
+                "silu_grad_preactivation) -> (send, received), or None"),
     CAKE_METHOD(cp_backward,
-                "cp_backward(xs, dys, weights, biases, halos, cu_seqlens, round_preact) -> (*dxs, *dweights, "
-                "*dbiases), or None"),
+                "cp_backward(xs, dys, weights, biases, halos, cu_seqlens, silu_grad_preactivation) -> (*dxs, "
+                "*dweights, *dbiases), or None"),
     CAKE_METHOD(cp_backward_tails,
                 "cp_backward_tails(dxs, xs, dys, weights, biases, halos, received, cu_seqlens, frag_info, g_import, "
-                "round_preact) -> True, or None"),
+                "silu_grad_preactivation) -> True, or None"),
     CAKE_METHOD(register_kernel_module,
                 "register_kernel_module(device, weight_dtype, bias_dtype_or_None, fwd, bwd, cp, capturing, message): "
                 "a kernel module's entries"),

@@ -117,25 +117,25 @@ def forward_heads(cp: CPContext, ys, xs, weights, biases, received: torch.Tensor
                    cp.import_rows, cp.cu_seqlens, cp.frag_info)
 
 
-def grad_send(cp: CPContext, xs, dys, weights, biases, halos, round_preact: int) -> tuple[torch.Tensor, torch.Tensor]:
+def grad_send(cp: CPContext, xs, dys, weights, biases, halos, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward exchange's buffers, FP32: (the g of the head tokens this rank sends each
     rank, every tensor's columns side by side, ``[sum(g_send_splits), sum C]``; the buffer it
     receives into)."""
     return _native("cp_grad_send", weights, biases, xs[0].get_device(), xs, tuple(dys), weights, biases, tuple(halos),
-                   cp.cu_seqlens, cp.frag_info, cp.g_rows, sum(cp.g_recv_splits), round_preact)
+                   cp.cu_seqlens, cp.frag_info, cp.g_rows, sum(cp.g_recv_splits), policy)
 
 
-def backward_interior(cp: CPContext, xs, dys, weights, biases, halos, round_preact: int):
+def backward_interior(cp: CPContext, xs, dys, weights, biases, halos, policy: str):
     """(dxs, dweights, dbiases) of every tensor (a dbias None without bias; dx of the tail rows of
     continuing fragments still to fix)."""
     n = len(xs)
     grads = _native("cp_backward", weights, biases, xs[0].get_device(), xs, tuple(dys), weights, biases, tuple(halos),
-                    cp.cu_seqlens, round_preact)
+                    cp.cu_seqlens, policy)
     return grads[:n], grads[n: 2 * n], grads[2 * n:]
 
 
 def backward_tails(cp: CPContext, dxs, xs, dys, weights, biases, halos, received: torch.Tensor,
-                   round_preact: int) -> None:
+                   policy: str) -> None:
     """Rewrites dx of the tail rows of the fragments whose documents go on after them."""
     _native("cp_backward_tails", weights, biases, xs[0].get_device(), tuple(dxs), xs, tuple(dys), weights, biases,
-            tuple(halos), received, cp.cu_seqlens, cp.frag_info, cp.g_import, round_preact)
+            tuple(halos), received, cp.cu_seqlens, cp.frag_info, cp.g_import, policy)

@@ -1,6 +1,6 @@
 """One rank of tests/test_cp_multi_gpu.py (run by torchrun): every layout x document mix x variant
 x SiLU' policy through cake_causal_conv1d_cp, checked against the single-GPU run of the global
-batch (computed by every rank on its own GPU): y and dx bitwise, the all-reduced dweight/dbias
+batch (computed by every rank): y and dx bitwise, the all-reduced dweight/dbias
 within FP32 summation order; then multi, the recompute handle under checkpoint, and (NCCL) the
 capture and replay of a two-layer training step. Writes its failures (a list of strings) to
 <out>/rank<r>.json; exit 0 when it ran to the end.
@@ -152,7 +152,7 @@ def main() -> int:
         torch.cuda.set_device(0)
         dist.init_process_group("gloo", timeout=timeout)
     failures, n = [], 0
-    try:  # an exception (not a failed check) ends the run: the peers then fail on the NCCL timeout
+    try:  # an exception (not a failed check) ends the run: the peers then fail on the process group's timeout
         for layout in ("contiguous", "zigzag", "zigzag_per_document", "fragments"):
             for mix in MIXES:
                 for wd, bd in VARIANTS:

@@ -64,10 +64,10 @@ def test_cp_phases_decline_cpu_tensors_and_non_tuples(loaded):
     assert loaded.cp_send((fake,), table, 3) is None
     assert loaded.cp_forward(xs, ws, bs, cu) is None
     assert loaded.cp_forward_heads(xs, xs, ws, bs, x, table, cu, table[:2]) is None
-    assert loaded.cp_grad_send(xs, xs, ws, bs, (halo,), cu, table[:2], table, 0, 1) is None
-    assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, 1) is None
-    assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, 2) is None
-    assert loaded.cp_backward_tails(xs, xs, xs, ws, bs, (halo,), x.float(), cu, table[:2], table, 1) is None
+    assert loaded.cp_grad_send(xs, xs, ws, bs, (halo,), cu, table[:2], table, 0, "bf16") is None
+    assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, "bf16") is None
+    assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, 1) is None  # not a policy
+    assert loaded.cp_backward_tails(xs, xs, xs, ws, bs, (halo,), x.float(), cu, table[:2], table, "fp32") is None
     tables, splits = (cu, table, table, table[:2], table, table), ((0,), (0,), (6,), (0,))
     call = loaded.cp_autograd_forward  # (built with c10d: this torch has torch.distributed)
     assert call(xs, ws, bs, None, tables, 16, "0", splits, "bf16") is None

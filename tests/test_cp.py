@@ -463,7 +463,10 @@ _VERIFY_CALL_WORKER = textwrap.dedent("""
     for name, call in (("exchange", lambda: halo_exchange(x, ctx)),
                        ("multi", lambda: halo_exchange_multi([x, x[:, :4].contiguous()], ctx)),
                        ("conv", lambda: cake_causal_conv1d_cp(torch.zeros(ctx.num_tokens, 16, dtype=torch.bfloat16),
-                                                              torch.zeros(16, 4), ctx))):
+                                                              torch.zeros(16, 4), ctx)),
+                       ("handle", lambda: cake_causal_conv1d_cp(  # rank 1's bad handle: every rank raises
+                           torch.zeros(ctx.num_tokens, 16, dtype=torch.bfloat16), torch.zeros(16, 4), ctx,
+                           recompute_handle=None if rank == 0 else object()))):
         try:
             call()
             out[name] = None
@@ -500,3 +503,6 @@ def test_verify_context_checks_every_call_on_every_rank(cfg, exchange_error, tmp
     assert "cake_causal_conv1d_cp: the ranks of the CP group made different calls or failed" in conv[0]
     want = "ranks 0, 1: its arguments: cake_causal_conv1d_cp (x_local as x): x must be a CUDA tensor"
     assert want in conv[0], conv[0]
+    handle = [r["handle"] for r in results]
+    assert handle[0] is not None and handle[0] == handle[1], handle
+    assert "rank 1: its arguments: cake_causal_conv1d_cp: recompute_handle must be a CPRecomputeHandle" in handle[0]

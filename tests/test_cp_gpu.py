@@ -105,13 +105,12 @@ def simulate_ranks(part, x, w, b, dy, policy):
         h = cp_by_hand.forward_heads(c, y, (xl,), (w,), (b,), torch.cat([rows, x.new_zeros(1, C)]))
         ys.append(y[0])
         halos.append(h)
-    rp = 1 if policy == "bf16" else 0
-    g_sends = [cp_by_hand.grad_send(c, (xl,), (d,), (w,), (b,), h, rp)[0] for c, xl, d, h in zip(ctxs, xs, dys, halos)]
+    g_sends = [cp_by_hand.grad_send(c, (xl,), (d,), (w,), (b,), h, policy)[0] for c, xl, d, h in zip(ctxs, xs, dys, halos)]
     g_received = exchanged_by_hand(ctxs, g_sends, "g")
     out = []
     for r, (c, xl, d, h) in enumerate(zip(ctxs, xs, dys, halos)):
-        (dx,), (dw,), (db,) = cp_by_hand.backward_interior(c, (xl,), (d,), (w,), (b,), h, rp)
-        cp_by_hand.backward_tails(c, (dx,), (xl,), (d,), (w,), (b,), h, g_received[r], rp)
+        (dx,), (dw,), (db,) = cp_by_hand.backward_interior(c, (xl,), (d,), (w,), (b,), h, policy)
+        cp_by_hand.backward_tails(c, (dx,), (xl,), (d,), (w,), (b,), h, g_received[r], policy)
         out.append((idx[r], ys[r], dx, dw, db))
     return out
 
@@ -436,6 +435,31 @@ def test_bad_arguments(nccl_group, case, error, match):
         xl = torch.cat([xl.new_zeros(1), xl.flatten()])[1:].view(xl.shape)
     with pytest.raises(error, match=match):
         cake_causal_conv1d_cp(xl, w, ctx, b, **kwargs)
+
+
+def test_binding_declines_a_wrong_token_count_or_policy(nccl_group):
+    """cp_autograd_forward itself declines (None, before anything is launched or exchanged) when
+    only the token count or only the policy is off, with every other argument valid: the token
+    count keeps the context's export_rows inside x."""
+    from flashinfer_cake import _dispatch
+    part, cu, x, dy, w, b, idx = one_rank_batch(23)
+    ctx = build_cp_context(part, nccl_group, 0, DEV)
+    xl = x[idx].contiguous()
+    y_ref = cake_causal_conv1d_cp(xl, w, ctx, b)  # registers the variant's module
+
+    def call(xs, num_tokens, policy):
+        return _dispatch.binding.cp_autograd_forward(
+            xs, (w,), (b,), None, (ctx.cu_seqlens, ctx.export_rows, ctx.import_rows, ctx.frag_info, ctx.g_rows,
+                                   ctx.g_import), num_tokens, nccl_group.group_name,
+            (ctx.halo_send_splits, ctx.halo_recv_splits, ctx.g_send_splits, ctx.g_recv_splits), policy)
+
+    (y,), _ = call((xl,), ctx.num_tokens, "bf16")
+    assert torch.equal(y, y_ref)
+    for tokens in (ctx.num_tokens - 1, ctx.num_tokens + 1):
+        assert call((xl,), tokens, "bf16") is None
+    assert call((xl[:-1].contiguous(),), ctx.num_tokens, "bf16") is None
+    assert call((xl,), ctx.num_tokens, "fp16") is None
+    assert call((xl,), ctx.num_tokens, 1) is None
 
 
 def test_autograd_node_semantics(nccl_group):

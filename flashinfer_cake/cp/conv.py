@@ -79,12 +79,13 @@ class CPRecomputeHandle:
         return f"CPRecomputeHandle(holding {len(self._kept)} halo{'s' if len(self._kept) != 1 else ''})"
 
 
-def _native(entry: str, weights, biases, device: int, *args):
+def _native(entry: str, weights, biases, device: int, *args, declined: bool = False):
     """An entry of the torch binding (torch_binding.cpp: cp_autograd_forward, and the phases one by
     one for tests) on the current stream. It declines (None) while a kernel module of the call is
-    not registered: this registers them (loading, building them if needed) and calls again."""
+    not registered: this registers them (loading, building them if needed) and calls again
+    (``declined``: the caller's own call just declined; register first)."""
     binding = _dispatch.binding
-    result = None if binding is None else getattr(binding, entry)(*args)
+    result = None if binding is None or declined else getattr(binding, entry)(*args)
     if result is None:
         for w, b in zip(weights, biases):
             binding = _dispatch.binding_for(device, w, b)
@@ -107,9 +108,10 @@ def _check_handle(fn: str, handle) -> None:
                                "(capture without it: a captured step replays its own exchange)")
 
 
-def _check_call(fn: str, cp, xs, weights, biases, policy) -> None:
-    """Raises the error of the first rule the tensors or the policy break (the rules the binding
-    applies natively)."""
+def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
+    """Raises the error of the first rule the arguments break (the handle's, then the ones the
+    binding applies natively)."""
+    _check_handle(fn, handle)
     _checks.check_policy(fn, policy)
     if not xs or len(weights) != len(xs) or len(biases) != len(xs):
         raise ValueError(f"{fn}: expected as many weights and biases as inputs (at least one), got {len(xs)} inputs, "
@@ -150,9 +152,8 @@ def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.
     xs, weights = tuple(xs), tuple(weights)
     biases = (None,) * len(xs) if biases is None else tuple(biases)
     check_context(fn, ctx)
-    _check_handle(fn, handle)
     recompute = handle is not None and _in_backward()  # checkpoint's recomputation: the kept rows
-    check = lambda: _check_call(fn, ctx, xs, weights, biases, policy)  # noqa: E731
+    check = lambda: _check_call(fn, ctx, xs, weights, biases, policy, handle)  # noqa: E731
     if ctx.verify:
         check_call(fn, ctx, check,
                    lambda: (f"{len(xs)} tensor(s) of {[x.shape[-1] for x in xs]} channels, x "
@@ -160,30 +161,34 @@ def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.
                             f"{[None if b is None else str(b.dtype) for b in biases]}, silu_grad_preactivation "
                             f"{policy!r}"),
                    collective=not recompute)
-    received = handle._take(ctx, xs) if recompute else None
-    group = None
-    if dist.is_available():
-        group = dist.group.WORLD if ctx.group is None else ctx.group
-    args = None
-    if group is not None and (received is not None or not recompute):
-        args = (xs, weights, biases, received,
-                (ctx.cu_seqlens, ctx.export_rows, ctx.import_rows, ctx.frag_info, ctx.g_rows, ctx.g_import),
-                ctx.num_tokens, group.group_name,
-                (ctx.halo_send_splits, ctx.halo_recv_splits, ctx.g_send_splits, ctx.g_recv_splits), policy)
-    binding = _dispatch.binding
-    result = None if binding is None or args is None else binding.cp_autograd_forward(*args)
-    if result is None:  # the errors (raised here, before any collective), or a first call
+    else:
+        _check_handle(fn, handle)
+    received = None
+    if recompute:  # (once per checkpointed call: the Python rules first, so a bad call keeps its halo)
         check()
-        if recompute and received is None:
+        received = handle._take(ctx, xs)
+        if received is None:
             raise RuntimeError(f"{fn}: the recompute_handle holds no halo for these inputs: a forward recomputed "
                                "in a backward pass takes the halo its first run kept (one handle per checkpointed "
                                "call site; the first run must happen outside the backward)")
+    group = (dist.group.WORLD if ctx.group is None else ctx.group) if dist.is_available() else None
+    args = (xs, weights, biases, received,
+            (ctx.cu_seqlens, ctx.export_rows, ctx.import_rows, ctx.frag_info, ctx.g_rows, ctx.g_import),
+            ctx.num_tokens, getattr(group, "group_name", None),
+            (ctx.halo_send_splits, ctx.halo_recv_splits, ctx.g_send_splits, ctx.g_recv_splits), policy)
+    binding = _dispatch.binding
+    result = None if binding is None else binding.cp_autograd_forward(*args)
+    if result is None:  # the errors (raised here, before any collective), or a first call
+        check()
         if not dist.is_available():
             raise RuntimeError(f"{fn}: needs torch.distributed, which this torch was built without")
         if group is None:
             raise RuntimeError(f"{fn}: the context's group is None and the default process group is not "
                                "initialized (torch.distributed.init_process_group)")
-        result = _native("cp_autograd_forward", weights, biases, xs[0].get_device(), *args)
+        if not isinstance(args[6], str):
+            raise TypeError(f"{fn}: the context's group must be a torch.distributed ProcessGroup, got "
+                            f"{type(group).__name__}")
+        result = _native("cp_autograd_forward", weights, biases, xs[0].get_device(), *args, declined=True)
     ys, received = result
     if handle is not None and not recompute:
         handle._keep(ctx, xs, received)
