@@ -5,7 +5,8 @@
 - :func:`build_cp_context`: one rank's device tables of a partition (one asynchronous copy).
 - :func:`cake_causal_conv1d_cp` / :func:`cake_causal_conv1d_cp_multi`: the conv of this rank's
   tokens with autograd, bitwise the single-GPU conv of the global batch restricted to them, the
-  exchange overlapped with the kernels (NCCL on CUDA tensors).
+  exchange overlapped with the kernels (through the group's backend: NCCL; gloo's CUDA
+  collectives run in the tests too).
 - :func:`halo_exchange` / :func:`halo_exchange_multi`: the fragments' initial states on their own,
   with autograd (for other ops; any backend, gloo included).
 """

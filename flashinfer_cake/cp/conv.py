@@ -11,8 +11,9 @@ tokens other ranks need and sends them in one ``all_to_all`` while the main back
 (with the halo as the fragments' initial states, so dweight/dbias take every tap of this rank's
 tokens); then a small pass rewrites dx of the <= 3 tail rows of each fragment whose document goes
 on, summing the received terms in the single-GPU order. Each rank's dweight/dbias is the
-fixed-order partial sum of its own tokens' terms; summed over the ranks (the data-parallel
-all-reduce does it) it equals the single-GPU gradient within FP32 summation order.
+fixed-order partial sum of its own tokens' terms; summed over the CP ranks (the data-parallel
+all-reduce, where it spans them; else one over the CP group) it equals the single-GPU gradient
+within FP32 summation order.
 
 The forward, the collectives included, is one call of the torch binding (jit/torch_binding.cpp:
 cp_autograd_forward), and the backward a C++ autograd node run by the engine without the GIL. The
@@ -208,7 +209,10 @@ def cake_causal_conv1d_cp(x_local: torch.Tensor, weight: torch.Tensor, ctx: CPCo
 
     Every rank of ``ctx.group`` must make the same calls in the same order (each call's forward
     and backward is one ``all_to_all`` per direction of sizes fixed by the partition), with
-    tensors of the same C and dtypes.
+    tensors of the same C and dtypes and the same ``silu_grad_preactivation``, and run their
+    backward (a loss that does not reach y on one rank leaves the others waiting: add
+    ``0 * y.sum()`` there). Unchecked by default; a context built with ``verify=True`` checks it
+    before each exchange (one gather per call).
 
     Args:
         x_local: BF16 ``[T, C]`` or ``[1, T, C]``, contiguous: this rank's tokens in the order of
