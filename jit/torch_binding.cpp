@@ -796,7 +796,15 @@ PyObject* try_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t narg
     if (return_final) torch::autograd::set_history(final_states, node);
   }
   if (!return_final) return THPVariable_Wrap(std::move(y));
-  return tensor_tuple({std::move(y), std::move(final_states)});
+  PyObject* items[2] = {THPVariable_Wrap(std::move(y)), THPVariable_Wrap(std::move(final_states))};
+  PyObject* result = items[0] && items[1] ? PyTuple_New(2) : nullptr;
+  if (!result) {
+    for (PyObject* it : items) Py_XDECREF(it);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(result, 0, items[0]);
+  PyTuple_SET_ITEM(result, 1, items[1]);
+  return result;
   END_HANDLE_TH_ERRORS
 }
 
@@ -809,11 +817,11 @@ PyObject* try_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t narg
 // a multi call (xs[i] with weights[i] and biases[i]), the context's tables as tensors.
 // It applies the call's rules (_checks.py's, the policy and the CP ones: a contiguous x of the
 // context's token count; and the context's tables against each other) before anything is
-// exchanged; when it declines, conv.py raises the precise error. The
-// phases are also exposed one by one (cp_send ... cp_backward_tails): the tests run several ranks'
-// phases in one process with the exchanges done by hand. Each entry checks what its memory safety needs and
-// returns None, having launched nothing, when anything is off or a kernel module is not
-// registered yet (conv.py registers it and calls again; a second None is an internal error).
+// exchanged; when it declines, conv.py raises the precise error. The phases are also exposed one
+// by one (cp_send ... cp_backward_tails): the tests run several ranks' phases in one process with
+// the exchanges done by hand. Each entry checks what its memory safety needs and returns None,
+// having launched nothing, when anything is off or a kernel module is not registered yet (conv.py
+// registers it and calls again; a second None is an internal error).
 
 // The tensors of a tuple argument: false when `obj` is not a tuple of `n` items (n < 0: at least
 // one) or an item is neither a tensor nor (optional) None.
