@@ -471,6 +471,9 @@ struct BackwardCall {
   const at::Tensor *x, *weight, *cu_seqlens, *dy, *bias, *initial_states, *dfinal_states, *workspace, *dx, *dweight,
       *dbias, *dinitial_states;
   int round_preact;
+  // The CP backward: the fragments' frag_info, so that fragments without a halo run the stateless
+  // path (causal_conv1d_bwd.cuh).
+  const at::Tensor* frag_info = nullptr;
   int64_t S = 0, C = 0, need = 0;
   int device = 0;
   KernelEntries m;
@@ -548,6 +551,7 @@ Grads run_backward(const BackwardCall& c) {
   a.initial_states = address(c.initial_states);
   a.dfinal_states = address(c.dfinal_states);
   a.dinitial_states = c.initial_states ? address(&g.dinitial_states) : 0;
+  a.frag_info = address(c.frag_info);
   a.workspace = address(workspace);
   a.workspace_bytes = nbytes(workspace);
   a.counters = address(&kept.counters);
@@ -1087,15 +1091,16 @@ std::pair<at::Tensor, at::Tensor> grad_send_phase(const CpItems& c, const std::v
   return {std::move(send), std::move(received)};
 }
 
-// The main backward of every item, its halo as the fragments' initial states (dx of the tail rows
-// of continuing fragments still to fix): dx, dweight, dbias (undefined without bias) per item.
+// The main backward of every item, its halo as the initial states of the fragments that continue
+// their documents (frag_info; the others run as plain documents), dinit discarded (dx of the tail
+// rows of continuing fragments still to fix): dx, dweight, dbias (undefined without bias).
 std::vector<Grads> backward_phase(const CpItems& c, const std::vector<const at::Tensor*>& dys,
                                   const std::vector<const at::Tensor*>& halos, const at::Tensor& cu_seqlens,
-                                  int round_preact) {
+                                  const at::Tensor& frag_info, int round_preact) {
   std::vector<Grads> grads;
   for (size_t i = 0; i < c.xs.size(); ++i) {
     BackwardCall b{c.xs[i],  c.weights[i], &cu_seqlens, dys[i],  c.biases[i], halos[i], nullptr,
-                   nullptr, nullptr,      nullptr,     nullptr, nullptr,     round_preact};
+                   nullptr, nullptr,      nullptr,     nullptr, nullptr,     round_preact, &frag_info};
     if (!check_backward(&b)) {
       throw std::runtime_error(std::string(kCp) + ": internal error: the backward declined a checked item");
     }
@@ -1224,7 +1229,7 @@ struct CakeCPConvBackward final : Node {
       auto [send, received] = grad_send_phase(c, dys, hs, cu_seqlens, frag_info, g_rows, sum_of(g_recv_splits),
                                               round_preact);
       const auto work = exchange(group, received, send, g_recv_splits, g_send_splits);
-      std::vector<Grads> g = backward_phase(c, dys, hs, cu_seqlens, round_preact);  // overlaps the exchange
+      std::vector<Grads> g = backward_phase(c, dys, hs, cu_seqlens, frag_info, round_preact);  // overlaps the exchange
       work->wait();
       std::vector<at::Tensor> dx;
       for (Grads& gi : g) dx.push_back(gi.dx);
@@ -1403,20 +1408,21 @@ PyObject* cp_grad_send(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// cp_backward(xs, dys, weights, biases, halos, cu_seqlens, silu_grad_preactivation) -> (*dxs,
-// *dweights, *dbiases), a dbias None without bias (backward_phase).
+// cp_backward(xs, dys, weights, biases, halos, cu_seqlens, frag_info, silu_grad_preactivation) ->
+// (*dxs, *dweights, *dbiases), a dbias None without bias (backward_phase).
 PyObject* cp_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (!takes("cp_backward", nargs, 7)) return nullptr;
+  if (!takes("cp_backward", nargs, 8)) return nullptr;
   CpItems c;
   std::vector<const at::Tensor*> dys, halos;
-  const at::Tensor* cu;
-  const int round_preact = round_preact_of(args[6]);
+  const at::Tensor *cu, *frag_info;
+  const int round_preact = round_preact_of(args[7]);
   if (!as_tensor(args[5], false, &cu) || !cp_items(args[0], args[2], args[3], *cu, &c) || !cp_rows(args[1], c, &dys) ||
-      !cp_halos(args[4], c, cu->numel() - 1, &halos) || round_preact < 0) {
+      !cp_table(args[6], cu->numel() - 1, c.device, &frag_info) || !cp_halos(args[4], c, frag_info->numel(), &halos) ||
+      round_preact < 0) {
     Py_RETURN_NONE;
   }
-  std::vector<Grads> g = backward_phase(c, dys, halos, *cu, round_preact);
+  std::vector<Grads> g = backward_phase(c, dys, halos, *cu, *frag_info, round_preact);
   const size_t n = g.size();
   std::vector<at::Tensor> out(3 * n);
   for (size_t i = 0; i < n; ++i) {
@@ -1475,8 +1481,8 @@ PyMethodDef g_methods[] = {
                 "cp_grad_send(xs, dys, weights, biases, halos, cu_seqlens, frag_info, g_rows, recv_rows, "
                 "silu_grad_preactivation) -> (send, received), or None"),
     CAKE_METHOD(cp_backward,
-                "cp_backward(xs, dys, weights, biases, halos, cu_seqlens, silu_grad_preactivation) -> (*dxs, "
-                "*dweights, *dbiases), or None"),
+                "cp_backward(xs, dys, weights, biases, halos, cu_seqlens, frag_info, silu_grad_preactivation) -> "
+                "(*dxs, *dweights, *dbiases), or None"),
     CAKE_METHOD(cp_backward_tails,
                 "cp_backward_tails(dxs, xs, dys, weights, biases, halos, received, cu_seqlens, frag_info, g_import, "
                 "silu_grad_preactivation) -> True, or None"),

@@ -139,7 +139,7 @@ def launcher(m, b: argparse.Namespace, op: str, cfg: str):
             rc = m.causal_conv1d_bwd(x=b.xs[i % k].data_ptr(), dy=b.dys[i % k].data_ptr(), dx=b.ys[i % k].data_ptr(),
                                      weight=b.w.data_ptr(), bias=b.b.data_ptr(), cu_seqlens=b.cu.data_ptr(),
                                      initial_states=st(b.init), dfinal_states=st(b.fin), dinitial_states=st(b.fin_out),
-                                     workspace=b.pws.data_ptr(), workspace_bytes=b.pws.shape[0] * 4,
+                                     frag_info=0, workspace=b.pws.data_ptr(), workspace_bytes=b.pws.shape[0] * 4,
                                      counters=b.counters.data_ptr(), counters_bytes=b.counters.shape[0] * 4,
                                      dweight=b.dw.data_ptr(), dbias=b.db.data_ptr(), S=S, C=C, x_row_stride=C,
                                      dy_row_stride=C, dx_row_stride=C, num_docs=b.docs, item_tokens=tokens,

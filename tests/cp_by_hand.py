@@ -130,7 +130,7 @@ def backward_interior(cp: CPContext, xs, dys, weights, biases, halos, policy: st
     continuing fragments still to fix)."""
     n = len(xs)
     grads = _native("cp_backward", weights, biases, xs[0].get_device(), xs, tuple(dys), weights, biases, tuple(halos),
-                    cp.cu_seqlens, policy)
+                    cp.cu_seqlens, cp.frag_info, policy)
     return grads[:n], grads[n: 2 * n], grads[2 * n:]
 
 

@@ -544,7 +544,7 @@ def c_entry_backward(module, x, w, b, cu, dy, counters):
     ws = garbage(_plan.workspace_bytes(S, C) // 4, seed=4)
     rc = module.causal_conv1d_bwd(
         x=x.data_ptr(), dy=dy.data_ptr(), dx=dx.data_ptr(), weight=w.data_ptr(), bias=b.data_ptr(),
-        cu_seqlens=cu.data_ptr(), initial_states=0, dfinal_states=0, dinitial_states=0,
+        cu_seqlens=cu.data_ptr(), initial_states=0, dfinal_states=0, dinitial_states=0, frag_info=0,
         workspace=ws.data_ptr(), workspace_bytes=ws.numel() * 4, counters=counters.data_ptr(),
         counters_bytes=counters.numel() * 8, dweight=dw.data_ptr(), dbias=db.data_ptr(), S=S, C=C,
         x_row_stride=C, dy_row_stride=C, dx_row_stride=C, num_docs=cu.numel() - 1,

@@ -65,8 +65,8 @@ def test_cp_phases_decline_cpu_tensors_and_non_tuples(loaded):
     assert loaded.cp_forward(xs, ws, bs, cu) is None
     assert loaded.cp_forward_heads(xs, xs, ws, bs, x, table, cu, table[:2]) is None
     assert loaded.cp_grad_send(xs, xs, ws, bs, (halo,), cu, table[:2], table, 0, "bf16") is None
-    assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, "bf16") is None
-    assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, 1) is None  # not a policy
+    assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, table[:2], "bf16") is None
+    assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, table[:2], 1) is None  # not a policy
     assert loaded.cp_backward_tails(xs, xs, xs, ws, bs, (halo,), x.float(), cu, table[:2], table, "fp32") is None
     tables, splits = (cu, table, table, table[:2], table, table), ((0,), (0,), (6,), (0,))
     call = loaded.cp_autograd_forward  # (built with c10d: this torch has torch.distributed)
@@ -91,7 +91,7 @@ def test_wrong_argument_count_is_a_type_error(loaded):
     with pytest.raises(TypeError, match="try_autograd_forward takes 7 arguments"):
         loaded.try_autograd_forward(x, w, cu)
     for name, count in (("cp_autograd_forward", 9), ("cp_send", 3), ("cp_forward", 4), ("cp_forward_heads", 8),
-                        ("cp_grad_send", 10), ("cp_backward", 7), ("cp_backward_tails", 11)):
+                        ("cp_grad_send", 10), ("cp_backward", 8), ("cp_backward_tails", 11)):
         with pytest.raises(TypeError, match=f"{name} takes {count} arguments"):
             getattr(loaded, name)(x, w)
 

@@ -82,10 +82,10 @@ def test_argument_structs_hold_what_the_binding_and_tools_pass(header):
                                           "final_states", "S", "C", "x_row_stride", "y_row_stride", "num_docs",
                                           "device", "stream"]
     assert header["bwd_args"].split() == ["x", "dy", "dx", "weight", "bias", "cu_seqlens", "initial_states",
-                                          "dfinal_states", "dinitial_states", "workspace", "workspace_bytes",
-                                          "counters", "counters_bytes", "dweight", "dbias", "S", "C", "x_row_stride",
-                                          "dy_row_stride", "dx_row_stride", "num_docs", "item_tokens",
-                                          "round_preact", "device", "stream"]
+                                          "dfinal_states", "dinitial_states", "frag_info", "workspace",
+                                          "workspace_bytes", "counters", "counters_bytes", "dweight", "dbias", "S",
+                                          "C", "x_row_stride", "dy_row_stride", "dx_row_stride", "num_docs",
+                                          "item_tokens", "round_preact", "device", "stream"]
 
 
 def test_context_parallel_constants_match(header):

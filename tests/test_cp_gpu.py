@@ -33,6 +33,7 @@ from flashinfer_cake.cp import (
     cake_causal_conv1d_cp_multi,
     cp_partition,
 )
+from flashinfer_cake.cp.partition import FRAG_HEAD_MASK
 
 pytestmark = pytest.mark.gpu
 
@@ -148,6 +149,36 @@ def test_ranks_are_bitwise_the_single_gpu_run(P, layout, mix, weight_dtype, bias
     assert_partials_sum_to([t[3] for t in ranks], dw_ref, w.dtype, S)
     if b is not None:
         assert_partials_sum_to([t[4] for t in ranks], db_ref, b.dtype, S)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "fragments"])
+def test_main_backward_reads_no_halo_of_a_fragment_that_starts_its_document(layout):
+    """The main backward takes frag_info: a fragment at offset 0 (its halo is zeros) runs as a plain
+    document, so its halo rows are never read. NaN there changes nothing (dx, dweight, dbias
+    bitwise); NaN in a continuing fragment's halo must reach the results (the rows are read)."""
+    rng = random.Random(17)
+    S, C = 601, 72
+    part = make_partition(random_mix(S, rng), 3, layout, rng)
+    x, dy, w, b = inputs(S, C, F32, F32, 17)
+    for r in range(3):
+        ctx = build_cp_context(part, None, r, DEV)
+        i = torch.tensor(part.global_tokens(r), dtype=torch.long, device=DEV)
+        xl, dl = x.index_select(0, i), dy.index_select(0, i)
+        halo = 0.5 * torch.randn(ctx.num_fragments, 3, C, device=DEV).to(BF16)
+        starts = (ctx.frag_info & FRAG_HEAD_MASK) == 0
+        halo[starts] = 0  # what a halo exchange gives a fragment at offset 0
+        clean = cp_by_hand.backward_interior(ctx, (xl,), (dl,), (w,), (b,), (halo,), "bf16")
+        poisoned = halo.clone()
+        poisoned[starts] = float("nan")
+        got = cp_by_hand.backward_interior(ctx, (xl,), (dl,), (w,), (b,), (poisoned,), "bf16")
+        for want, have in zip(clean, got):
+            assert torch.equal(want[0], have[0]), f"rank {r}: a fragment at offset 0 read its halo"
+        read = ~starts & (ctx.cu_seqlens[1:] > ctx.cu_seqlens[:-1])  # continuing, with a token
+        if read.any():  # its halo is read: NaN there shows in dweight
+            poisoned = halo.clone()
+            poisoned[read] = float("nan")
+            _, (dw,), _ = cp_by_hand.backward_interior(ctx, (xl,), (dl,), (w,), (b,), (poisoned,), "bf16")
+            assert dw.isnan().any(), f"rank {r}: the continuing fragments' halo was not read"
 
 
 @pytest.mark.parametrize("C", [8, 1032, 2056])

@@ -399,7 +399,8 @@ def test_built_module_entries(built_cache, name, monkeypatch):
 
     def bwd(**at):
         args = dict(x=aligned, dy=aligned, dx=aligned, weight=aligned, bias=aligned, cu_seqlens=aligned,
-                    initial_states=0, dfinal_states=0, dinitial_states=0, workspace=aligned, workspace_bytes=1 << 20,
+                    initial_states=0, dfinal_states=0, dinitial_states=0, frag_info=0, workspace=aligned,
+                    workspace_bytes=1 << 20,
                     counters=aligned, counters_bytes=1 << 20, dweight=aligned, dbias=aligned, S=128, C=8,
                     x_row_stride=8, dy_row_stride=8, dx_row_stride=8, num_docs=1, item_tokens=64, round_preact=1,
                     device=0, stream=0)
@@ -418,6 +419,12 @@ def test_built_module_entries(built_cache, name, monkeypatch):
         ({"cu_seqlens": aligned + 2}, "cu_seqlens: expected a non-null 4-byte aligned pointer"),
         ({"counters": 0}, "counters: expected a non-null 8-byte aligned pointer"),
         ({"counters": aligned + 4}, "counters: expected a non-null 8-byte aligned pointer"),
+        # frag_info (the context-parallel backward's): only with initial states, no dfinal / dinit
+        ({"frag_info": aligned}, "frag_info: expected a 4-byte aligned pointer, only with initial_states"),
+        ({"initial_states": aligned}, "dinitial_states: expected exactly when initial_states is given"),
+        ({"frag_info": aligned, "initial_states": aligned, "dinitial_states": aligned, "dfinal_states": aligned},
+         "frag_info: expected"),
+        ({"frag_info": aligned + 2, "initial_states": aligned, "dinitial_states": aligned}, "frag_info: expected"),
     ]:
         assert bwd(**kwargs) == CUDA_ERROR_INVALID_VALUE, kwargs
         assert message in m.last_error_message(), (kwargs, m.last_error_message())

@@ -74,6 +74,10 @@ struct CausalConv1dBwdParams {
   const __nv_bfloat16* initial_states;  // [num_docs, 3, C] or null (kStates only)
   const __nv_bfloat16* dfinal_states;   // [num_docs, 3, C] or null (kStates only)
   __nv_bfloat16* dinitial_states;       // [num_docs, 3, C], given iff initial_states is
+  // Null, or (the context-parallel backward: initial_states is the halo, dfinal_states null) the
+  // fragments' frag_info: a fragment with offset 0 (its halo is zeros) takes no state event, so
+  // only the few that continue a document run the stateful steps (its dinit rows: not written).
+  const int32_t* frag_info;
   float* partials;          // workspace: [groups][kBwdPartialRows][C], any content on entry
   unsigned long long* counters;  // word 0: take-overs; then per channel tile, tree_words
   uint32_t counter_tag;     // this launch's tag: never 0
@@ -364,7 +368,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   if constexpr (kStates) {
     detail::scan_documents<T, L, Traits::kLanesC>(
         p.cu_seqlens, p.num_docs, p.S, item_t0, p.item_tokens + 3, item_end, s_first_idx, s_last_idx, s_pos, s_doc,
-        nullptr, [&](int d, int i, int v) {
+        nullptr, p.frag_info, [&](int d, int i, int v) {
           // An empty document passes its final state's gradient to its initial state, for this
           // tile's channels.
           v += tile_c * Traits::kLanesC;

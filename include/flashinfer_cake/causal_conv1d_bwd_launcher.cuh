@@ -156,6 +156,10 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
     if (!a.initial_states != !a.dinitial_states) {
       return fail(cudaErrorInvalidValue, "dinitial_states: expected exactly when initial_states is given");
     }
+    if (a.frag_info && (!a.initial_states || a.dfinal_states || a.frag_info % 4)) {
+      return fail(cudaErrorInvalidValue, "frag_info: expected a 4-byte aligned pointer, only with initial_states and "
+                  "without dfinal_states (the context-parallel backward)");
+    }
     for (const auto& [name, ptr] : {std::pair<const char*, int64_t>{"initial_states", a.initial_states}, {"dfinal_states", a.dfinal_states},
                                     {"dinitial_states", a.dinitial_states}}) {
       if (ptr % 16) return fail(cudaErrorInvalidValue, "%s: expected a 16-byte aligned pointer", name);
@@ -182,6 +186,7 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
     p.initial_states = as_ptr<const __nv_bfloat16>(a.initial_states);
     p.dfinal_states = as_ptr<const __nv_bfloat16>(a.dfinal_states);
     p.dinitial_states = as_ptr<__nv_bfloat16>(a.dinitial_states);
+    p.frag_info = as_ptr<const int32_t>(a.frag_info);
   }
   p.x_row_stride = static_cast<uint32_t>(x_row_stride / CAKE_BWD_VEC);  // in vectors: below 2^32 (S * stride checked)
   p.dy_row_stride = static_cast<uint32_t>(dy_row_stride / CAKE_BWD_VEC);

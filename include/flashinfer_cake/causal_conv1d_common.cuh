@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <type_traits>
 
+#include "causal_conv1d_contract.h"  // kCpHeadMask (scan_documents' frag_info)
+
 namespace flashinfer_cake {
 
 struct NoBias {};  // the bias type of the variants without a bias
@@ -368,7 +370,10 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // its document counts the next entry as its end only when it is entry d + 1, so each state row has
 // one writer. Unless blocks is nullptr (the backward chooses per step), blocks[b] (b <= ceil(count /
 // kBlock)) is 1 when a token of block b (tokens b kBlock .. (b + 1) kBlock - 1) has kInDoc: the
-// forward's strip of a block without one runs the stateless walk.
+// forward's strip of a block without one runs the stateless walk. Unless frag_info is nullptr (the
+// context-parallel backward: documents are fragments, their initial states the halo), a token of a
+// fragment whose frag_info offset bits are 0 has no kInDoc: its halo is zeros, no state row is
+// read or written for it, and the stateless walk computes what the stateful one would.
 //
 // Empty documents (cu[d] == cu[d + 1] == v, d < num_docs) that this CTA owns (first_token <= v <
 // own_end, or v == S == own_end: the last tile owns those at the end of the batch, e.g. a
@@ -381,7 +386,8 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 template <int kThreads, int kBlock, int kTileVecs, class Blocks, class OnEmpty>
 __device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, int num_docs, int S, int first_token,
                                                int count, int own_end, int32_t* first_idx, int32_t* last_idx,
-                                               uint8_t* code, int32_t* doc, Blocks blocks, OnEmpty&& on_empty) {
+                                               uint8_t* code, int32_t* doc, Blocks blocks,
+                                               const int32_t* __restrict__ frag_info, OnEmpty&& on_empty) {
   constexpr bool kBlocks = !std::is_same_v<Blocks, std::nullptr_t>;
   static_assert(kBlocks ? std::is_same_v<Blocks, uint8_t*> : true, "blocks: uint8_t* or nullptr");
   __shared__ int32_t s_empty[kThreads];  // per thread: the owned empty document its entry starts, or -1
@@ -441,7 +447,7 @@ __device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, i
     } else if (k && first_idx[j + 2 + k] - 1 != d) {
       k = 0;  // out-of-order content: that entry does not end document d
     }
-    const bool in_doc = d >= 0 && d < num_docs;
+    const bool in_doc = d >= 0 && d < num_docs && (!frag_info || (__ldg(frag_info + d) & kCpHeadMask) != 0);
     code[j] = static_cast<uint8_t>(pos | k << kEndShift | (in_doc ? kInDoc : 0));
     doc[j] = in_doc ? d : -1;
     if constexpr (kBlocks) {

@@ -47,13 +47,17 @@ constexpr int kCpContinues = 4;
 //   forward:  x, y, weight, bias, cu_seqlens, workspace (the counters above), initial_states,
 //             final_states (written), S, C, x_row_stride, y_row_stride, num_docs, device, stream
 //   backward: x, dy, dx, weight, bias, cu_seqlens, initial_states, dfinal_states, dinitial_states
-//             (written; given iff initial_states is), workspace (FP32 partial rows, any content,
-//             16-byte aligned) and its size in bytes, counters (64-bit words, zero before the first
-//             launch; any other content poisons that launch's dweight/dbias with NaN and is counted
-//             in word 0, causal_conv1d_bwd.cuh; every launch leaves the words it uses zero) and
-//             their size in bytes, dweight, dbias, S, C, x_row_stride, dy_row_stride,
-//             dx_row_stride, num_docs, item_tokens (causal_conv1d_bwd_plan.h), round_preact (1:
-//             SiLU' at the BF16-rounded pre-activation), device, stream
+//             (written; given iff initial_states is), frag_info (null, or, context-parallel
+//             backward only, with initial_states given and dfinal_states null: the fragments'
+//             frag_info; a fragment with offset 0 has an all-zero halo, so its tokens run the
+//             stateless path and its dinitial_states rows are not written), workspace (FP32
+//             partial rows, any content, 16-byte aligned) and its size in bytes, counters (64-bit
+//             words, zero before the first launch; any other content poisons that launch's
+//             dweight/dbias with NaN and is counted in word 0, causal_conv1d_bwd.cuh; every launch
+//             leaves the words it uses zero) and their size in bytes, dweight, dbias, S, C,
+//             x_row_stride, dy_row_stride, dx_row_stride, num_docs, item_tokens
+//             (causal_conv1d_bwd_plan.h), round_preact (1: SiLU' at the BF16-rounded
+//             pre-activation), device, stream
 //   context-parallel passes (causal_conv1d_cp.cuh): pass (0 forward heads, 1 backward head g,
 //             2 backward tails), x, dy, out (y or dx; contiguous [S, C]), weight, bias, cu_seqlens
 //             (the local fragments), halo ([num_frags, 3, C]), frag_info, g_rows, g_out, g_in,
@@ -63,10 +67,11 @@ constexpr int kCpContinues = 4;
 #define CAKE_FWD_ARGS(X)                                                                                   \
   X(x) X(y) X(weight) X(bias) X(cu_seqlens) X(workspace) X(initial_states) X(final_states) X(S) X(C)      \
   X(x_row_stride) X(y_row_stride) X(num_docs) X(device) X(stream)
-#define CAKE_BWD_ARGS(X)                                                                                            \
-  X(x) X(dy) X(dx) X(weight) X(bias) X(cu_seqlens) X(initial_states) X(dfinal_states) X(dinitial_states)          \
-  X(workspace) X(workspace_bytes) X(counters) X(counters_bytes) X(dweight) X(dbias) X(S) X(C) X(x_row_stride)       \
-  X(dy_row_stride) X(dx_row_stride) X(num_docs) X(item_tokens) X(round_preact) X(device) X(stream)
+#define CAKE_BWD_ARGS(X)                                                                                  \
+  X(x) X(dy) X(dx) X(weight) X(bias) X(cu_seqlens) X(initial_states) X(dfinal_states) X(dinitial_states) \
+  X(frag_info) X(workspace) X(workspace_bytes) X(counters) X(counters_bytes) X(dweight) X(dbias) X(S) X(C) \
+  X(x_row_stride) X(dy_row_stride) X(dx_row_stride) X(num_docs) X(item_tokens) X(round_preact) X(device)  \
+  X(stream)
 
 #define CAKE_CP_ARGS(X)                                                                                      \
   X(pass) X(x) X(dy) X(out) X(weight) X(bias) X(cu_seqlens) X(halo) X(frag_info) X(g_rows) X(g_out) X(g_in)     \

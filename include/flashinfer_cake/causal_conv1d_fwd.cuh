@@ -142,7 +142,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   if constexpr (kStates) {
     detail::scan_documents<T, L, Traits::kLanesC>(
         p.cu_seqlens, p.num_docs, p.S, tile_t0, tile_len, tile_t0 + tile_len, s_first_idx, s_last_idx, s_pos, s_doc,
-        s_strip_events, [&](int d, int i, int v) {
+        s_strip_events, nullptr, [&](int d, int i, int v) {
           // An empty document's final state is its initial state (zeros without one), for this
           // tile's channels.
           v += tile_c * Traits::kLanesC;
