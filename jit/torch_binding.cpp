@@ -285,7 +285,8 @@ KeptBuffers kept_buffers(const KernelEntries& m, BufferKind kind, int device, in
 // New outputs on one device, which the kernel writes in full: uninitialized memory of torch's CUDA
 // caching allocator (graph pools and memory statistics as usual) without the dispatcher, ~0.3-0.5
 // us less per tensor than at::empty, and no NaN fill under torch.use_deterministic_algorithms (no
-// element is left unwritten for it to expose). The device is current while it lives (the
+// element is left unwritten for it to expose; the one exception, the CP backward's dinit rows of
+// fragments without a halo, is discarded unread). The device is current while it lives (the
 // allocator allocates on the current device; the launch then needs no device switch).
 class Outputs {
  public:
@@ -471,9 +472,7 @@ struct BackwardCall {
   const at::Tensor *x, *weight, *cu_seqlens, *dy, *bias, *initial_states, *dfinal_states, *workspace, *dx, *dweight,
       *dbias, *dinitial_states;
   int round_preact;
-  // The CP backward: the fragments' frag_info, so that fragments without a halo run the stateless
-  // path (causal_conv1d_bwd.cuh).
-  const at::Tensor* frag_info = nullptr;
+  const at::Tensor* frag_info = nullptr;  // the CP backward's (scan_documents)
   int64_t S = 0, C = 0, need = 0;
   int device = 0;
   KernelEntries m;
@@ -1091,9 +1090,9 @@ std::pair<at::Tensor, at::Tensor> grad_send_phase(const CpItems& c, const std::v
   return {std::move(send), std::move(received)};
 }
 
-// The main backward of every item, its halo as the initial states of the fragments that continue
-// their documents (frag_info; the others run as plain documents), dinit discarded (dx of the tail
-// rows of continuing fragments still to fix): dx, dweight, dbias (undefined without bias).
+// The main backward of every item, its halo as the fragments' initial states (with frag_info: the
+// fragments at offset 0 run as plain documents), dinit discarded (dx of the tail rows of
+// continuing fragments still to fix): dx, dweight, dbias (undefined without bias).
 std::vector<Grads> backward_phase(const CpItems& c, const std::vector<const at::Tensor*>& dys,
                                   const std::vector<const at::Tensor*>& halos, const at::Tensor& cu_seqlens,
                                   const at::Tensor& frag_info, int round_preact) {

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from doclengths import fill, one_doc, split, tiny_docs
 import cp_by_hand
 from cp_by_hand import exchanged_by_hand, random_fragments
-from flashinfer_cake import cake_causal_conv1d
+from flashinfer_cake import cake_causal_conv1d, cake_causal_conv1d_train_backward
 from flashinfer_cake.cp import (
     CPRecomputeHandle,
     build_cp_context,
@@ -151,15 +151,19 @@ def test_ranks_are_bitwise_the_single_gpu_run(P, layout, mix, weight_dtype, bias
         assert_partials_sum_to([t[4] for t in ranks], db_ref, b.dtype, S)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("weight_dtype,bias_dtype", VARIANTS)
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "fragments"])
-def test_main_backward_reads_no_halo_of_a_fragment_that_starts_its_document(layout):
+def test_main_backward_reads_no_halo_of_a_fragment_that_starts_its_document(layout, weight_dtype, bias_dtype, policy):
     """The main backward takes frag_info: a fragment at offset 0 (its halo is zeros) runs as a plain
-    document, so its halo rows are never read. NaN there changes nothing (dx, dweight, dbias
-    bitwise); NaN in a continuing fragment's halo must reach the results (the rows are read)."""
-    rng = random.Random(17)
+    document, so its halo rows are never read. NaN there changes nothing, and the result is the
+    public stateful backward's with the same halo as initial states (dx, dweight, dbias bitwise up
+    to the sign of a zero); NaN in a continuing fragment's halo must reach the results."""
+    seed = zlib.crc32(f"{layout} {weight_dtype} {bias_dtype} {policy}".encode())
+    rng = random.Random(seed)
     S, C = 601, 72
     part = make_partition(random_mix(S, rng), 3, layout, rng)
-    x, dy, w, b = inputs(S, C, F32, F32, 17)
+    x, dy, w, b = inputs(S, C, weight_dtype, bias_dtype, seed)
     for r in range(3):
         ctx = build_cp_context(part, None, r, DEV)
         i = torch.tensor(part.global_tokens(r), dtype=torch.long, device=DEV)
@@ -167,17 +171,22 @@ def test_main_backward_reads_no_halo_of_a_fragment_that_starts_its_document(layo
         halo = 0.5 * torch.randn(ctx.num_fragments, 3, C, device=DEV).to(BF16)
         starts = (ctx.frag_info & FRAG_HEAD_MASK) == 0
         halo[starts] = 0  # what a halo exchange gives a fragment at offset 0
-        clean = cp_by_hand.backward_interior(ctx, (xl,), (dl,), (w,), (b,), (halo,), "bf16")
+        (dx,), (dw,), (db,) = cp_by_hand.backward_interior(ctx, (xl,), (dl,), (w,), (b,), (halo,), policy)
+        public = cake_causal_conv1d_train_backward(xl, w, ctx.cu_seqlens, dl, bias=b, initial_states=halo,
+                                                   silu_grad_preactivation=policy)
+        for want, have in zip(public, (dx, dw) if b is None else (dx, dw, db)):
+            assert torch.equal(want, have), f"rank {r}: differs from the stateful backward"
         poisoned = halo.clone()
         poisoned[starts] = float("nan")
-        got = cp_by_hand.backward_interior(ctx, (xl,), (dl,), (w,), (b,), (poisoned,), "bf16")
-        for want, have in zip(clean, got):
-            assert torch.equal(want[0], have[0]), f"rank {r}: a fragment at offset 0 read its halo"
+        got = cp_by_hand.backward_interior(ctx, (xl,), (dl,), (w,), (b,), (poisoned,), policy)
+        for want, have in zip((dx, dw, db), got):
+            assert (want is None and have[0] is None) or torch.equal(want, have[0]), \
+                f"rank {r}: a fragment at offset 0 read its halo"
         read = ~starts & (ctx.cu_seqlens[1:] > ctx.cu_seqlens[:-1])  # continuing, with a token
         if read.any():  # its halo is read: NaN there shows in dweight
             poisoned = halo.clone()
             poisoned[read] = float("nan")
-            _, (dw,), _ = cp_by_hand.backward_interior(ctx, (xl,), (dl,), (w,), (b,), (poisoned,), "bf16")
+            _, (dw,), _ = cp_by_hand.backward_interior(ctx, (xl,), (dl,), (w,), (b,), (poisoned,), policy)
             assert dw.isnan().any(), f"rank {r}: the continuing fragments' halo was not read"
 
 

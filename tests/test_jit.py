@@ -419,9 +419,9 @@ def test_built_module_entries(built_cache, name, monkeypatch):
         ({"cu_seqlens": aligned + 2}, "cu_seqlens: expected a non-null 4-byte aligned pointer"),
         ({"counters": 0}, "counters: expected a non-null 8-byte aligned pointer"),
         ({"counters": aligned + 4}, "counters: expected a non-null 8-byte aligned pointer"),
-        # frag_info (the context-parallel backward's): only with initial states, no dfinal / dinit
-        ({"frag_info": aligned}, "frag_info: expected a 4-byte aligned pointer, only with initial_states"),
         ({"initial_states": aligned}, "dinitial_states: expected exactly when initial_states is given"),
+        # frag_info (the context-parallel backward's): only with initial_states, without dfinal_states
+        ({"frag_info": aligned}, "frag_info: expected a 4-byte aligned pointer, only with initial_states"),
         ({"frag_info": aligned, "initial_states": aligned, "dinitial_states": aligned, "dfinal_states": aligned},
          "frag_info: expected"),
         ({"frag_info": aligned + 2, "initial_states": aligned, "dinitial_states": aligned}, "frag_info: expected"),

@@ -9,8 +9,9 @@ pass recomputes the <= 3 head rows of each fragment that continues its document,
 received halo. Backward: a small pass computes the FP32 pre-activation gradients g of the head
 tokens other ranks need and sends them in one ``all_to_all`` while the main backward kernel runs
 (with the halo as the initial states of the fragments that continue their documents, so
-dweight/dbias take every tap of this rank's tokens; the others run as plain documents); then a small pass rewrites dx of the <= 3 tail rows of each fragment whose document goes
-on, summing the received terms in the single-GPU order. Each rank's dweight/dbias is the
+dweight/dbias take every tap of this rank's tokens; the others run as plain documents); then a
+small pass rewrites dx of the <= 3 tail rows of each fragment whose document goes on, summing the
+received terms in the single-GPU order. Each rank's dweight/dbias is the
 fixed-order partial sum of its own tokens' terms; summed over the CP ranks (the data-parallel
 all-reduce, where it spans them; else one over the CP group) it equals the single-GPU gradient
 within FP32 summation order.

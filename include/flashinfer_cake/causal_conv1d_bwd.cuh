@@ -41,8 +41,9 @@
 // Document positions: min(position in document, 3) of the item's tokens and the 3 after it, one
 // byte each in shared memory, found once per item by scan_positions (a CTA-wide pivot search,
 // then a scan of the document starts; scan_documents with states) while the first rows stream
-// in; then the strips run without barriers. Only x, dy, dx[0, S), cu_seqlens[0, num_docs] and
-// the state rows of documents 0 .. num_docs - 1 are addressed, whatever cu_seqlens holds.
+// in; then the strips run without barriers. Only x, dy, dx[0, S), cu_seqlens[0, num_docs],
+// frag_info[0, num_docs) and the state rows of documents 0 .. num_docs - 1 are addressed, whatever
+// cu_seqlens holds.
 //
 // States (kStates; the stateless kernel is the same code without them): as in the forward, the
 // x window takes a document's initial state at its first token (so a and the dweight sums read
@@ -74,10 +75,7 @@ struct CausalConv1dBwdParams {
   const __nv_bfloat16* initial_states;  // [num_docs, 3, C] or null (kStates only)
   const __nv_bfloat16* dfinal_states;   // [num_docs, 3, C] or null (kStates only)
   __nv_bfloat16* dinitial_states;       // [num_docs, 3, C], given iff initial_states is
-  // Null, or (the context-parallel backward: initial_states is the halo, dfinal_states null) the
-  // fragments' frag_info: a fragment with offset 0 (its halo is zeros) takes no state event, so
-  // only the few that continue a document run the stateful steps (its dinit rows: not written).
-  const int32_t* frag_info;
+  const int32_t* frag_info;  // [num_docs] or null: the CP backward's (scan_documents)
   float* partials;          // workspace: [groups][kBwdPartialRows][C], any content on entry
   unsigned long long* counters;  // word 0: take-overs; then per channel tile, tree_words
   uint32_t counter_tag;     // this launch's tag: never 0

@@ -48,11 +48,11 @@ constexpr int kCpContinues = 4;
 //             final_states (written), S, C, x_row_stride, y_row_stride, num_docs, device, stream
 //   backward: x, dy, dx, weight, bias, cu_seqlens, initial_states, dfinal_states, dinitial_states
 //             (written; given iff initial_states is), frag_info (null, or, context-parallel
-//             backward only, with initial_states given and dfinal_states null: the fragments'
-//             frag_info; a fragment with offset 0 has an all-zero halo, so its tokens run the
-//             stateless path and its dinitial_states rows are not written), workspace (FP32
-//             partial rows, any content, 16-byte aligned) and its size in bytes, counters (64-bit
-//             words, zero before the first launch; any other content poisons that launch's
+//             backward only, with initial_states given and dfinal_states null: int32 [num_docs],
+//             the fragments' frag_info; the halo of a fragment with offset 0 must be zeros: it is
+//             not read, and its dinitial_states rows are not written; scan_documents), workspace
+//             (FP32 partial rows, any content, 16-byte aligned) and its size in bytes, counters
+//             (64-bit words, zero before the first launch; any other content poisons that launch's
 //             dweight/dbias with NaN and is counted in word 0, causal_conv1d_bwd.cuh; every launch
 //             leaves the words it uses zero) and their size in bytes, dweight, dbias, S, C,
 //             x_row_stride, dy_row_stride, dx_row_stride, num_docs, item_tokens
