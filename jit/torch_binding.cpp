@@ -952,7 +952,7 @@ bool cp_exchanged(PyObject* obj, const CpItems& c, at::ScalarType dtype, const a
 
 // The context's tables (CPContext), checked against each other on `device`.
 struct CpTables {
-  const at::Tensor *cu_seqlens, *export_rows, *import_rows, *frag_info, *g_rows, *g_import;
+  const at::Tensor *cu_seqlens, *export_rows, *import_rows, *frag_info, *head_frags, *tail_frags, *g_rows, *g_import;
 };
 
 bool tables_ok(const CpTables& t, int device) {
@@ -960,14 +960,14 @@ bool tables_ok(const CpTables& t, int device) {
   const int64_t F = t.cu_seqlens->numel() - 1;
   return table_ok(*t.frag_info, F, device) && table_ok(*t.import_rows, 3 * F, device) &&
          table_ok(*t.g_import, 3 * F, device) && table_ok(*t.export_rows, -1, device) &&
-         table_ok(*t.g_rows, -1, device);
+         table_ok(*t.head_frags, -1, device) && table_ok(*t.tail_frags, -1, device) && table_ok(*t.g_rows, -1, device);
 }
 
 // The pass-specific arguments of one CP launch; the rest comes from the item.
 struct CpPass {
   int pass = 0;
   const at::Tensor *dy = nullptr, *out = nullptr, *halo = nullptr, *cu_seqlens = nullptr, *frag_info = nullptr,
-                   *g_rows = nullptr, *g_import = nullptr;
+                   *frags = nullptr, *g_rows = nullptr, *g_import = nullptr;
   intptr_t g_out = 0, g_in = 0;
   int64_t g_ld = 0, g_in_rows = 0;
   int round_preact = 1;
@@ -986,6 +986,7 @@ void run_cp_pass(const CpItems& c, size_t i, const CpPass& p, intptr_t stream) {
   a.cu_seqlens = address(p.cu_seqlens);
   a.halo = address(p.halo);
   a.frag_info = address(p.frag_info);
+  a.frags = address(p.frags);
   a.g_rows = address(p.g_rows);
   a.g_out = p.g_out;
   a.g_in = p.g_in;
@@ -995,7 +996,7 @@ void run_cp_pass(const CpItems& c, size_t i, const CpPass& p, intptr_t stream) {
   a.S = c.S;
   a.C = c.xs[i]->size(-1);
   a.num_frags = p.frag_info->numel();
-  a.num_items = p.g_rows ? p.g_rows->numel() : 0;
+  a.num_items = p.g_rows ? p.g_rows->numel() : p.frags ? p.frags->numel() : 0;
   a.round_preact = p.round_preact;
   a.device = c.device;
   a.stream = stream;
@@ -1033,10 +1034,12 @@ std::vector<at::Tensor> forward_phase(const CpItems& c, const at::Tensor& cu_seq
 }
 
 // Each item's halo [num_frags, 3, C] gathered from the received rows (its columns of them) and,
-// with it, y of the head rows of the fragments that continue their documents rewritten.
+// with it, y of the head rows of the fragments that continue their documents (head_frags)
+// rewritten.
 std::vector<at::Tensor> heads_phase(const CpItems& c, const std::vector<const at::Tensor*>& ys,
                                     const at::Tensor& received, const at::Tensor& import_rows,
-                                    const at::Tensor& cu_seqlens, const at::Tensor& frag_info) {
+                                    const at::Tensor& cu_seqlens, const at::Tensor& frag_info,
+                                    const at::Tensor& head_frags) {
   const int64_t F = frag_info.numel();
   const intptr_t stream = current_stream(c.device);
   std::vector<at::Tensor> halos;
@@ -1052,7 +1055,7 @@ std::vector<at::Tensor> heads_phase(const CpItems& c, const std::vector<const at
     if (c.S > 0) {
       CpPass p;
       p.pass = flashinfer_cake::kCpFwdHeads, p.out = ys[i], p.halo = &halo, p.cu_seqlens = &cu_seqlens;
-      p.frag_info = &frag_info;
+      p.frag_info = &frag_info, p.frags = &head_frags;
       run_cp_pass(c, i, p, stream);
     }
     halos.push_back(std::move(halo));
@@ -1108,18 +1111,19 @@ std::vector<Grads> backward_phase(const CpItems& c, const std::vector<const at::
   return grads;
 }
 
-// dx of the tail rows of the fragments whose documents go on, rewritten with the received head g
-// (FP32 [rows, total C], each item's columns side by side).
+// dx of the tail rows of the fragments whose documents go on (tail_frags), rewritten with the
+// received head g (FP32 [rows, total C], each item's columns side by side).
 void tails_phase(const CpItems& c, const std::vector<const at::Tensor*>& dxs, const std::vector<const at::Tensor*>& dys,
                  const std::vector<const at::Tensor*>& halos, const at::Tensor& received, const at::Tensor& cu_seqlens,
-                 const at::Tensor& frag_info, const at::Tensor& g_import, int round_preact) {
+                 const at::Tensor& frag_info, const at::Tensor& tail_frags, const at::Tensor& g_import,
+                 int round_preact) {
   if (c.S == 0) return;
   const intptr_t stream = current_stream(c.device);
   int64_t at_c = 0;
   for (size_t i = 0; i < c.xs.size(); ++i) {
     CpPass p;
     p.pass = flashinfer_cake::kCpBwdTails, p.dy = dys[i], p.out = dxs[i], p.halo = halos[i];
-    p.cu_seqlens = &cu_seqlens, p.frag_info = &frag_info, p.g_import = &g_import;
+    p.cu_seqlens = &cu_seqlens, p.frag_info = &frag_info, p.frags = &tail_frags, p.g_import = &g_import;
     p.g_in = address(&received) + 4 * at_c, p.g_ld = c.total_c, p.g_in_rows = received.size(0);
     p.round_preact = round_preact;
     run_cp_pass(c, i, p, stream);
@@ -1183,7 +1187,7 @@ std::vector<const at::Tensor*> pointers(const std::vector<at::Tensor>& ts) {
 // else materializes it (zeros when undefined); is not itself differentiable.
 struct CakeCPConvBackward final : Node {
   std::vector<SavedVariable> xs, weights, biases, halos;  // a bias of None: default-constructed
-  at::Tensor cu_seqlens, frag_info, g_rows, g_import;    // the context's tables (no gradient)
+  at::Tensor cu_seqlens, frag_info, tail_frags, g_rows, g_import;  // the context's tables (no gradient)
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   std::vector<int64_t> g_send_splits, g_recv_splits;
   int round_preact = 1;
@@ -1232,7 +1236,7 @@ struct CakeCPConvBackward final : Node {
       work->wait();
       std::vector<at::Tensor> dx;
       for (Grads& gi : g) dx.push_back(gi.dx);
-      tails_phase(c, pointers(dx), dys, hs, received, cu_seqlens, frag_info, g_import, round_preact);
+      tails_phase(c, pointers(dx), dys, hs, received, cu_seqlens, frag_info, tail_frags, g_import, round_preact);
       for (size_t i = 0; i < n; ++i) {
         out[i] = std::move(g[i].dx), out[n + i] = std::move(g[i].dweight), out[2 * n + i] = std::move(g[i].dbias);
       }
@@ -1242,8 +1246,8 @@ struct CakeCPConvBackward final : Node {
 };
 
 // cp_autograd_forward(xs, weights, biases, received, (cu_seqlens, export_rows, import_rows,
-// frag_info, g_rows, g_import), num_tokens, group_name, (halo_send_splits, halo_recv_splits,
-// g_send_splits, g_recv_splits), silu_grad_preactivation) -> (ys, received): the call's forward,
+// frag_info, head_frags, tail_frags, g_rows, g_import), num_tokens, group_name, (halo_send_splits,
+// halo_recv_splits, g_send_splits, g_recv_splits), silu_grad_preactivation) -> (ys, received): the call's forward,
 // recorded for autograd when grad mode is on and an x, weight or bias requires grad. received:
 // None to exchange the halo rows (returned for a recompute handle to keep), or the rows an earlier
 // run received (the recomputation under activation checkpointing: nothing is exchanged). None when
@@ -1259,14 +1263,14 @@ PyObject* cp_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs
   PyObject* tables = args[4];
   PyObject* split_tuple = args[7];
   const int round_preact = round_preact_of(args[8]);
-  if (!PyTuple_Check(tables) || PyTuple_GET_SIZE(tables) != 6 || !as_int(args[5], 0, kBwdMaxS - 1, &num_tokens) ||
+  if (!PyTuple_Check(tables) || PyTuple_GET_SIZE(tables) != 8 || !as_int(args[5], 0, kBwdMaxS - 1, &num_tokens) ||
       !PyUnicode_Check(args[6]) || !PyTuple_Check(split_tuple) || PyTuple_GET_SIZE(split_tuple) != 4 ||
       round_preact < 0) {
     Py_RETURN_NONE;
   }
-  const at::Tensor** table_fields[6] = {&t.cu_seqlens, &t.export_rows, &t.import_rows, &t.frag_info, &t.g_rows,
-                                        &t.g_import};
-  for (int i = 0; i < 6; ++i) {
+  const at::Tensor** table_fields[8] = {&t.cu_seqlens, &t.export_rows, &t.import_rows, &t.frag_info,
+                                        &t.head_frags, &t.tail_frags, &t.g_rows,    &t.g_import};
+  for (int i = 0; i < 8; ++i) {
     if (!as_tensor(PyTuple_GET_ITEM(tables, i), false, table_fields[i])) Py_RETURN_NONE;
   }
   for (int i = 0; i < 4; ++i) {
@@ -1307,7 +1311,7 @@ PyObject* cp_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs
       const WithoutGil unlocked;
       work->wait();
     }
-    halos = heads_phase(c, pointers(ys), received, *t.import_rows, *t.cu_seqlens, *t.frag_info);
+    halos = heads_phase(c, pointers(ys), received, *t.import_rows, *t.cu_seqlens, *t.frag_info, *t.head_frags);
   }
   std::vector<at::Tensor> x, w, b;
   for (size_t i = 0; i < c.xs.size(); ++i) {
@@ -1322,7 +1326,8 @@ PyObject* cp_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs
       node->biases.emplace_back(b[i], false);
       node->halos.emplace_back(halos[i], false);
     }
-    node->cu_seqlens = *t.cu_seqlens, node->frag_info = *t.frag_info, node->g_rows = *t.g_rows;
+    node->cu_seqlens = *t.cu_seqlens, node->frag_info = *t.frag_info, node->tail_frags = *t.tail_frags;
+    node->g_rows = *t.g_rows;
     node->g_import = *t.g_import, node->group = group, node->g_send_splits = g_send_splits;
     node->g_recv_splits = g_recv_splits, node->round_preact = round_preact;
     torch::autograd::set_history(ys, node);
@@ -1369,20 +1374,21 @@ PyObject* cp_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// cp_forward_heads(ys, xs, weights, biases, received, import_rows, cu_seqlens, frag_info) -> halos
-// (heads_phase).
+// cp_forward_heads(ys, xs, weights, biases, received, import_rows, cu_seqlens, frag_info, head_frags)
+// -> halos (heads_phase).
 PyObject* cp_forward_heads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (!takes("cp_forward_heads", nargs, 8)) return nullptr;
+  if (!takes("cp_forward_heads", nargs, 9)) return nullptr;
   CpItems c;
   std::vector<const at::Tensor*> ys;
-  const at::Tensor *received, *import_rows, *cu, *frag_info;
+  const at::Tensor *received, *import_rows, *cu, *frag_info, *head_frags;
   if (!as_tensor(args[6], false, &cu) || !cp_items(args[1], args[2], args[3], *cu, &c) || !cp_rows(args[0], c, &ys) ||
       !cp_exchanged(args[4], c, at::kBFloat16, &received) || !cp_table(args[7], cu->numel() - 1, c.device, &frag_info) ||
-      !cp_table(args[5], 3 * frag_info->numel(), c.device, &import_rows)) {
+      !cp_table(args[5], 3 * frag_info->numel(), c.device, &import_rows) ||
+      !cp_table(args[8], -1, c.device, &head_frags)) {
     Py_RETURN_NONE;
   }
-  return tensor_tuple(heads_phase(c, ys, *received, *import_rows, *cu, *frag_info));
+  return tensor_tuple(heads_phase(c, ys, *received, *import_rows, *cu, *frag_info, *head_frags));
   END_HANDLE_TH_ERRORS
 }
 
@@ -1432,21 +1438,22 @@ PyObject* cp_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // cp_backward_tails(dxs, xs, dys, weights, biases, halos, received, cu_seqlens, frag_info,
-// g_import, silu_grad_preactivation) -> True (tails_phase).
+// tail_frags, g_import, silu_grad_preactivation) -> True (tails_phase).
 PyObject* cp_backward_tails(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (!takes("cp_backward_tails", nargs, 11)) return nullptr;
+  if (!takes("cp_backward_tails", nargs, 12)) return nullptr;
   CpItems c;
   std::vector<const at::Tensor*> dxs, dys, halos;
-  const at::Tensor *received, *cu, *frag_info, *g_import;
-  const int round_preact = round_preact_of(args[10]);
+  const at::Tensor *received, *cu, *frag_info, *tail_frags, *g_import;
+  const int round_preact = round_preact_of(args[11]);
   if (!as_tensor(args[7], false, &cu) || !cp_items(args[1], args[3], args[4], *cu, &c) || !cp_rows(args[0], c, &dxs) ||
       !cp_rows(args[2], c, &dys) || !cp_table(args[8], cu->numel() - 1, c.device, &frag_info) ||
       !cp_halos(args[5], c, frag_info->numel(), &halos) || !cp_exchanged(args[6], c, at::kFloat, &received) ||
-      !cp_table(args[9], 3 * frag_info->numel(), c.device, &g_import) || round_preact < 0) {
+      !cp_table(args[9], -1, c.device, &tail_frags) || !cp_table(args[10], 3 * frag_info->numel(), c.device, &g_import) ||
+      round_preact < 0) {
     Py_RETURN_NONE;
   }
-  tails_phase(c, dxs, dys, halos, *received, *cu, *frag_info, *g_import, round_preact);
+  tails_phase(c, dxs, dys, halos, *received, *cu, *frag_info, *tail_frags, *g_import, round_preact);
   Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS
 }
@@ -1474,8 +1481,8 @@ PyMethodDef g_methods[] = {
     CAKE_METHOD(cp_send, "cp_send(xs, export_rows, recv_rows) -> (send, received), or None"),
     CAKE_METHOD(cp_forward, "cp_forward(xs, weights, biases, cu_seqlens) -> ys, or None"),
     CAKE_METHOD(cp_forward_heads,
-                "cp_forward_heads(ys, xs, weights, biases, received, import_rows, cu_seqlens, frag_info) -> halos, or "
-                "None"),
+                "cp_forward_heads(ys, xs, weights, biases, received, import_rows, cu_seqlens, frag_info, head_frags) -> "
+                "halos, or None"),
     CAKE_METHOD(cp_grad_send,
                 "cp_grad_send(xs, dys, weights, biases, halos, cu_seqlens, frag_info, g_rows, recv_rows, "
                 "silu_grad_preactivation) -> (send, received), or None"),
@@ -1483,8 +1490,8 @@ PyMethodDef g_methods[] = {
                 "cp_backward(xs, dys, weights, biases, halos, cu_seqlens, frag_info, silu_grad_preactivation) -> "
                 "(*dxs, *dweights, *dbiases), or None"),
     CAKE_METHOD(cp_backward_tails,
-                "cp_backward_tails(dxs, xs, dys, weights, biases, halos, received, cu_seqlens, frag_info, g_import, "
-                "silu_grad_preactivation) -> True, or None"),
+                "cp_backward_tails(dxs, xs, dys, weights, biases, halos, received, cu_seqlens, frag_info, tail_frags, "
+                "g_import, silu_grad_preactivation) -> True, or None"),
     CAKE_METHOD(register_kernel_module,
                 "register_kernel_module(device, weight_dtype, bias_dtype_or_None, fwd, bwd, cp, capturing, message): "
                 "a kernel module's entries"),

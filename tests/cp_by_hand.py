@@ -84,6 +84,8 @@ def all_pairs_tables(part, rank: int) -> dict:
             "export_rows": [row for t in range(P) for row in halo[rank][t]],
             "import_rows": at(halo, halo_needs[rank], halo_recv),
             "frag_info": [min(o, 3) | (4 if o + n < lengths[d] else 0) for d, o, n in part.fragments[rank]],
+            "head_frags": [f for f, (d, o, n) in enumerate(part.fragments[rank]) if o > 0 and n > 0],
+            "tail_frags": [f for f, (d, o, n) in enumerate(part.fragments[rank]) if n > 0 and o + n < lengths[d]],
             "g_rows": [g[rank][t][row] for t in range(P) for row in g_sorted[rank][t]],
             "g_import": at(g_sorted, g_needs[rank], -1),
             "halo_send_splits": tuple(len(halo[rank][t]) for t in range(P)),
@@ -114,7 +116,7 @@ def forward_heads(cp: CPContext, ys, xs, weights, biases, received: torch.Tensor
     """Each x's halos ``[num_fragments, 3, C]`` from the received rows, and with them y of the
     head rows of the fragments that continue their documents rewritten."""
     return _native("cp_forward_heads", weights, biases, xs[0].get_device(), tuple(ys), xs, weights, biases, received,
-                   cp.import_rows, cp.cu_seqlens, cp.frag_info)
+                   cp.import_rows, cp.cu_seqlens, cp.frag_info, cp.head_frags)
 
 
 def grad_send(cp: CPContext, xs, dys, weights, biases, halos, policy: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,4 +140,4 @@ def backward_tails(cp: CPContext, dxs, xs, dys, weights, biases, halos, received
                    policy: str) -> None:
     """Rewrites dx of the tail rows of the fragments whose documents go on after them."""
     _native("cp_backward_tails", weights, biases, xs[0].get_device(), tuple(dxs), xs, tuple(dys), weights, biases,
-            tuple(halos), received, cp.cu_seqlens, cp.frag_info, cp.g_import, policy)
+            tuple(halos), received, cp.cu_seqlens, cp.frag_info, cp.tail_frags, cp.g_import, policy)

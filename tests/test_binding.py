@@ -63,19 +63,21 @@ def test_cp_phases_decline_cpu_tensors_and_non_tuples(loaded):
     assert loaded.cp_send(xs, table, 3) is None
     assert loaded.cp_send((fake,), table, 3) is None
     assert loaded.cp_forward(xs, ws, bs, cu) is None
-    assert loaded.cp_forward_heads(xs, xs, ws, bs, x, table, cu, table[:2]) is None
+    assert loaded.cp_forward_heads(xs, xs, ws, bs, x, table, cu, table[:2], table[:1]) is None
     assert loaded.cp_grad_send(xs, xs, ws, bs, (halo,), cu, table[:2], table, 0, "bf16") is None
     assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, table[:2], "bf16") is None
     assert loaded.cp_backward(xs, xs, ws, bs, (halo,), cu, table[:2], 1) is None  # not a policy
-    assert loaded.cp_backward_tails(xs, xs, xs, ws, bs, (halo,), x.float(), cu, table[:2], table, "fp32") is None
-    tables, splits = (cu, table, table, table[:2], table, table), ((0,), (0,), (6,), (0,))
+    assert loaded.cp_backward_tails(xs, xs, xs, ws, bs, (halo,), x.float(), cu, table[:2], table[:1], table,
+                                    "fp32") is None
+    tables = (cu, table, table, table[:2], table[:1], table[:1], table, table)
+    splits = ((0,), (0,), (6,), (0,))
     call = loaded.cp_autograd_forward  # (built with c10d: this torch has torch.distributed)
     assert call(xs, ws, bs, None, tables, 16, "0", splits, "bf16") is None
     assert call([x], ws, bs, None, tables, 16, "0", splits, "bf16") is None  # a list, not a tuple
     assert call((fake,), ws, bs, None, tables, 16, "0", splits, "bf16") is None
     assert call(xs, ws, (None, None), None, tables, 16, "0", splits, "bf16") is None  # lengths differ
     assert call((), (), (), None, tables, 16, "0", splits, "bf16") is None
-    assert call(xs, ws, bs, None, tables[:5], 16, "0", splits, "bf16") is None
+    assert call(xs, ws, bs, None, tables[:7], 16, "0", splits, "bf16") is None
     assert call(xs, ws, bs, None, tables, -1, "0", splits, "bf16") is None
     assert call(xs, ws, bs, None, tables, 16, 0, splits, "bf16") is None
     assert call(xs, ws, bs, None, tables, 16, "0", ((-1,), (0,), (6,), (0,)), "bf16") is None
@@ -90,8 +92,8 @@ def test_wrong_argument_count_is_a_type_error(loaded):
         loaded.try_backward(x, w, cu, x)
     with pytest.raises(TypeError, match="try_autograd_forward takes 7 arguments"):
         loaded.try_autograd_forward(x, w, cu)
-    for name, count in (("cp_autograd_forward", 9), ("cp_send", 3), ("cp_forward", 4), ("cp_forward_heads", 8),
-                        ("cp_grad_send", 10), ("cp_backward", 8), ("cp_backward_tails", 11)):
+    for name, count in (("cp_autograd_forward", 9), ("cp_send", 3), ("cp_forward", 4), ("cp_forward_heads", 9),
+                        ("cp_grad_send", 10), ("cp_backward", 8), ("cp_backward_tails", 12)):
         with pytest.raises(TypeError, match=f"{name} takes {count} arguments"):
             getattr(loaded, name)(x, w)
 

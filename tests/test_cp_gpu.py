@@ -489,8 +489,8 @@ def test_binding_declines_a_wrong_token_count_or_policy(nccl_group):
 
     def call(xs, num_tokens, policy):
         return _dispatch.binding.cp_autograd_forward(
-            xs, (w,), (b,), None, (ctx.cu_seqlens, ctx.export_rows, ctx.import_rows, ctx.frag_info, ctx.g_rows,
-                                   ctx.g_import), num_tokens, nccl_group.group_name,
+            xs, (w,), (b,), None, (ctx.cu_seqlens, ctx.export_rows, ctx.import_rows, ctx.frag_info, ctx.head_frags,
+                                   ctx.tail_frags, ctx.g_rows, ctx.g_import), num_tokens, nccl_group.group_name,
             (ctx.halo_send_splits, ctx.halo_recv_splits, ctx.g_send_splits, ctx.g_recv_splits), policy)
 
     (y,), _ = call((xl,), ctx.num_tokens, "bf16")

@@ -175,7 +175,8 @@ def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.
                                "call site; the first run must happen outside the backward)")
     group = (dist.group.WORLD if ctx.group is None else ctx.group) if dist.is_available() else None
     args = (xs, weights, biases, received,
-            (ctx.cu_seqlens, ctx.export_rows, ctx.import_rows, ctx.frag_info, ctx.g_rows, ctx.g_import),
+            (ctx.cu_seqlens, ctx.export_rows, ctx.import_rows, ctx.frag_info, ctx.head_frags, ctx.tail_frags,
+             ctx.g_rows, ctx.g_import),
             ctx.num_tokens, getattr(group, "group_name", None),
             (ctx.halo_send_splits, ctx.halo_recv_splits, ctx.g_send_splits, ctx.g_recv_splits), policy)
     binding = _dispatch.binding

@@ -194,6 +194,8 @@ class CPContext:
     import_rows: torch.Tensor  # [num_fragments * 3]: each halo row's row of the received rows, or the zero row
                                # after them, sum(halo_recv_splits) (before its document)
     frag_info: torch.Tensor    # [num_fragments]: min(offset, 3) | 4 when its document goes on after it
+    head_frags: torch.Tensor   # the non-empty fragments with offset > 0 (the forward's head pass rewrites them)
+    tail_frags: torch.Tensor   # the non-empty fragments whose documents go on (the backward's tail pass)
     g_rows: torch.Tensor       # [sum(g_send_splits)]: 4 * fragment + position of the head tokens whose gradient
                                # terms each rank needs, rank by rank
     g_import: torch.Tensor     # [num_fragments * 3]: row of the received head terms of the j-th token after
@@ -309,8 +311,10 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
     g_rows = [g_out[t][row] for t in range(P) for row in g_to[t]]
     frag_info = [min(o, FRAG_HEAD_MASK) | (FRAG_CONTINUES if o + n < lengths[d] else 0)
                  for d, o, n in partition.fragments[rank]]
+    head_frags = [f for f, (d, o, n) in enumerate(partition.fragments[rank]) if n and o]
+    tail_frags = [f for f, (d, o, n) in enumerate(partition.fragments[rank]) if n and o + n < lengths[d]]
     cu = partition.local_cu_seqlens(rank)
-    parts = [cu, mine, imports, frag_info, g_rows, g_import]
+    parts = [cu, mine, imports, frag_info, head_frags, tail_frags, g_rows, g_import]
     host = torch.tensor([v for part in parts for v in part], dtype=torch.int32)
     on_cuda = torch.device(device).type == "cuda"
     dev = host.pin_memory().to(device, non_blocking=True) if on_cuda else host.to(device)  # no host wait

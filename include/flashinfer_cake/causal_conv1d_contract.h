@@ -60,10 +60,11 @@ constexpr int kCpContinues = 4;
 //             pre-activation), device, stream
 //   context-parallel passes (causal_conv1d_cp.cuh): pass (0 forward heads, 1 backward head g,
 //             2 backward tails), x, dy, out (y or dx; contiguous [S, C]), weight, bias, cu_seqlens
-//             (the local fragments), halo ([num_frags, 3, C]), frag_info, g_rows, g_out, g_in,
-//             g_import (int32 tables and FP32 exchange rows, g_ld floats apart; g_in_rows rows of
-//             g_in), g_ld, g_in_rows, S, C, num_frags, num_items (g_rows' entries), round_preact,
-//             device, stream
+//             (the local fragments), halo ([num_frags, 3, C]), frag_info, frags (the fragments the
+//             forward heads / backward tails pass rewrites), g_rows, g_out, g_in, g_import (int32
+//             tables and FP32 exchange rows, g_ld floats apart; g_in_rows rows of g_in), g_ld,
+//             g_in_rows, S, C, num_frags, num_items (g_rows' entries, or frags' for the passes over
+//             fragments), round_preact, device, stream
 #define CAKE_FWD_ARGS(X)                                                                                   \
   X(x) X(y) X(weight) X(bias) X(cu_seqlens) X(workspace) X(initial_states) X(final_states) X(S) X(C)      \
   X(x_row_stride) X(y_row_stride) X(num_docs) X(device) X(stream)
@@ -73,9 +74,10 @@ constexpr int kCpContinues = 4;
   X(x_row_stride) X(dy_row_stride) X(dx_row_stride) X(num_docs) X(item_tokens) X(round_preact) X(device)  \
   X(stream)
 
-#define CAKE_CP_ARGS(X)                                                                                      \
-  X(pass) X(x) X(dy) X(out) X(weight) X(bias) X(cu_seqlens) X(halo) X(frag_info) X(g_rows) X(g_out) X(g_in)     \
-  X(g_import) X(g_ld) X(g_in_rows) X(S) X(C) X(num_frags) X(num_items) X(round_preact) X(device) X(stream)
+#define CAKE_CP_ARGS(X)                                                                                  \
+  X(pass) X(x) X(dy) X(out) X(weight) X(bias) X(cu_seqlens) X(halo) X(frag_info) X(frags) X(g_rows) X(g_out) \
+  X(g_in) X(g_import) X(g_ld) X(g_in_rows) X(S) X(C) X(num_frags) X(num_items) X(round_preact) X(device)     \
+  X(stream)
 
 #define CAKE_ARG_FIELD(name) int64_t name;
 #define CAKE_ARG_NAME(name) #name " "

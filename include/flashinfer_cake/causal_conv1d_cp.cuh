@@ -20,8 +20,10 @@
 // (causal_conv1d_fwd.cuh: taps pre-scaled by -log2 e; causal_conv1d_bwd.cuh: unscaled, silu'
 // at the optionally BF16-rounded pre-activation).
 //
-// One thread per (item, 8 channels); items are (fragment, row) pairs or exchange rows. Only x,
-// dy, out rows [0, S), the halo, the tables' entries and the exchange rows are addressed.
+// One thread per (item, 8 channels); items are (listed fragment, row) pairs (kFwdHeads: the
+// fragments that continue their documents, kBwdTails: those whose documents go on; the context
+// lists them, so the passes launch nothing for the other fragments) or exchange rows. Only x, dy,
+// out rows [0, S), the halo, the tables' entries and the exchange rows are addressed.
 #pragma once
 
 #include "causal_conv1d_bwd.cuh"
@@ -39,6 +41,7 @@ struct CausalConv1dCpParams {
   const int32_t* cu_seqlens;  // [num_frags + 1]
   const __nv_bfloat16* halo;  // [num_frags, 3, C]: the 3 rows before each fragment in its document
   const int32_t* frag_info;   // [num_frags]
+  const int32_t* frags;       // kFwdHeads / kBwdTails: [num_items / 3] the fragments the pass rewrites
   const int32_t* g_rows;      // kBwdHeads: [num_items] 4 * fragment + position (< 3), or -1: padding
   float* g_out;               // kBwdHeads: [num_items] rows, g_ld floats apart
   const float* g_in;          // kBwdTails: the received head g, rows g_ld floats apart
@@ -119,8 +122,8 @@ __global__ void __launch_bounds__(detail::kCpThreads) causal_conv1d_cp_kernel(co
     return;
   }
 
-  const int f = item / 3, r = item - 3 * f;
-  if (f >= p.num_frags) return;
+  const int f = p.frags[item / 3], r = item % 3;
+  if (f < 0 || f >= p.num_frags) return;
   const int info = p.frag_info[f], head = info & kCpHeadMask;
   const int start = p.cu_seqlens[f], n = p.cu_seqlens[f + 1] - start;
   if (start < 0 || n <= 0 || start + n > p.S) return;

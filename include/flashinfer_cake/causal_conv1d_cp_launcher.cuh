@@ -22,6 +22,8 @@ cudaError_t causal_conv1d_cp_entry(const CpArgs& a) {
   const bool grads = a.pass != kCpFwdHeads;
   if (a.pass == kCpFwdHeads || a.pass == kCpBwdTails) {
     if (!a.out || a.out % 16) return fail(cudaErrorInvalidValue, "out: expected a non-null 16-byte aligned pointer");
+    if (a.num_items > 0 && (!a.frags || a.frags % 4)) return fail(cudaErrorInvalidValue, "frags: expected a non-null 4-byte aligned pointer");
+    if (a.num_items > INT32_MAX / 3) return fail(cudaErrorInvalidValue, "num_items out of range: %lld", (long long)a.num_items);
   }
   if (grads && (!a.dy || a.dy % 16)) return fail(cudaErrorInvalidValue, "dy: expected a non-null 16-byte aligned pointer");
   if (grads && (a.g_ld < a.C || a.g_ld % 4)) return fail(cudaErrorInvalidValue, "g_ld: expected a multiple of 4, at least C = %lld, got %lld", (long long)a.C, (long long)a.g_ld);
@@ -41,6 +43,7 @@ cudaError_t causal_conv1d_cp_entry(const CpArgs& a) {
   p.cu_seqlens = as_ptr<const int32_t>(a.cu_seqlens);
   p.halo = as_ptr<const __nv_bfloat16>(a.halo);
   p.frag_info = as_ptr<const int32_t>(a.frag_info);
+  p.frags = as_ptr<const int32_t>(a.frags);
   p.g_rows = as_ptr<const int32_t>(a.g_rows);
   p.g_out = as_ptr<float>(a.g_out);
   p.g_in = as_ptr<const float>(a.g_in);
@@ -50,7 +53,7 @@ cudaError_t causal_conv1d_cp_entry(const CpArgs& a) {
   p.S = static_cast<int32_t>(a.S);
   p.C = static_cast<int32_t>(a.C);
   p.num_frags = static_cast<int32_t>(a.num_frags);
-  p.num_items = static_cast<int32_t>(a.pass == kCpBwdHeads ? a.num_items : 3 * a.num_frags);
+  p.num_items = static_cast<int32_t>(a.pass == kCpBwdHeads ? a.num_items : 3 * a.num_items);
   p.round_preact = static_cast<int32_t>(a.round_preact);
   if (p.num_items == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(p.num_items),
