@@ -84,8 +84,6 @@ def all_pairs_tables(part, rank: int) -> dict:
             "export_rows": [row for t in range(P) for row in halo[rank][t]],
             "import_rows": at(halo, halo_needs[rank], halo_recv),
             "frag_info": [min(o, 3) | (4 if o + n < lengths[d] else 0) for d, o, n in part.fragments[rank]],
-            "head_frags": [f for f, (d, o, n) in enumerate(part.fragments[rank]) if o > 0 and n > 0],
-            "tail_frags": [f for f, (d, o, n) in enumerate(part.fragments[rank]) if n > 0 and o + n < lengths[d]],
             "g_rows": [g[rank][t][row] for t in range(P) for row in g_sorted[rank][t]],
             "g_import": at(g_sorted, g_needs[rank], -1),
             "halo_send_splits": tuple(len(halo[rank][t]) for t in range(P)),

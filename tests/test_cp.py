@@ -15,6 +15,7 @@ import torch
 
 from cp_by_hand import all_pairs_tables, exchanged_by_hand, random_fragments
 from flashinfer_cake.cp import LAYOUTS, build_cp_context, cp_partition
+from flashinfer_cake.cp.partition import FRAG_CONTINUES, FRAG_HEAD_MASK
 
 F64 = torch.float64
 
@@ -132,7 +133,8 @@ def test_tables_equal_the_all_pairs_plan():
     """build_cp_context (which works out only its rank's pairs) gives exactly the tables of the
     plain all-pairs plan (tests/cp_by_hand.py) on random batches: up to 16 ranks, documents of 0-60
     tokens, every layout, and random ragged fragments with many empty ones (at any offset, the
-    document's end included), each rank's list shuffled."""
+    document's end included), each rank's list shuffled. The passes' fragment lists are the
+    fragments the kernel's own checks select: non-empty, with the frag_info bit of the pass."""
     rng = random.Random(7)
     checked = 0
     for trial in range(300):
@@ -150,6 +152,11 @@ def test_tables_equal_the_all_pairs_plan():
                 got = getattr(ctx, name)
                 got = got.tolist() if isinstance(got, torch.Tensor) else got
                 assert got == value, (trial, r, name, part)
+            info, cu_local = ctx.frag_info.tolist(), ctx.cu_seqlens.tolist()
+            tokens = [b - a for a, b in zip(cu_local, cu_local[1:])]
+            for name, bit in (("head_frags", FRAG_HEAD_MASK), ("tail_frags", FRAG_CONTINUES)):
+                want_list = [f for f, i in enumerate(info) if tokens[f] > 0 and i & bit]
+                assert getattr(ctx, name).tolist() == want_list, (trial, r, name, part)
             checked += 1
     assert checked > 1000
 

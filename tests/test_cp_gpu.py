@@ -479,18 +479,20 @@ def test_bad_arguments(nccl_group, case, error, match):
 
 def test_binding_declines_a_wrong_token_count_or_policy(nccl_group):
     """cp_autograd_forward itself declines (None, before anything is launched or exchanged) when
-    only the token count or only the policy is off, with every other argument valid: the token
-    count keeps the context's export_rows inside x."""
+    only the token count, only the policy or only one table's dtype is off, with every other
+    argument valid: the token count keeps the context's export_rows inside x."""
     from flashinfer_cake import _dispatch
     part, cu, x, dy, w, b, idx = one_rank_batch(23)
     ctx = build_cp_context(part, nccl_group, 0, DEV)
     xl = x[idx].contiguous()
     y_ref = cake_causal_conv1d_cp(xl, w, ctx, b)  # registers the variant's module
 
-    def call(xs, num_tokens, policy):
+    tables = (ctx.cu_seqlens, ctx.export_rows, ctx.import_rows, ctx.frag_info, ctx.head_frags, ctx.tail_frags,
+              ctx.g_rows, ctx.g_import)
+
+    def call(xs, num_tokens, policy, tables=tables):
         return _dispatch.binding.cp_autograd_forward(
-            xs, (w,), (b,), None, (ctx.cu_seqlens, ctx.export_rows, ctx.import_rows, ctx.frag_info, ctx.head_frags,
-                                   ctx.tail_frags, ctx.g_rows, ctx.g_import), num_tokens, nccl_group.group_name,
+            xs, (w,), (b,), None, tables, num_tokens, nccl_group.group_name,
             (ctx.halo_send_splits, ctx.halo_recv_splits, ctx.g_send_splits, ctx.g_recv_splits), policy)
 
     (y,), _ = call((xl,), ctx.num_tokens, "bf16")
@@ -500,6 +502,8 @@ def test_binding_declines_a_wrong_token_count_or_policy(nccl_group):
     assert call((xl[:-1].contiguous(),), ctx.num_tokens, "bf16") is None
     assert call((xl,), ctx.num_tokens, "fp16") is None
     assert call((xl,), ctx.num_tokens, 1) is None
+    for i in (4, 5):  # the passes' fragment lists: int32 only
+        assert call((xl,), ctx.num_tokens, "bf16", tables[:i] + (tables[i].long(),) + tables[i + 1:]) is None
 
 
 def test_autograd_node_semantics(nccl_group):

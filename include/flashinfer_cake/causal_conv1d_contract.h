@@ -60,8 +60,10 @@ constexpr int kCpContinues = 4;
 //             pre-activation), device, stream
 //   context-parallel passes (causal_conv1d_cp.cuh): pass (0 forward heads, 1 backward head g,
 //             2 backward tails), x, dy, out (y or dx; contiguous [S, C]), weight, bias, cu_seqlens
-//             (the local fragments), halo ([num_frags, 3, C]), frag_info, frags (the fragments the
-//             forward heads / backward tails pass rewrites), g_rows, g_out, g_in, g_import (int32
+//             (the local fragments), halo ([num_frags, 3, C]), frag_info, frags (int32
+//             [num_items]: the fragments the forward heads / backward tails pass rewrites; others
+//             are not; an entry out of [0, num_frags) or with nothing to do is skipped), g_rows,
+//             g_out, g_in, g_import (int32
 //             tables and FP32 exchange rows, g_ld floats apart; g_in_rows rows of g_in), g_ld,
 //             g_in_rows, S, C, num_frags, num_items (g_rows' entries, or frags' for the passes over
 //             fragments), round_preact, device, stream
