@@ -63,10 +63,9 @@ constexpr int kCpContinues = 4;
 //             (the local fragments), halo ([num_frags, 3, C]), frag_info, frags (int32
 //             [num_items]: the fragments the forward heads / backward tails pass rewrites; others
 //             are not; an entry out of [0, num_frags) or with nothing to do is skipped), g_rows,
-//             g_out, g_in, g_import (int32
-//             tables and FP32 exchange rows, g_ld floats apart; g_in_rows rows of g_in), g_ld,
-//             g_in_rows, S, C, num_frags, num_items (g_rows' entries, or frags' for the passes over
-//             fragments), round_preact, device, stream
+//             g_out, g_in, g_import (int32 tables and FP32 exchange rows, g_ld floats apart;
+//             g_in_rows rows of g_in), g_ld, g_in_rows, S, C, num_frags, num_items (g_rows'
+//             entries, or frags' for the passes over fragments), round_preact, device, stream
 #define CAKE_FWD_ARGS(X)                                                                                   \
   X(x) X(y) X(weight) X(bias) X(cu_seqlens) X(workspace) X(initial_states) X(final_states) X(S) X(C)      \
   X(x_row_stride) X(y_row_stride) X(num_docs) X(device) X(stream)
