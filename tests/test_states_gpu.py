@@ -361,6 +361,53 @@ def test_backward_document_mixes_with_states(S, C, mix, weight_dtype, bias_dtype
     assert_grads_match_reference(grads, x, w, cu, dy, b, policy, init, dfinal)
 
 
+# The stateful backward has two kernels on the full-width routes (C > 64): with at least 16 token
+# groups per document the launcher takes the one whose CTAs without a state event in their item walk
+# a stateless-only loop (causal_conv1d_bwd_launcher.cuh). Empty documents appended to a batch have
+# no token and change no other result, so with as many of them as groups the same batch runs the
+# per-step kernel (groups < num_docs): both must give the same bits and match the reference.
+ITEM_CHOICE_CASES = [
+    pytest.param(32768, 136, F32, F32, id="S32768-C136"),  # 256 groups of 128 tokens: 64-thread CTAs
+    pytest.param(131072, 136, BF16, None, id="S131072-C136"),  # 256 groups of 512 tokens: 128-thread CTAs
+]
+
+
+def _item_edge_docs(S, tokens, groups, rng):
+    """Document lengths whose boundaries fall 1-3 tokens before and after item edges (so some items
+    have events only in their 3-token lookahead or first rows) and inside an item, an empty document
+    at each end and a 1-token one; 5-6 documents in all."""
+    a, b, c = sorted(rng.sample(range(2, groups - 1), 3))
+    cuts = sorted({tokens * a - rng.randint(1, 3), tokens * b + rng.randint(0, 2), tokens * c + tokens // 2,
+                   tokens * c + tokens // 2 + 1})
+    return [0] + [hi - lo for lo, hi in zip([0, *cuts], [*cuts, S])] + [0]
+
+
+@pytest.mark.parametrize("mix", ["one", "item_edges"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("S, C, weight_dtype, bias_dtype", ITEM_CHOICE_CASES)
+def test_backward_item_choice_is_bitwise_the_per_step_kernel(S, C, weight_dtype, bias_dtype, policy, mix):
+    from flashinfer_cake import _plan
+
+    groups, tokens = _plan.groups(S, C), _plan.item_tokens(S, C)
+    seed = variant_seed(S + C, weight_dtype, bias_dtype, policy) + (mix == "one")
+    rng = random.Random(seed)
+    lengths = [S] if mix == "one" else _item_edge_docs(S, tokens, groups, rng)
+    D = len(lengths)
+    assert groups >= 16 * D, "the case must take the item-choice kernel"
+    cu = make_cu(S, lengths, device=DEV)
+    cu_more = torch.cat([cu, torch.full((groups,), S, dtype=I32, device=DEV)])  # num_docs > groups
+    x, w, b, dy, init, dfinal = make_inputs(S, C, D + groups, seed=seed, weight_dtype=weight_dtype,
+                                            bias_dtype=bias_dtype)
+    for given_init, given_dfinal in ((init, None), (None, dfinal), (init, dfinal)):
+        few = [None if t is None else t[:D] for t in (given_init, given_dfinal)]
+        grads = backward_into(x, w, cu, dy, b, policy, *few)
+        per_step = backward_into(x, w, cu_more, dy, b, policy, given_init, given_dfinal)
+        assert all(same_bits(g, h) for g, h in zip(grads[:3], per_step[:3]))
+        if given_init is not None:
+            assert same_bits(grads[3], per_step[3][:D])
+        assert_grads_match_reference(grads, x, w, cu, dy, b, policy, *few)
+
+
 # ---------------------------------------------------------------------------------------------
 # chunks chained through final -> initial states
 

@@ -258,10 +258,14 @@ __device__ __forceinline__ bool arrive_last(unsigned long long* c, int target, u
 }  // namespace detail
 
 // kRoundPreact: p.round_preact as a template argument (a branch per row otherwise). kStates:
-// initial_states or dfinal_states may be given (either may still be null).
-template <class Traits, class WeightT, class BiasT, bool kRoundPreact, bool kStates>
+// initial_states or dfinal_states may be given (either may still be null). kItemChoice (with
+// kStates): a CTA whose item has no state event (no kInDoc among its tokens and their lookahead)
+// walks a stateless-only loop, a third row body; the launcher picks it where such items are most
+// of the grid (causal_conv1d_bwd_launcher.cuh has the rule and the figures).
+template <class Traits, class WeightT, class BiasT, bool kRoundPreact, bool kStates, bool kItemChoice>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
+  static_assert(kStates || !kItemChoice, "the item choice is a choice between state events and none");
   constexpr int L = Traits::kStripLen;
   constexpr int R = Traits::kRing;
   constexpr int N = L + 6;  // x rows a strip reads: 3 before t0, its L tokens, 3 of lookahead
@@ -287,6 +291,9 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // kStates: the tokens' documents, and scan_documents' scratch.
   __shared__ int32_t s_doc[kStates ? Traits::kPosTokens : 1];
   __shared__ int32_t s_first_idx[kStates ? Traits::kPosTokens + 5 : 1], s_last_idx[kStates ? Traits::kPosTokens + 5 : 1];
+  // kItemChoice: [0] is 1 when a token of the item or of its lookahead has kInDoc (scan_documents'
+  // one block, as long as the scan's tokens).
+  __shared__ uint8_t s_item_events[kItemChoice ? 2 : 1];
 
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;
@@ -364,16 +371,24 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   Row* __restrict__ dinit_v = reinterpret_cast<Row*>(p.dinitial_states);
   const auto state_off = [&](int d, int i) { return detail::state_row_offset(d, i, vecs_per_row); };
   if constexpr (kStates) {
-    detail::scan_documents<T, L, Traits::kLanesC>(
-        p.cu_seqlens, p.num_docs, p.S, item_t0, p.item_tokens + 3, item_end, s_first_idx, s_last_idx, s_pos, s_doc,
-        nullptr, p.frag_info, [&](int d, int i, int v) {
-          // An empty document passes its final state's gradient to its initial state, for this
-          // tile's channels.
-          v += tile_c * Traits::kLanesC;
-          if (init_v && static_cast<uint32_t>(v) < vecs_per_row) {
-            dinit_v[state_off(d, i) + v] = dfinal_v ? __ldg(dfinal_v + state_off(d, i) + v) : Row{};
-          }
-        });
+    // An empty document passes its final state's gradient to its initial state, for this tile's
+    // channels.
+    const auto on_empty = [&](int d, int i, int v) {
+      v += tile_c * Traits::kLanesC;
+      if (init_v && static_cast<uint32_t>(v) < vecs_per_row) {
+        dinit_v[state_off(d, i) + v] = dfinal_v ? __ldg(dfinal_v + state_off(d, i) + v) : Row{};
+      }
+    };
+    const auto scan = [&](auto blocks) {
+      detail::scan_documents<T, Traits::kPosTokens, Traits::kLanesC>(p.cu_seqlens, p.num_docs, p.S, item_t0,
+                                                                    p.item_tokens + 3, item_end, s_first_idx, s_last_idx,
+                                                                    s_pos, s_doc, blocks, p.frag_info, on_empty);
+    };
+    if constexpr (kItemChoice) {
+      scan(static_cast<uint8_t*>(s_item_events));
+    } else {
+      scan(nullptr);
+    }
   } else {
     detail::scan_positions<T>(p.cu_seqlens, p.num_docs, item_t0, p.item_tokens + 3, s_flags, s_pos);
   }
@@ -596,7 +611,15 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         // changes the time, never the result.
         return __any_sync(__activemask(), m != 0) != 0;
       };
-      detail::walk_rows<L + 3, R>(row, cur, prev, step_events);
+      if constexpr (kItemChoice) {
+        if (s_item_events[0]) {  // uniform in the CTA
+          detail::walk_rows<L + 3, R>(row, cur, prev, step_events);
+        } else {
+          detail::walk_rows<L + 3, R>(row, cur, prev, [](int) { return std::false_type{}; });
+        }
+      } else {
+        detail::walk_rows<L + 3, R>(row, cur, prev, step_events);
+      }
     } else {
       detail::walk_rows<L + 3, R>(row, cur, prev, [](int) { return std::false_type{}; });
     }

@@ -8,9 +8,46 @@
 #include "causal_conv1d_bwd.cuh"
 #include "launch_common.cuh"
 
+#ifndef CAKE_BWD_ITEM_CHOICE_GROUPS_PER_DOC
+// The stateful backward of the full-width routes takes the kernel with the item choice when the
+// token groups are at least this many per document (a document puts state events in 1-2 items at
+// each end). tune.py --states, H200, 2026-12-02, time over the stateless backward, the per-step
+// kernel / the item choice, two runs (r57, r58; random cuts per run):
+//   1 document: 8192x4096 1.044 / 0.997x and 1.047 / 1.022x, 32768x1024 1.043 / 0.999x and
+//   1.045 / 1.018x, 16384x4096 1.045 / 0.996x, 65536x2048 1.059 / 1.005x, 4096x4096 1.032 /
+//   1.002x and 1.044 / 1.028x;
+//   16 groups per document: 32768x1024 with 4 documents 1.045 / 1.020x, 65536x2048 with 4
+//   1.059 / 1.031x;
+//   8 per document, a gamble: 65536x2048 with 8 1.060 / 1.041x, 8192x4096 with 2 1.045 / 1.000x
+//   and 1.067 / 1.115x, 32768x1024 with 8 1.066 / 1.108x, 4096x4096 with 4 1.095 / 1.244x;
+//   most items with events: 8192x4096 with 4 1.066 / 1.093x, 17 1.070 / 1.104x.
+// Where CTAs of both loops share an SM, its instruction cache holds both: the event CTAs slow down.
+#define CAKE_BWD_ITEM_CHOICE_GROUPS_PER_DOC 16
+#endif
+
 namespace flashinfer_cake {
 
-template <class Traits, class WeightT, class BiasT>
+// The backward's kernel for the launch's round_preact and states; kMayChooseItems: the route has a
+// kernel with the item choice (the full-width routes; at C = 16, where the stateful kernel's shared
+// memory also lowers its CTAs per SM, 1048576x16 with 1 document went 1.070 -> 1.057x and with 64
+// 1.091 -> 1.106x: not worth a kernel per narrow route).
+template <class Traits, class WeightT, class BiasT, bool kMayChooseItems>
+auto bwd_kernel_for(const CausalConv1dBwdParams& p) {
+  const bool states = p.initial_states || p.dfinal_states;
+  const bool choice = kMayChooseItems && states &&
+                      int64_t(p.groups) >= int64_t(CAKE_BWD_ITEM_CHOICE_GROUPS_PER_DOC) * p.num_docs;
+  const auto pick = [&](auto round_preact) {
+    constexpr bool kRound = decltype(round_preact)::value;
+    if constexpr (kMayChooseItems) {
+      if (choice) return causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, kRound, true, true>;
+    }
+    return states ? causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, kRound, true, false>
+                  : causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, kRound, false, false>;
+  };
+  return p.round_preact ? pick(std::true_type{}) : pick(std::false_type{});
+}
+
+template <class Traits, class WeightT, class BiasT, bool kMayChooseItems = false>
 cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t stream) {
   const int64_t vecs_per_row = p.C / Traits::kVec;
   const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
@@ -25,11 +62,7 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
   (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
-  const bool states = p.initial_states || p.dfinal_states;
-  const auto kernel = p.round_preact ? (states ? causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, true, true>
-                                               : causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, true, false>)
-                                     : (states ? causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, false, true>
-                                               : causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, false, false>);
+  const auto kernel = bwd_kernel_for<Traits, WeightT, BiasT, kMayChooseItems>(p);
   kernel<<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(e, "backward kernel launch failed: %s", cudaGetErrorString(e));
@@ -103,8 +136,8 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                      Narrow4::kTileTokens == kBwdMaxItemTokens && Narrow2::kTileTokens == kBwdMaxItemTokens),
                 "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
-    if (p.item_tokens >= Wide::kTileTokens) return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT>(p, stream);
-    return launch_causal_conv1d_bwd_route<WideShort, WeightT, BiasT>(p, stream);
+    if (p.item_tokens >= Wide::kTileTokens) return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT, true>(p, stream);
+    return launch_causal_conv1d_bwd_route<WideShort, WeightT, BiasT, true>(p, stream);
   }
   if (p.C > 8 * kVec) {
     if (p.item_tokens >= Mid::kTileTokens) return launch_causal_conv1d_bwd_route<Mid, WeightT, BiasT>(p, stream);

@@ -368,9 +368,10 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // to its end, minus one); -1 when neither (no state row involves the token). For non-decreasing
 // content both are the d with cu[d] <= t < cu[d + 1]; for other content a token less than 3 into
 // its document counts the next entry as its end only when it is entry d + 1, so each state row has
-// one writer. Unless blocks is nullptr (the backward chooses per step), blocks[b] (b <= ceil(count /
-// kBlock)) is 1 when a token of block b (tokens b kBlock .. (b + 1) kBlock - 1) has kInDoc: the
-// forward's strip of a block without one runs the stateless walk. Unless frag_info is nullptr (the
+// one writer. Unless blocks is nullptr, blocks[b] (b <= ceil(count / kBlock)) is 1 when a token of
+// block b (tokens b kBlock .. (b + 1) kBlock - 1) has kInDoc: the forward's strip of a block without
+// one runs the stateless walk, and so does every strip of the backward's item with kItemChoice (one
+// block as long as the scan). Unless frag_info is nullptr (the
 // context-parallel backward: documents are fragments, their initial states the halo), a token of a
 // fragment whose frag_info offset bits are 0 has no kInDoc: the caller guarantees its halo is
 // zeros, so the stateless walk computes what the stateful one would for finite values (up to the
