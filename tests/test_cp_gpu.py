@@ -104,6 +104,9 @@ def simulate_ranks(part, x, w, b, dy, policy):
         for t in y:
             assert not t.isnan().any()
         h = cp_by_hand.forward_heads(c, y, (xl,), (w,), (b,), torch.cat([rows, x.new_zeros(1, C)]))
+        unlisted = torch.ones(c.num_fragments, dtype=torch.bool, device=DEV)
+        unlisted[c.head_frags.long()] = False
+        h[0][unlisted] = float("nan")  # halo rows the heads pass does not write: no pass may use them
         ys.append(y[0])
         halos.append(h)
     g_sends = [cp_by_hand.grad_send(c, (xl,), (d,), (w,), (b,), h, policy)[0] for c, xl, d, h in zip(ctxs, xs, dys, halos)]
