@@ -61,8 +61,8 @@ constexpr int kCpContinues = 4;
 //   context-parallel passes (causal_conv1d_cp.cuh): pass (0 forward heads, 1 backward head g,
 //             2 backward tails), x, dy, out (y or dx; contiguous [S, C]), weight, bias, cu_seqlens
 //             (the local fragments), halo ([num_frags, 3, C]; the forward heads pass writes the
-//             rows of its fragments, gathered from `received`: received_rows rows received_ld
-//             elements apart, through import_rows), frag_info, frags (int32 [num_items]: the
+//             rows of its non-empty fragments, gathered from `received`: received_rows rows
+//             received_ld elements apart, through import_rows), frag_info, frags (int32 [num_items]: the
 //             fragments the forward heads / backward tails pass rewrites; others are not; an entry
 //             out of [0, num_frags) or with nothing to do is skipped), g_rows, g_out, g_in,
 //             g_import (int32 tables and FP32 exchange rows, g_ld floats apart; g_in_rows rows of

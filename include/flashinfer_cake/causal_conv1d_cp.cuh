@@ -8,7 +8,10 @@
 //   kFwdHeads: the halo of a fragment that continues its document (offset > 0): the 3 rows before
 //     it, gathered from the rows received from the ranks that hold them (zeros before the
 //     document), and y of its first <= 3 tokens, which read them. The main forward ran without
-//     them. The halo rows of the other fragments are not written: no pass uses them.
+//     them. The halo rows of the other fragments are not written and their values never used: the
+//     main backward skips them (frag_info), kBwdHeads' tokens all have offset > 0, and kBwdTails
+//     loads them for short fragments only where the position masks the tap (cp_grad_at: keep
+//     those taps conditional).
 //   kBwdHeads: g = dy * silu'(a) (FP32) of listed head tokens (position < 3 in their fragment):
 //     what the rank holding the 3 tokens before them needs for its dx. Written into one exchange
 //     buffer row each (a row of padding: zeros).
