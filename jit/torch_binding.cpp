@@ -967,9 +967,9 @@ bool tables_ok(const CpTables& t, int device) {
 struct CpPass {
   int pass = 0;
   const at::Tensor *dy = nullptr, *out = nullptr, *halo = nullptr, *cu_seqlens = nullptr, *frag_info = nullptr,
-                   *frags = nullptr, *g_rows = nullptr, *g_import = nullptr;
-  intptr_t g_out = 0, g_in = 0;
-  int64_t g_ld = 0, g_in_rows = 0;
+                   *frags = nullptr, *g_rows = nullptr, *g_import = nullptr, *import_rows = nullptr;
+  intptr_t g_out = 0, g_in = 0, received = 0;
+  int64_t g_ld = 0, g_in_rows = 0, received_ld = 0, received_rows = 0;
   int round_preact = 1;
 };
 
@@ -991,8 +991,12 @@ void run_cp_pass(const CpItems& c, size_t i, const CpPass& p, intptr_t stream) {
   a.g_out = p.g_out;
   a.g_in = p.g_in;
   a.g_import = address(p.g_import);
+  a.received = p.received;
+  a.import_rows = address(p.import_rows);
   a.g_ld = p.g_ld;
   a.g_in_rows = p.g_in_rows;
+  a.received_ld = p.received_ld;
+  a.received_rows = p.received_rows;
   a.S = c.S;
   a.C = c.xs[i]->size(-1);
   a.num_frags = p.frag_info->numel();
@@ -1006,15 +1010,15 @@ void run_cp_pass(const CpItems& c, size_t i, const CpPass& p, intptr_t stream) {
 // The phases, on the current stream of the items' device.
 
 // The forward's exchange buffers: (send: the rows other ranks' halos need, [export_rows.numel(),
-// total C] BF16, each x's columns side by side; received: [recv_rows + 1, total C], its last row
-// zeros (the halo row before a document), the others for the exchange to fill).
+// total C] BF16, each x's columns side by side; received: [recv_rows + 1, total C], the first
+// recv_rows for the exchange to fill; the last, import_rows' "before the document", is never read:
+// the heads pass gives zeros for it).
 std::pair<at::Tensor, at::Tensor> send_phase(const CpItems& c, const at::Tensor& export_rows, int64_t recv_rows) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> parts;
   for (const at::Tensor* x : c.xs) parts.push_back(at::index_select(x->view({c.S, x->size(-1)}), 0, export_rows));
   at::Tensor send = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
   at::Tensor received = at::empty({recv_rows + 1, c.total_c}, c.xs[0]->options());
-  received.select(0, recv_rows).zero_();
   return {std::move(send), std::move(received)};
 }
 
@@ -1033,9 +1037,10 @@ std::vector<at::Tensor> forward_phase(const CpItems& c, const at::Tensor& cu_seq
   return ys;
 }
 
-// Each item's halo [num_frags, 3, C] gathered from the received rows (its columns of them) and,
-// with it, y of the head rows of the fragments that continue their documents (head_frags)
-// rewritten.
+// Each item's halo [num_frags, 3, C]: the rows of the fragments that continue their documents
+// (head_frags) gathered from the received rows (its columns of them), the others not written (no
+// pass reads them); and with it y of those fragments' head rows rewritten. One launch per item,
+// none without such fragments.
 std::vector<at::Tensor> heads_phase(const CpItems& c, const std::vector<const at::Tensor*>& ys,
                                     const at::Tensor& received, const at::Tensor& import_rows,
                                     const at::Tensor& cu_seqlens, const at::Tensor& frag_info,
@@ -1046,16 +1051,13 @@ std::vector<at::Tensor> heads_phase(const CpItems& c, const std::vector<const at
   int64_t at_c = 0;
   for (size_t i = 0; i < c.xs.size(); ++i) {
     const int64_t C = c.xs[i]->size(-1);
-    at::Tensor halo;
-    {
-      at::NoGradGuard no_grad;
-      const at::Tensor cols = c.xs.size() == 1 ? received : received.narrow(1, at_c, C);
-      halo = at::index_select(cols, 0, import_rows).view({F, 3, C});  // new, contiguous
-    }
-    if (c.S > 0) {
+    at::Tensor halo = at::empty({F, 3, C}, c.xs[i]->options());
+    if (c.S > 0 && head_frags.numel() > 0) {
       CpPass p;
       p.pass = flashinfer_cake::kCpFwdHeads, p.out = ys[i], p.halo = &halo, p.cu_seqlens = &cu_seqlens;
-      p.frag_info = &frag_info, p.frags = &head_frags;
+      p.frag_info = &frag_info, p.frags = &head_frags, p.import_rows = &import_rows;
+      p.received = address(&received) + 2 * at_c, p.received_ld = received.size(1);
+      p.received_rows = std::max<int64_t>(received.size(0) - 1, 0);
       run_cp_pass(c, i, p, stream);
     }
     halos.push_back(std::move(halo));

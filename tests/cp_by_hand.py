@@ -99,8 +99,8 @@ def all_pairs_tables(part, rank: int) -> dict:
 
 def send_rows(cp: CPContext, xs, weights, biases) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward exchange's buffers: (this rank's halo rows for every rank, every x's columns
-    side by side, ``[sum(halo_send_splits), sum C]``; the buffer it receives into, with a zero
-    row after the received rows)."""
+    side by side, ``[sum(halo_send_splits), sum C]``; the buffer it receives into, with a spare
+    row after the received rows that the heads pass never reads)."""
     return _native("cp_send", weights, biases, xs[0].get_device(), xs, cp.export_rows, sum(cp.halo_recv_splits))
 
 

@@ -103,7 +103,11 @@ def simulate_ranks(part, x, w, b, dy, policy):
         y = cp_by_hand.forward_interior(c, (xl,), (w,), (b,))
         for t in y:
             assert not t.isnan().any()
-        h = cp_by_hand.forward_heads(c, y, (xl,), (w,), (b,), torch.cat([rows, x.new_zeros(1, C)]))
+        spare = x.new_full((1, C), float("nan"))  # the received buffer's last row: never read
+        h = cp_by_hand.forward_heads(c, y, (xl,), (w,), (b,), torch.cat([rows, spare]))
+        unlisted = torch.ones(c.num_fragments, dtype=torch.bool, device=DEV)
+        unlisted[c.head_frags.long()] = False
+        h[0][unlisted] = float("nan")  # halo rows the heads pass does not write: no pass may use them
         ys.append(y[0])
         halos.append(h)
     g_sends = [cp_by_hand.grad_send(c, (xl,), (d,), (w,), (b,), h, policy)[0] for c, xl, d, h in zip(ctxs, xs, dys, halos)]
@@ -155,7 +159,7 @@ def test_ranks_are_bitwise_the_single_gpu_run(P, layout, mix, weight_dtype, bias
 @pytest.mark.parametrize("weight_dtype,bias_dtype", VARIANTS)
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "fragments"])
 def test_main_backward_reads_no_halo_of_a_fragment_that_starts_its_document(layout, weight_dtype, bias_dtype, policy):
-    """The main backward takes frag_info: a fragment at offset 0 (its halo is zeros) runs as a plain
+    """The main backward takes frag_info: a fragment at offset 0 (its halo would be zeros) runs as a plain
     document, so its halo rows are never read. NaN there changes nothing, and the result is the
     public stateful backward's with the same halo as initial states (dx, dweight, dbias bitwise up
     to the sign of a zero); NaN in a continuing fragment's halo must reach the results."""
@@ -170,7 +174,7 @@ def test_main_backward_reads_no_halo_of_a_fragment_that_starts_its_document(layo
         xl, dl = x.index_select(0, i), dy.index_select(0, i)
         halo = 0.5 * torch.randn(ctx.num_fragments, 3, C, device=DEV).to(BF16)
         starts = (ctx.frag_info & FRAG_HEAD_MASK) == 0
-        halo[starts] = 0  # what a halo exchange gives a fragment at offset 0
+        halo[starts] = 0  # what halo_exchange gives a fragment at offset 0 (the conv leaves it unwritten)
         (dx,), (dw,), (db,) = cp_by_hand.backward_interior(ctx, (xl,), (dl,), (w,), (b,), (halo,), policy)
         public = cake_causal_conv1d_train_backward(xl, w, ctx.cu_seqlens, dl, bias=b, initial_states=halo,
                                                    silu_grad_preactivation=policy)
@@ -256,6 +260,25 @@ def test_autograd_through_nccl_is_bitwise(nccl_group, weight_dtype, bias_dtype, 
     assert_partials_sum_to([wl.grad], dw_ref, w.dtype, x.shape[0])
     if b is not None:
         assert_partials_sum_to([bl.grad], db_ref, b.dtype, x.shape[0])
+
+
+def test_autograd_reads_no_unwritten_buffer(nccl_group):
+    """Under torch.use_deterministic_algorithms torch fills new tensors with NaN; the call is still
+    bitwise the single-GPU run: the halo rows the heads pass does not write and the received
+    buffer's spare row are never read (the pass gives zeros for the rows before a document)."""
+    part, cu, x, dy, w, b, idx = one_rank_batch(29)
+    ctx = build_cp_context(part, nccl_group, 0, DEV)
+    assert ctx.head_frags.numel() > 0  # fragments that continue their documents, on this one rank
+    y_ref, dx_ref, _, _ = single_gpu(x, w, b, cu, dy, "bf16")
+    xl = x[idx].clone().requires_grad_()
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        y = cake_causal_conv1d_cp(xl, w, ctx, b)
+        y.backward(dy[idx])
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert torch.equal(y, y_ref[idx]) and torch.equal(xl.grad, dx_ref[idx])
 
 
 def test_nothing_to_exchange_runs_empty_exchanges(nccl_group):

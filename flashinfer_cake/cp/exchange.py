@@ -2,9 +2,9 @@
 the ranks holding the rows before it, and its gradient returned to them (:func:`halo_exchange`),
 for callers that feed the states to other ops; any dtype and backend (gloo included). The conv
 (:mod:`.conv`) has an exchange of its own in the torch binding (jit/torch_binding.cpp:
-send_phase / heads_phase gather the same rows through the same tables: export_rows, then
-import_rows with the zero row after the received ones), overlapped with its kernels and exact in
-the backward."""
+send_phase and the forward heads pass gather the same rows through the same tables, export_rows
+then import_rows, but only for the fragments that continue their documents, the rows the conv's
+passes read), overlapped with its kernels and exact in the backward."""
 
 from __future__ import annotations
 

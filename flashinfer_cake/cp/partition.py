@@ -191,8 +191,9 @@ class CPContext:
     cu_seqlens: torch.Tensor   # [num_fragments + 1]: the local batch, one local document per fragment
     export_rows: torch.Tensor  # [sum(halo_send_splits)]: the local rows each rank's halos need, rank by rank
                                # (a row sent to two ranks twice)
-    import_rows: torch.Tensor  # [num_fragments * 3]: each halo row's row of the received rows, or the zero row
-                               # after them, sum(halo_recv_splits) (before its document)
+    import_rows: torch.Tensor  # [num_fragments * 3]: each halo row's row of the received rows, or the row
+                               # after them, sum(halo_recv_splits): before its document (zeros: halo_exchange
+                               # puts a zero row there, the conv's heads pass reads it as zeros)
     frag_info: torch.Tensor    # [num_fragments]: min(offset, 3) | 4 when its document goes on after it
     head_frags: torch.Tensor   # the non-empty fragments with offset > 0 (the forward's head pass rewrites them)
     tail_frags: torch.Tensor   # the non-empty fragments whose documents go on (the backward's tail pass)
@@ -305,7 +306,7 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
 
     halo_at, g_at = received_at(halo_from, halo_needs), received_at(g_from, g_needs)
     halo_recv = sum(len(rows) for rows in halo_from)
-    imports = [halo_recv if i is None else i for i in halo_at]  # the zero row after the received rows
+    imports = [halo_recv if i is None else i for i in halo_at]  # the row after the received rows: zeros
     g_import = [-1 if i is None else i for i in g_at]
     mine = [row for rows in halo_to for row in rows]
     g_rows = [g_out[t][row] for t in range(P) for row in g_to[t]]

@@ -373,10 +373,11 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // one runs the stateless walk, and so does every strip of the backward's item with kItemChoice (one
 // block as long as the scan). Unless frag_info is nullptr (the
 // context-parallel backward: documents are fragments, their initial states the halo), a token of a
-// fragment whose frag_info offset bits are 0 has no kInDoc: the caller guarantees its halo is
-// zeros, so the stateless walk computes what the stateful one would for finite values (up to the
-// sign of a zero; an infinite dy or tap no longer meets a 0 * inf), and no state row is read or
-// written for it (an empty fragment's dinit rows are still zeroed, on_empty).
+// fragment whose frag_info offset bits are 0 has no kInDoc: it starts its document, so the
+// stateless walk computes what the stateful one would with a zero halo, for finite values (up to
+// the sign of a zero; an infinite dy or tap no longer meets a 0 * inf), and no state row is read
+// or written for it (its halo rows may hold anything; an empty fragment's dinit rows are still
+// zeroed, on_empty).
 //
 // Empty documents (cu[d] == cu[d + 1] == v, d < num_docs) that this CTA owns (first_token <= v <
 // own_end, or v == S == own_end: the last tile owns those at the end of the batch, e.g. a

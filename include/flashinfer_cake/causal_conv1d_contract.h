@@ -49,8 +49,8 @@ constexpr int kCpContinues = 4;
 //   backward: x, dy, dx, weight, bias, cu_seqlens, initial_states, dfinal_states, dinitial_states
 //             (written; given iff initial_states is), frag_info (null, or, context-parallel
 //             backward only, with initial_states given and dfinal_states null: int32 [num_docs],
-//             the fragments' frag_info; the halo of a fragment with offset 0 must be zeros: it is
-//             not read, and its dinitial_states rows are not written; scan_documents), workspace
+//             the fragments' frag_info; the halo rows of a fragment with offset 0 are not read (any
+//             content) and its dinitial_states rows are not written; scan_documents), workspace
 //             (FP32 partial rows, any content, 16-byte aligned) and its size in bytes, counters
 //             (64-bit words, zero before the first launch; any other content poisons that launch's
 //             dweight/dbias with NaN and is counted in word 0, causal_conv1d_bwd.cuh; every launch
@@ -60,12 +60,15 @@ constexpr int kCpContinues = 4;
 //             pre-activation), device, stream
 //   context-parallel passes (causal_conv1d_cp.cuh): pass (0 forward heads, 1 backward head g,
 //             2 backward tails), x, dy, out (y or dx; contiguous [S, C]), weight, bias, cu_seqlens
-//             (the local fragments), halo ([num_frags, 3, C]), frag_info, frags (int32
+//             (the local fragments), halo ([num_frags, 3, C]; the forward heads pass writes the
+//             rows of its non-empty fragments, gathered from `received`: received_rows rows
+//             received_ld elements apart, through import_rows), frag_info, frags (int32
 //             [num_items]: the fragments the forward heads / backward tails pass rewrites; others
 //             are not; an entry out of [0, num_frags) or with nothing to do is skipped), g_rows,
 //             g_out, g_in, g_import (int32 tables and FP32 exchange rows, g_ld floats apart;
-//             g_in_rows rows of g_in), g_ld, g_in_rows, S, C, num_frags, num_items (g_rows'
-//             entries, or frags' for the passes over fragments), round_preact, device, stream
+//             g_in_rows rows of g_in), received, import_rows, g_ld, g_in_rows, received_ld,
+//             received_rows, S, C, num_frags, num_items (g_rows' entries, or frags' for the passes
+//             over fragments), round_preact, device, stream
 #define CAKE_FWD_ARGS(X)                                                                                   \
   X(x) X(y) X(weight) X(bias) X(cu_seqlens) X(workspace) X(initial_states) X(final_states) X(S) X(C)      \
   X(x_row_stride) X(y_row_stride) X(num_docs) X(device) X(stream)
@@ -77,8 +80,8 @@ constexpr int kCpContinues = 4;
 
 #define CAKE_CP_ARGS(X)                                                                                  \
   X(pass) X(x) X(dy) X(out) X(weight) X(bias) X(cu_seqlens) X(halo) X(frag_info) X(frags) X(g_rows) X(g_out) \
-  X(g_in) X(g_import) X(g_ld) X(g_in_rows) X(S) X(C) X(num_frags) X(num_items) X(round_preact) X(device)     \
-  X(stream)
+  X(g_in) X(g_import) X(received) X(import_rows) X(g_ld) X(g_in_rows) X(received_ld) X(received_rows) X(S)   \
+  X(C) X(num_frags) X(num_items) X(round_preact) X(device) X(stream)
 
 #define CAKE_ARG_FIELD(name) int64_t name;
 #define CAKE_ARG_NAME(name) #name " "

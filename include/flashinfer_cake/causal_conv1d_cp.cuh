@@ -5,9 +5,13 @@
 // A rank holds fragments of documents (its local packed batch: cu_seqlens, one local document per
 // fragment). Around the main kernels, which run on the local batch as if each fragment were a
 // document:
-//   kFwdHeads: y of the first <= 3 tokens of a fragment that continues its document (offset > 0),
-//     reading the 3 rows before it (the halo, received from the ranks that hold them; zeros before
-//     the document). The main forward ran without them.
+//   kFwdHeads: the halo of a fragment that continues its document (offset > 0): the 3 rows before
+//     it, gathered from the rows received from the ranks that hold them (zeros before the
+//     document), and y of its first <= 3 tokens, which read them. The main forward ran without
+//     them. The halo rows of the other fragments are not written and their values never used: the
+//     main backward skips them (frag_info), kBwdHeads' tokens all have offset > 0, and kBwdTails
+//     loads them for short fragments only where the position masks the tap (cp_grad_at: keep
+//     those taps conditional).
 //   kBwdHeads: g = dy * silu'(a) (FP32) of listed head tokens (position < 3 in their fragment):
 //     what the rank holding the 3 tokens before them needs for its dx. Written into one exchange
 //     buffer row each (a row of padding: zeros).
@@ -40,6 +44,10 @@ struct CausalConv1dCpParams {
   const void* bias;           // [C], BiasT (unused for NoBias)
   const int32_t* cu_seqlens;  // [num_frags + 1]
   const __nv_bfloat16* halo;  // [num_frags, 3, C]: the 3 rows before each fragment in its document
+  __nv_bfloat16* halo_out;    // kFwdHeads: the same, written for the listed fragments
+  const __nv_bfloat16* received;  // kFwdHeads: the received halo rows (this item's columns)
+  const int32_t* import_rows;     // kFwdHeads: [num_frags * 3] each halo row's received row; other
+                                  // values (received_rows: before the document) give zeros
   const int32_t* frag_info;   // [num_frags]
   const int32_t* frags;       // kFwdHeads / kBwdTails: [num_items / 3] the fragments the pass rewrites
   const int32_t* g_rows;      // kBwdHeads: [num_items] 4 * fragment + position (< 3), or -1: padding
@@ -49,6 +57,7 @@ struct CausalConv1dCpParams {
                               // fragment, -1 when past its document
   int64_t g_ld;
   int64_t g_in_rows;  // rows of g_in (bounds g_import)
+  int64_t received_ld, received_rows;  // kFwdHeads: elements between received rows; their count
   int32_t S, C, num_frags, num_items, round_preact;
 };
 
@@ -131,14 +140,29 @@ __global__ void __launch_bounds__(detail::kCpThreads) causal_conv1d_cp_kernel(co
   const size_t vecs = p.C / V;
 
   if constexpr (kPass == kCpFwdHeads) {
+    // Halo row j of fragment f, vector v, from the received rows.
+    const auto halo_row = [&](int j) {
+      const int64_t src = p.import_rows[3 * f + j];
+      return src >= 0 && src < p.received_rows
+                 ? __ldg(reinterpret_cast<const uint4*>(p.received + src * p.received_ld) + v)
+                 : make_uint4(0u, 0u, 0u, 0u);
+    };
+    reinterpret_cast<uint4*>(p.halo_out)[(static_cast<size_t>(f) * 3 + r) * vecs + v] = halo_row(r);  // its row
     // Head row r of a fragment that continues its document (its taps reach the halo).
     if (head == 0 || r >= n) return;
     const int pos = min(head + r, 3);
+    const auto x_at = [&](int i, float(&row)[V]) {  // x at fragment position i >= -3
+      if (i >= 0) {
+        detail::cp_x_row(p, f, start, i, v, row);
+      } else {
+        detail::bf16x8_to_float(halo_row(3 + i), row);  // read where it comes from, not the halo
+      }                                                 // other items are writing
+    };
     float xt[V], x1[V], x2[V], x3[V], ys[V];
-    detail::cp_x_row(p, f, start, r, v, xt);
-    detail::cp_x_row(p, f, start, r - 1, v, x1);
-    detail::cp_x_row(p, f, start, r - 2, v, x2);
-    detail::cp_x_row(p, f, start, r - 3, v, x3);
+    x_at(r, xt);
+    x_at(r - 1, x1);
+    x_at(r - 2, x2);
+    x_at(r - 3, x3);
 #pragma unroll
     for (int j = 0; j < V; ++j) {  // the forward's expression: taps and bias pre-scaled by -log2 e
 #pragma unroll

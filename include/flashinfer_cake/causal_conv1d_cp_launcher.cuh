@@ -25,6 +25,14 @@ cudaError_t causal_conv1d_cp_entry(const CpArgs& a) {
     if (a.num_items > 0 && (!a.frags || a.frags % 4)) return fail(cudaErrorInvalidValue, "frags: expected a non-null 4-byte aligned pointer");
     if (a.num_items > INT32_MAX / 3) return fail(cudaErrorInvalidValue, "num_items out of range: %lld", (long long)a.num_items);
   }
+  if (a.pass == kCpFwdHeads && a.num_items > 0) {
+    if (!a.import_rows || a.import_rows % 4) return fail(cudaErrorInvalidValue, "import_rows: expected a non-null 4-byte aligned pointer");
+    if (a.received_rows < 0 || (a.received_rows > 0 && (!a.received || a.received % 16)) || a.received_ld < a.C || a.received_ld % 8) {
+      return fail(cudaErrorInvalidValue, "received: expected received_rows >= 0 rows (16-byte aligned, non-null when any) "
+                  "received_ld >= C elements apart, a multiple of 8; got %lld rows, received_ld %lld",
+                  (long long)a.received_rows, (long long)a.received_ld);
+    }
+  }
   if (grads && (!a.dy || a.dy % 16)) return fail(cudaErrorInvalidValue, "dy: expected a non-null 16-byte aligned pointer");
   if (grads && (a.g_ld < a.C || a.g_ld % 4)) return fail(cudaErrorInvalidValue, "g_ld: expected a multiple of 4, at least C = %lld, got %lld", (long long)a.C, (long long)a.g_ld);
   if (a.pass == kCpBwdHeads && (!a.g_out || a.g_out % 16 || !a.g_rows)) return fail(cudaErrorInvalidValue, "g_out, g_rows: expected non-null pointers (g_out 16-byte aligned)");
@@ -42,6 +50,11 @@ cudaError_t causal_conv1d_cp_entry(const CpArgs& a) {
   p.bias = as_ptr<const void>(a.bias);
   p.cu_seqlens = as_ptr<const int32_t>(a.cu_seqlens);
   p.halo = as_ptr<const __nv_bfloat16>(a.halo);
+  p.halo_out = a.pass == kCpFwdHeads ? as_ptr<__nv_bfloat16>(a.halo) : nullptr;
+  p.received = as_ptr<const __nv_bfloat16>(a.received);
+  p.import_rows = as_ptr<const int32_t>(a.import_rows);
+  p.received_ld = a.received_ld;
+  p.received_rows = a.received_rows;
   p.frag_info = as_ptr<const int32_t>(a.frag_info);
   p.frags = as_ptr<const int32_t>(a.frags);
   p.g_rows = as_ptr<const int32_t>(a.g_rows);
