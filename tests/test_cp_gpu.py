@@ -131,16 +131,9 @@ def assert_partials_sum_to(partials, ref, exact_dtype, tokens):
     assert (err <= tol).all(), f"max error {err.max().item():.3g} over tolerance"
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("weight_dtype,bias_dtype", VARIANTS)
-@pytest.mark.parametrize("mix", list(MIXES))
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "zigzag_per_document", "fragments"])
-@pytest.mark.parametrize("P", [2, 3])
-def test_ranks_are_bitwise_the_single_gpu_run(P, layout, mix, weight_dtype, bias_dtype, policy):
-    seed = zlib.crc32(f"{P} {layout} {mix} {weight_dtype} {bias_dtype} {policy}".encode())
-    rng = random.Random(seed)
-    S, C = 601, 72
-    lengths = MIXES[mix](S, rng)
+def assert_ranks_are_the_single_gpu_run(S, C, lengths, P, layout, weight_dtype, bias_dtype, policy, seed, rng):
+    """y and dx of every simulated rank bitwise the single-GPU run's rows; the ranks' dweight /
+    dbias summed equal the single-GPU ones (assert_partials_sum_to)."""
     part = make_partition(lengths, P, layout, rng)
     x, dy, w, b = inputs(S, C, weight_dtype, bias_dtype, seed)
     cu = torch.tensor(global_cu(lengths), dtype=torch.int32, device=DEV)
@@ -153,6 +146,39 @@ def test_ranks_are_bitwise_the_single_gpu_run(P, layout, mix, weight_dtype, bias
     assert_partials_sum_to([t[3] for t in ranks], dw_ref, w.dtype, S)
     if b is not None:
         assert_partials_sum_to([t[4] for t in ranks], db_ref, b.dtype, S)
+    return part
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("weight_dtype,bias_dtype", VARIANTS)
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "zigzag_per_document", "fragments"])
+@pytest.mark.parametrize("P", [2, 3])
+def test_ranks_are_bitwise_the_single_gpu_run(P, layout, mix, weight_dtype, bias_dtype, policy):
+    seed = zlib.crc32(f"{P} {layout} {mix} {weight_dtype} {bias_dtype} {policy}".encode())
+    rng = random.Random(seed)
+    S, C = 601, 72
+    assert_ranks_are_the_single_gpu_run(S, C, MIXES[mix](S, rng), P, layout, weight_dtype, bias_dtype, policy, seed, rng)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("docs", [1, 2])
+def test_ranks_with_few_long_fragments_are_bitwise_the_single_gpu_run(docs, layout, policy):
+    """Ranks of 8192 tokens x 136 channels hold 1-4 fragments: 64 token groups, at least 16 per
+    fragment, so their main backward runs the item-choice kernel (causal_conv1d_bwd_launcher.cuh),
+    whose items without a continuing fragment's first rows walk the stateless loop."""
+    from flashinfer_cake import _plan
+
+    seed = zlib.crc32(f"few {docs} {layout} {policy}".encode())
+    rng = random.Random(seed)
+    S, C, P = 16384, 136, 2
+    lengths = [S] if docs == 1 else split(S, 2, rng)
+    part = assert_ranks_are_the_single_gpu_run(S, C, lengths, P, layout, F32, F32, policy, seed, rng)
+    for r in range(P):
+        tokens = len(part.global_tokens(r))
+        frags = build_cp_context(part, None, r, DEV).num_fragments
+        assert _plan.groups(tokens, C) >= 16 * frags, (r, tokens, frags)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

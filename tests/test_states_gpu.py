@@ -11,6 +11,7 @@ bitwise.
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -373,13 +374,28 @@ ITEM_CHOICE_CASES = [
 
 
 def _item_edge_docs(S, tokens, groups, rng):
-    """Document lengths whose boundaries fall 1-3 tokens before and after item edges (so some items
-    have events only in their 3-token lookahead or first rows) and inside an item, an empty document
-    at each end and a 1-token one; 5-6 documents in all."""
+    """Seven document lengths: boundaries 1-3 tokens before an item edge (events in the item's
+    3-token lookahead and its last rows) and 0-2 tokens after one (events in the next item's first
+    rows), a 1-token document inside an item, and an empty document at each end."""
     a, b, c = sorted(rng.sample(range(2, groups - 1), 3))
     cuts = sorted({tokens * a - rng.randint(1, 3), tokens * b + rng.randint(0, 2), tokens * c + tokens // 2,
                    tokens * c + tokens // 2 + 1})
     return [0] + [hi - lo for lo, hi in zip([0, *cuts], [*cuts, S])] + [0]
+
+
+def launched_item_choice(call):
+    """Whether the one backward kernel call() launches is the item-choice instance: kItemChoice is
+    the kernel template's last argument, read from the profiler's (demangled) kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        sync()
+    names = [e.name for e in prof.events() if "causal_conv1d_bwd_kernel" in e.name]
+    assert len(names) == 1, names
+    last = re.search(r"causal_conv1d_bwd_kernel<.*,\s*(true|false)\s*>\s*\(", names[0])
+    assert last, names[0]
+    return last.group(1) == "true"
 
 
 @pytest.mark.parametrize("mix", ["one", "item_edges"])
@@ -402,6 +418,8 @@ def test_backward_item_choice_is_bitwise_the_per_step_kernel(S, C, weight_dtype,
         few = [None if t is None else t[:D] for t in (given_init, given_dfinal)]
         grads = backward_into(x, w, cu, dy, b, policy, *few)
         per_step = backward_into(x, w, cu_more, dy, b, policy, given_init, given_dfinal)
+        assert launched_item_choice(lambda: backward(x, w, cu, dy, b, policy, *few))
+        assert not launched_item_choice(lambda: backward(x, w, cu_more, dy, b, policy, given_init, given_dfinal))
         assert all(same_bits(g, h) for g, h in zip(grads[:3], per_step[:3]))
         if given_init is not None:
             assert same_bits(grads[3], per_step[3][:D])
@@ -1028,7 +1046,7 @@ _MEMCHECK_SCRIPT = """
 import torch
 from flashinfer_cake import cake_causal_conv1d_train_backward as bwd, cake_causal_conv1d_train_forward as fwd
 PATTERNS = {patterns}
-for S, C in [(300, 264), (77, 8), (1111, 4096)]:
+for S, C in [(300, 264), (77, 8), (1111, 4096), (4096, 136)]:  # (4096, 136): the item choice at 1-2 documents
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")
@@ -1049,7 +1067,8 @@ print("sanitizer-script-done")
 @needs_sanitizer
 def test_states_memcheck_clean(tmp_path):
     """compute-sanitizer's memcheck sees no out-of-bounds access with states, for every corrupt
-    cu_seqlens pattern, trailing empty documents and tails of S and C."""
+    cu_seqlens pattern, trailing empty documents and tails of S and C, and in the full-width
+    routes' item-choice kernel (4096 x 136: 32 token groups, which 1-2 documents leave to it)."""
     patterns = {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(1000)] for name, make in CORRUPT_CU.items()}
     assert_sanitizer_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)
 
@@ -1070,6 +1089,12 @@ for S, C in [(4097, 64), (4099, 32), (530001, 16), (3001, 8), (1111, 4096)]:
     fwd(x, w, cu, initial_states=h, final_states_out=torch.empty_like(h))
     bwd(x, w, cu, dy, initial_states=h, dfinal_states=h)
     bwd(x, w, cu, dy, dfinal_states=h)
+for S, C, cu in [(4096, 136, [0, 4096]), (4096, 136, [0, 1000, 4096]), (8192, 4096, [0, 8192])]:  # the item choice
+    x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    w = torch.randn(C, 4, device="cuda")
+    h = torch.randn(len(cu) - 1, 3, C, device="cuda", dtype=torch.bfloat16)
+    bwd(x, w, torch.tensor(cu, dtype=torch.int32, device="cuda"), dy, initial_states=h, dfinal_states=h)
 torch.cuda.synchronize()
 print("sanitizer-script-done")
 """
@@ -1080,5 +1105,6 @@ def test_states_synccheck_clean(tmp_path):
     """compute-sanitizer's synccheck sees no divergent barrier or warp-synchronous intrinsic with
     states, on every lane route (C = 8 .. 64 put 2-16 strips in a warp, whose per-step vote must
     hold with lanes at different steps and strips of different lengths) and a wide one, for
-    documents of 1-199 tokens and a trailing empty one."""
+    documents of 1-199 tokens and a trailing empty one; and the full-width routes' item-choice
+    kernel (1-2 long documents)."""
     assert_sanitizer_clean(_SYNCCHECK_SCRIPT, tmp_path, tool="synccheck")

@@ -22,6 +22,9 @@
 //   and 1.067 / 1.115x, 32768x1024 with 8 1.066 / 1.108x, 4096x4096 with 4 1.095 / 1.244x;
 //   most items with events: 8192x4096 with 4 1.066 / 1.093x, 17 1.070 / 1.104x.
 // Where CTAs of both loops share an SM, its instruction cache holds both: the event CTAs slow down.
+// num_docs counts empty documents (a cu_seqlens padded to a fixed length) and, in the CP backward,
+// fragments: the host cannot see which are empty without a sync. A value above any group count
+// (1 << 30) turns the choice off (tune.py: ITEM_CHOICE_GROUPS_PER_DOC=1073741824).
 #define CAKE_BWD_ITEM_CHOICE_GROUPS_PER_DOC 16
 #endif
 
