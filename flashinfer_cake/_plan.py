@@ -8,8 +8,6 @@ from __future__ import annotations
 PARTIAL_ROWS = 5  # kBwdPartialRows: the four taps' g*x sums, then the sum of g
 MAX_ITEM_TOKENS = 1024  # kBwdMaxItemTokens
 STRIP_LEN = 64  # kBwdPlanStripLen
-MIN_TILE_CHANNELS = 32  # kBwdMinTileChannels
-CHUNK = 8  # kBwdChunk: the reduction tree's fan-in
 WIDE_MIN_C = 64  # kBwdPlanWideMinC
 FULL_TILE_TOKENS = 256  # kBwdPlanFullTileTokens
 NARROW_MAX_C = 32  # kBwdPlanNarrowMaxC
@@ -20,7 +18,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def groups_bound(S: int, C: int) -> int:
-    """bwd_groups_bound: the most token groups (sizes the workspace and counters)."""
+    """bwd_groups_bound: the most token groups (sizes the workspace)."""
     for_items = _ceil_div(1024, _ceil_div(C, 128))
     return min(_ceil_div(S, 128), max(_ceil_div(S, MAX_ITEM_TOKENS), for_items))
 
@@ -49,22 +47,3 @@ def workspace_bytes(S: int, C: int) -> int:
     """bwd_workspace_bytes: the FP32 partial rows of bwd_groups_bound's token groups."""
     return groups_bound(S, C) * PARTIAL_ROWS * C * 4
 
-
-def tree_words(groups: int) -> int:
-    """bwd_tree_words: counter words of one channel tile's reduction tree (a node per CHUNK nodes
-    of the level below, up to one root)."""
-    if groups <= 0:
-        return 0
-    words, n = 0, groups
-    while True:
-        n = _ceil_div(n, CHUNK)
-        words += n
-        if n == 1:
-            return words
-
-
-def counter_bytes(S: int, C: int) -> int:
-    """bwd_counter_bytes: the reduction tree's 64-bit counter words, word 0 the count of words a
-    launch found not zero (kept by the torch binding)."""
-    n = groups_bound(S, C)
-    return 0 if n == 0 else (1 + _ceil_div(C, MIN_TILE_CHANNELS) * tree_words(n)) * 8

@@ -56,7 +56,7 @@ def cake_causal_conv1d_train_backward_workspace(S: int, C: int, device) -> torch
     """An FP32 workspace of at least ``cake_causal_conv1d_train_backward_workspace_bytes(S, C,
     device)`` bytes on ``device`` (uninitialized: its content never matters). One serves every
     later call of one stream, of any shape it is large enough for, CUDA Graph replays included;
-    launches that may run at once need one each."""
+    calls that may run at once need one each."""
     device = _checks.check_sizes(S, C, device, "backward")
     nbytes = cake_causal_conv1d_train_backward_workspace_bytes(S, C, device)
     return torch.empty(math.ceil(nbytes / 4), dtype=torch.float32, device=device)
@@ -199,12 +199,11 @@ def cake_causal_conv1d_train_backward(
     dinitial_states row, each final-state row came from. No gradient crosses a document boundary:
     a tap the forward skipped contributes nothing.
     dweight and dbias are summed in FP32 in a fixed order (per-token-group partial sums in the
-    workspace, added by a fixed tree: the last CTA to finish under a node adds its up to 8
-    children in order, level after level up to one root; no float atomics),
-    so they are bitwise identical run to run for a given (S, C, weight dtype, bias dtype,
-    policy). The tree's counters live in a buffer the package keeps per (device, stream) (a
-    zeroed one of the call's own while capturing a CUDA graph), never in ``workspace``: no
-    workspace content can change a result. No host synchronization; CUDA-graph capturable.
+    workspace, added by a fixed tree in a second kernel launched right after the first with
+    programmatic dependent launch: each node adds its up to 8 children in order, level after level
+    up to one root; no float atomics), so they are bitwise identical run to run for a given (S, C,
+    weight dtype, bias dtype, policy). Every part of ``workspace`` the call reads it wrote first:
+    no workspace content can change a result. No host synchronization; CUDA-graph capturable.
 
     Args:
         x, weight, cu_seqlens, bias: the forward's arguments, with the forward's requirements,
@@ -220,8 +219,8 @@ def cake_causal_conv1d_train_backward(
         workspace: optional caller-owned FP32 1-D contiguous buffer, 16-byte aligned, of at least
             :func:`cake_causal_conv1d_train_backward_workspace_bytes` bytes, e.g. from
             :func:`cake_causal_conv1d_train_backward_workspace`: scratch for the partial sums,
-            any content (each launch writes every part it reads first), so one buffer serves
-            every later call of one stream, CUDA Graph replays included; launches that may run
+            any content (each call writes every part it reads first), so one buffer serves
+            every later call of one stream, CUDA Graph replays included; calls that may run
             at once need one each. When omitted, a buffer kept per (device, current stream) is
             used (replaced by a larger one when too small), or a buffer of the call's own while
             the current stream is capturing a CUDA graph.

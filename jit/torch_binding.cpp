@@ -84,14 +84,13 @@ struct KernelEntries {
   const char* (*message)() = nullptr;
 };
 
-// The buffers the binding keeps per (kind, device, stream): the forward's workspace (its int32
-// counters) of calls without one; the backward's counter words and FP32 partial rows, for calls
-// without a workspace; the backward's counters alone, for calls with one.
-enum BufferKind : int { kFwdWorkspace = 0, kBwdCountersAndWorkspace = 1, kBwdCounters = 2 };
+// The buffers the binding keeps per (kind, device, stream), for calls without a workspace of
+// their own: the forward's workspace (its int32 counters), the backward's FP32 partial rows.
+enum BufferKind : int { kFwdWorkspace = 0, kBwdWorkspace = 1 };
 
-// Kept buffers: counters (int32 elements; the backward's are 64-bit words), zero (zeroed when
-// made; every launch leaves them zero), and FP32 scratch of any content (undefined when a kind
-// has none).
+// Kept buffers: int32 counters (zeroed when made; every launch leaves them zero) and FP32 scratch
+// of any content; each undefined when its kind has none (the backward has no counters, the
+// forward no scratch).
 struct KeptBuffers {
   at::Tensor counters, scratch;
 };
@@ -259,10 +258,10 @@ KeptBuffers kept_buffers(const KernelEntries& m, BufferKind kind, int device, in
   const int status = m.capturing(reinterpret_cast<const void*>(stream));
   if (status < 0) throw std::runtime_error(std::string(fn) + ": cudaStreamIsCapturing failed: " + m.message());
   const auto enough = [&](const KeptBuffers& b) {
-    return b.counters.defined() && b.counters.numel() >= ints && (!floats || b.scratch.numel() >= floats);
+    return (!ints || b.counters.numel() >= ints) && (!floats || b.scratch.numel() >= floats);
   };
   const auto make = [&] {
-    return KeptBuffers{at::zeros({ints}, options.dtype(at::kInt)),
+    return KeptBuffers{ints ? at::zeros({ints}, options.dtype(at::kInt)) : at::Tensor(),
                        floats ? at::empty({floats}, options.dtype(at::kFloat)) : at::Tensor()};
   };
   if (status) return make();
@@ -530,16 +529,15 @@ Grads run_backward(const BackwardCall& c) {
   if (c.bias) g.dbias = c.dbias ? *c.dbias : outputs->like(*c.bias);
   if (c.initial_states) g.dinitial_states = c.dinitial_states ? *c.dinitial_states : outputs->like(*c.initial_states);
   const intptr_t stream = current_stream(c.device);
-  // The reduction tree's counters are never the caller's: zero is this file's invariant (every
-  // launch leaves them zero), so no workspace content can change a result.
-  const KeptBuffers kept =
-      kept_buffers(c.m, c.workspace ? kBwdCounters : kBwdCountersAndWorkspace, c.device, stream,
-                   flashinfer_cake::ceil_div(flashinfer_cake::bwd_counter_bytes(c.S, c.C), 4),
-                   c.workspace ? 0 : flashinfer_cake::ceil_div(c.need, 4), c.x->options(), kBwd);
+  const at::Tensor* workspace = c.workspace;
+  KeptBuffers kept;
+  if (!workspace) {
+    kept = kept_buffers(c.m, kBwdWorkspace, c.device, stream, 0, flashinfer_cake::ceil_div(c.need, 4), c.x->options(), kBwd);
+    workspace = &kept.scratch;
+  }
   for (const at::Tensor* t : {c.dx, c.dweight, c.dbias, c.dinitial_states, c.workspace}) {  // as in-place ops do
     if (t) bump_version(*t);
   }
-  const at::Tensor* workspace = c.workspace ? c.workspace : &kept.scratch;
   BwdArgs a{};
   a.x = address(c.x);
   a.dy = address(c.dy);
@@ -553,8 +551,6 @@ Grads run_backward(const BackwardCall& c) {
   a.frag_info = address(c.frag_info);
   a.workspace = address(workspace);
   a.workspace_bytes = nbytes(workspace);
-  a.counters = address(&kept.counters);
-  a.counters_bytes = nbytes(&kept.counters);
   a.dweight = address(&g.dweight);
   a.dbias = c.bias ? address(&g.dbias) : 0;
   a.S = c.S;

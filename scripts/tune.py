@@ -8,8 +8,11 @@ launches with token groups of N tokens instead of the plan's, at most bwd_groups
 variant (default fp32 taps + fp32 bias); all are built in parallel, then timed against a device
 copy of the same DRAM bytes on each shape (forward: read x, write y; backward: read x and dy,
 write dx): eager CUDA-event medians over rotated inputs, and for small shapes the kernel time from
-a replayed CUDA graph. Every config must give bitwise the same result (the exit code says if not:
-an experiment may time a config that computes something else). With --states each config also
+a replayed CUDA graph. Every config must give bitwise the same result as the first (the exit code
+says if not: an experiment may time a config that computes something else): y, or dx, and with
+states the final states or dinitial_states; dweight and dbias too where the config sums the same
+partial rows (the same threads, strip length, channels per thread and ITEM_TOKENS: another
+geometry adds in another fixed order). With --states each config also
 runs with per-document states (forward: initial_states and final_states_out; backward:
 initial_states and dfinal_states, giving dinitial_states), timed beside its stateless run.
 
@@ -96,7 +99,6 @@ def buffers(S: int, C: int, docs: int, args) -> argparse.Namespace:
     b.dys = [torch.randn_like(b.xs[0]) for _ in range(k)] if args.op == "bwd" else None
     b.dw, b.db = torch.empty(C, 4, device="cuda"), torch.empty(C, device="cuda")
     b.pws = torch.empty(_plan.workspace_bytes(S, C) // 4 + 1, device="cuda")  # any content
-    b.counters = torch.zeros(_plan.counter_bytes(S, C) // 4 + 1, dtype=torch.int32, device="cuda")  # left zero
     wdt, bdt = (torch.bfloat16 if d == "bf16" else torch.float32 for d in args.variant.split("/"))
     b.w, b.b = torch.randn(C, 4, device="cuda", dtype=wdt), torch.randn(C, device="cuda", dtype=bdt)  # b: unused by "none"
     cuts = torch.randperm(S - 1, device="cuda")[: docs - 1] + 1
@@ -115,7 +117,7 @@ def buffers(S: int, C: int, docs: int, args) -> argparse.Namespace:
 
 def item_tokens(cfg: str, b: argparse.Namespace) -> int:
     """The config's ITEM_TOKENS, else the plan's (no more groups than bwd_groups_bound: the workspace
-    and counters are sized for those)."""
+    is sized for those)."""
     n = int(dict(kv.split("=") for kv in cfg.split("/") if "=" in kv).get("ITEM_TOKENS", b.item_tokens))
     if -(-b.S // n) > _plan.groups_bound(b.S, b.C):
         raise SystemExit(f"{cfg}: ITEM_TOKENS={n} makes more than {_plan.groups_bound(b.S, b.C)} groups for {b.S}x{b.C}")
@@ -140,7 +142,6 @@ def launcher(m, b: argparse.Namespace, op: str, cfg: str):
                                      weight=b.w.data_ptr(), bias=b.b.data_ptr(), cu_seqlens=b.cu.data_ptr(),
                                      initial_states=st(b.init), dfinal_states=st(b.fin), dinitial_states=st(b.fin_out),
                                      frag_info=0, workspace=b.pws.data_ptr(), workspace_bytes=b.pws.shape[0] * 4,
-                                     counters=b.counters.data_ptr(), counters_bytes=b.counters.shape[0] * 4,
                                      dweight=b.dw.data_ptr(), dbias=b.db.data_ptr(), S=S, C=C, x_row_stride=C,
                                      dy_row_stride=C, dx_row_stride=C, num_docs=b.docs, item_tokens=tokens,
                                      round_preact=1, device=dev, stream=stream)
@@ -148,9 +149,19 @@ def launcher(m, b: argparse.Namespace, op: str, cfg: str):
     return call
 
 
+def summation_order(cfg: str) -> tuple:
+    """What fixes the backward's dweight / dbias bits: the config's geometry (not its ring, CTAs
+    per SM or other macros)."""
+    threads, strip, _ring, _min_ctas, *rest = cfg.split("/")
+    vec = [v for v in rest if "=" not in v]
+    tokens = [kv for kv in rest if kv.startswith("ITEM_TOKENS=")]
+    return threads, strip, vec, tokens
+
+
 def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
     """The copy and every config on one shape (with states too when asked); a config whose
-    result is not bitwise the first config's is listed in differs."""
+    result is not bitwise the first config's (dweight and dbias: the first config of the same
+    summation order's) is listed in differs."""
     small = b.S * b.C <= 16 * 2**20
     row = {"S": b.S, "C": b.C, "docs": b.docs, "copy": median_ms(b.copy, b.k)}
     if small:
@@ -162,6 +173,9 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
             call(0, states=states)
             got = (b.ys[0].clone(), b.fin_out.clone() if states else None)
             ref = refs.setdefault(states, got)
+            if args.op == "bwd":
+                got += (b.dw.clone(), b.db.clone())
+                ref += refs.setdefault((states, summation_order(c)), got)[2:]
             if not all(r is None or torch.equal(r, g) for r, g in zip(ref, got)):
                 differs.append(f"{b.S}x{b.C} d{b.docs}: {c}{' with states' if states else ''} differs from the first")
             row[c + (" states" if states else "")] = median_ms(lambda i: call(i, states=states), b.k)

@@ -478,7 +478,7 @@ def test_bitwise_deterministic(weight_dtype, bias_dtype, policy):
 
 def garbage(n, seed):
     """n FP32 words of every kind of leftover: NaN, infinities, random bit patterns, small
-    integers (a counter's), -1 (all ones), zeros."""
+    integers, -1 (all ones), zeros."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     bits = torch.randint(-2**31, 2**31 - 1, (n,), device=DEV, dtype=I32, generator=g)
     kinds = torch.randint(0, 6, (n,), device=DEV, generator=g)
@@ -491,9 +491,9 @@ def garbage(n, seed):
 
 
 def test_default_workspace_grows_and_shrinking_calls_stay_exact():
-    """Calls of growing and shrinking sizes on one stream share the default workspace and the
-    binding's counters (they grow with S and C), and one explicit workspace large enough for all
-    of them, never cleared: its content never matters."""
+    """Calls of growing and shrinking sizes on one stream share the default workspace (it grows
+    with S and C), and one explicit workspace large enough for all of them, never cleared: its
+    content never matters."""
     shapes = [(500, 264, 7), (65600, 2048, 40), (70000, 8, 3000), (5, 8, 2), (20000, 1000, 30), (131072, 8, 50)]
     shared = garbage(max(workspace_bytes(S, C, device()) for S, C, _ in shapes) // 4, seed=2)
     for i, (S, C, n_docs) in enumerate(shapes):
@@ -511,11 +511,10 @@ def test_default_workspace_grows_and_shrinking_calls_stay_exact():
 @pytest.mark.parametrize("weight_dtype, bias_dtype", [(F32, F32), (BF16, None), (F32, BF16)],
                          ids=["w_fp32-b_fp32", "w_bf16-b_none", "w_fp32-b_bf16"])
 def test_workspace_content_never_changes_a_result(weight_dtype, bias_dtype):
-    """A caller's workspace is scratch: NaN, random bits, counter-like small integers or another
-    shape's leftovers give bitwise the result of a fresh one, call after call on the same buffer.
-    (When the tree's counters lived in it, one non-zero word corrupted dweight / dbias silently,
-    and every later call with it.)"""
-    S, C = 70000, 1000  # 69 token groups per channel tile: a tree of 3 levels
+    """A caller's workspace is scratch: NaN, random bits, small integers or another shape's
+    leftovers give bitwise the result of a fresh one, call after call on the same buffer (every row
+    the reduction reads, the same call wrote first)."""
+    S, C = 70000, 1000  # 69 token groups: a tree of 3 levels, two reduction passes
     x, w, b, dy = make_inputs(S, C, seed=91, weight_dtype=weight_dtype, bias_dtype=bias_dtype)
     cu = make_cu(S, split(S, 300, random.Random(91)))
     want = backward_into(x, w, cu, dy, b, "bf16", workspace=new_workspace(S, C, device()))
@@ -527,94 +526,51 @@ def test_workspace_content_never_changes_a_result(weight_dtype, bias_dtype):
     for value in (float("nan"), float("inf"), 1.0, -1.0):
         ws.fill_(value)
         assert_same_grads(backward_into(x, w, cu, dy, b, "bf16", workspace=ws), want, f"workspace of {value}: ")
-    ws.view(I32).fill_(1)  # every word a counter that is one ahead
+    ws.view(I32).fill_(1)  # every word the integer 1
     assert_same_grads(backward_into(x, w, cu, dy, b, "bf16", workspace=ws), want, "workspace of int32 ones: ")
     x2, w2, b2, dy2 = make_inputs(4096, 2048, seed=92, weight_dtype=weight_dtype, bias_dtype=bias_dtype)
     backward(x2, w2, make_cu(4096, [4096]), dy2, b2, "fp32", workspace=ws)  # another shape's leftovers
     assert_same_grads(backward_into(x, w, cu, dy, b, "bf16", workspace=ws), want, "another shape's leftovers: ")
 
 
-def c_entry_backward(module, x, w, b, cu, dy, counters):
-    """The backward through the kernel module's C entry with the caller's counter words (int64
-    tensor) and a garbage workspace; returns NaN-poisoned-then-written (dx, dweight, dbias)."""
+def tree_fold(nodes):
+    """One level of the fixed reduction tree in FP32: node k is 0 + nodes 8k .. 8k + 7, added in
+    order (torch's FP32 adds are IEEE adds, as the kernel's)."""
+    out = []
+    for k in range(0, nodes.shape[0], 8):
+        acc = torch.zeros_like(nodes[0])
+        for child in nodes[k:k + 8]:
+            acc = acc + child
+        out.append(acc)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("weight_dtype", [F32, BF16], ids=["w_fp32", "w_bf16"])
+@pytest.mark.parametrize("S, C, passes", [(4096, 4096, 1), (200000, 1000, 2)], ids=["32_groups", "196_groups"])
+def test_dweight_is_the_fixed_tree_of_the_partial_rows(S, C, passes, weight_dtype):
+    """dweight / dbias are the fixed tree over the token groups' partial rows, bitwise: every node
+    0 + its up to 8 children in order. The workspace holds the rows afterwards: with up to 64
+    groups (one reduction pass) every group's row is intact, so the whole tree is recomputed here;
+    with 65-4096 (two passes) the first pass leaves the level-2 nodes in the rows of groups 0, 64,
+    ..., from which the second pass's root is recomputed (4 of them at 196 groups: their order
+    shows, where 2 would add commutatively)."""
     from flashinfer_cake import _plan
 
-    S, C = x.shape
-    dx, dw, db = poisoned_grads(x, w, b)
-    ws = garbage(_plan.workspace_bytes(S, C) // 4, seed=4)
-    rc = module.causal_conv1d_bwd(
-        x=x.data_ptr(), dy=dy.data_ptr(), dx=dx.data_ptr(), weight=w.data_ptr(), bias=b.data_ptr(),
-        cu_seqlens=cu.data_ptr(), initial_states=0, dfinal_states=0, dinitial_states=0, frag_info=0,
-        workspace=ws.data_ptr(), workspace_bytes=ws.numel() * 4, counters=counters.data_ptr(),
-        counters_bytes=counters.numel() * 8, dweight=dw.data_ptr(), dbias=db.data_ptr(), S=S, C=C,
-        x_row_stride=C, dy_row_stride=C, dx_row_stride=C, num_docs=cu.numel() - 1,
-        item_tokens=_plan.item_tokens(S, C), round_preact=1, device=x.get_device(),
-        stream=torch.cuda.current_stream().cuda_stream)
-    assert rc == 0, module.last_error_message()
+    x, w, b, dy = make_inputs(S, C, seed=94, weight_dtype=weight_dtype, bias_dtype=F32)
+    cu = make_cu(S, split(S, 40, random.Random(94)))
+    ws = garbage(workspace_bytes(S, C, device()) // 4, seed=6)
+    grads = backward_into(x, w, cu, dy, b, "bf16", workspace=ws)
     sync()
-    return dx, dw, db
-
-
-@pytest.mark.parametrize("S", [70000, 1024], ids=["3_levels", "1_level"])
-def test_counters_of_any_content_are_loud_and_left_zero(S):
-    """The C entry's counter words: zero before the first launch, left zero by every launch. A
-    word of any other content (one ahead, another launch's leftover, random bits) makes the
-    channel tile's dweight/dbias NaN (never a wrong number), is counted in word 0, and is zero
-    afterwards, so the next launch with the buffer is exact again; dx and the other tiles are
-    untouched by it. 70000 tokens: 69 token groups, a tree of 3 levels (9, 2 and 1 nodes per tile);
-    1024: 8 groups, one level, whose last CTA writes dweight itself."""
-    from flashinfer_cake import _plan, jit
-
-    C = 1000
-    TILE = 128  # channels per tile of the C > 64 routes (32 lanes x 4 channels)
-    tiles = -(-C // TILE)
-    x, w, b, dy = make_inputs(S, C, seed=93)
-    cu = make_cu(S, split(S, max(S // 200, 2), random.Random(93)))
-    want = backward(x, w, cu, dy, b, "bf16")
-    module = jit.load(jit.variant_spec("fp32", "fp32", "sm_90a"))
-    words = _plan.tree_words(-(-S // _plan.item_tokens(S, C)))
-    used = {t: [1 + t * words + k for k in range(words)] for t in range(tiles)}  # tile t's: every node's
-    counters = torch.zeros(_plan.counter_bytes(S, C) // 8, dtype=torch.int64, device=DEV)
-
-    for i in range(2):  # clean buffer: exact, and zero again
-        assert_same_grads(c_entry_backward(module, x, w, b, cu, dy, counters), want, f"clean, launch {i}: ")
-        assert counters.count_nonzero().item() == 0, f"launch {i} left counters non-zero"
-
-    def expect_poisoned_tiles(got, poisoned, what):
-        dx, dw, db = got
-        assert same_bits(dx, want[0]), f"{what}: dx changed"
-        bad = torch.zeros(C, dtype=torch.bool, device=DEV)
-        for t in poisoned:
-            bad[t * TILE:(t + 1) * TILE] = True
-        assert dw[bad].isnan().all() and db[bad].isnan().all(), f"{what}: a poisoned tile is not all NaN"
-        assert same_bits(dw[~bad], want[1][~bad]) and same_bits(db[~bad], want[2][~bad]), f"{what}: other tiles changed"
-
-    cases = [  # (what, tile, word index, value)
-        ("a level-1 word one ahead", 0, used[0][0], 1),
-        ("the last word of another launch", 3, used[3][-1], (0x12345678 << 32) | 5),
-        ("a middle word of all ones", tiles - 1, used[tiles - 1][words // 2], -1),
-    ]
-    for what, tile, index, value in cases:
-        before = counters[0].item()
-        counters[index] = value
-        expect_poisoned_tiles(c_entry_backward(module, x, w, b, cu, dy, counters), [tile], what)
-        assert counters[0].item() == before + 1, f"{what}: not counted in word 0"
-        assert counters[1:].count_nonzero().item() == 0, f"{what}: a word left non-zero"
-        assert_same_grads(c_entry_backward(module, x, w, b, cu, dy, counters), want, f"{what}, next launch: ")
-
-    # Every word random (non-zero): every tile NaN; the words used zero afterwards, the rest kept.
-    g = torch.Generator(device=DEV).manual_seed(5)
-    junk = torch.randint(1, 2**62, counters.shape, device=DEV, dtype=torch.int64, generator=g)
-    counters.copy_(junk)
-    counters[0] = 0
-    expect_poisoned_tiles(c_entry_backward(module, x, w, b, cu, dy, counters), range(tiles), "random words")
-    is_used = torch.zeros(counters.shape, dtype=torch.bool, device=DEV)
-    is_used[[i for words in used.values() for i in words]] = True
-    assert counters[is_used].count_nonzero().item() == 0, "random words: a used word left non-zero"
-    is_used[0] = True
-    assert torch.equal(counters[~is_used], junk[~is_used]), "random words: an unused word changed"
-    assert counters[0].item() == sum(map(len, used.values())), "random words: take-overs not counted"
-    assert_same_grads(c_entry_backward(module, x, w, b, cu, dy, counters), want, "random words, next launch: ")
+    assert_grads_match_reference(grads, x, w, cu, dy, b, "bf16")
+    groups = -(-S // _plan.item_tokens(S, C))
+    assert (passes == 1) == (groups <= 64) and groups <= 4096 and (passes == 1 or groups > 3 * 64), groups
+    rows = ws[:groups * 5 * C].view(groups, 5, C)
+    nodes = tree_fold(rows if passes == 1 else rows[::64])
+    while nodes.shape[0] > 1:
+        nodes = tree_fold(nodes)
+    root = nodes[0]
+    assert same_bits(grads[1], root[:4].t().contiguous().to(weight_dtype)), "dweight is not the tree's root"
+    assert same_bits(grads[2], root[4].contiguous()), "dbias is not the tree's root"
 
 
 # ---------------------------------------------------------------------------------------------

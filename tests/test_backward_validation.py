@@ -428,8 +428,7 @@ def test_workspace_bytes_properties():
             assert n % 4 == 0, (s, c, n)
             if s > 0:
                 # Between one FP32 partial row of the four taps and the bias per channel per
-                # 1024 tokens and one per 64 tokens (rounded up); the tree's counters are not in
-                # it (the package keeps them).
+                # 1024 tokens and one per 64 tokens (rounded up).
                 assert 20 * c * -(-s // 1024) <= n <= 20 * c * -(-s // 64), (s, c, n)
     # The same whatever form the device argument takes.
     assert workspace_bytes(4097, 264, "cpu") == workspace_bytes(4097, 264, torch.device("cpu"))

@@ -34,15 +34,12 @@ int main() {
               (long long)kMaxDevices, (long long)kFwdMaxS, (long long)kFwdMaxElements, (long long)kBwdMaxS,
               (long long)kBwdMaxElements, (long long)kMaxC, (long long)kMaxCuSeqlens, (long long)kFwdWorkspaceCounters);
   std::printf("\"cp\": [%d, %d],\n", kCpHeadMask, kCpContinues);
-  std::printf("\"tree_words\": [");
-  for (int g = 0; g <= 5000; ++g) std::printf("%s%lld", g > 0 ? ", " : "", (long long)bwd_tree_words(g));
-  std::printf("],\n\"fwd_args\": \"%s\", \"bwd_args\": \"%s\", \"plan\": [", kFwdArgNames, kBwdArgNames);
+  std::printf("\"fwd_args\": \"%s\", \"bwd_args\": \"%s\", \"plan\": [", kFwdArgNames, kBwdArgNames);
   long long S, C;
   const char* sep = "";
   while (std::scanf("%lld %lld", &S, &C) == 2) {
-    std::printf("%s[%lld, %lld, %lld, %lld, %lld, %lld, %lld]", sep, S, C, (long long)bwd_groups(S, C), (long long)bwd_groups_bound(S, C),
-                (long long)bwd_item_tokens(S, C), (long long)bwd_workspace_bytes(S, C),
-                (long long)bwd_counter_bytes(S, C));
+    std::printf("%s[%lld, %lld, %lld, %lld, %lld, %lld]", sep, S, C, (long long)bwd_groups(S, C), (long long)bwd_groups_bound(S, C),
+                (long long)bwd_item_tokens(S, C), (long long)bwd_workspace_bytes(S, C));
     sep = ", ";
   }
   std::printf("]}\n");
@@ -83,8 +80,7 @@ def test_argument_structs_hold_what_the_binding_and_tools_pass(header):
                                           "device", "stream"]
     assert header["bwd_args"].split() == ["x", "dy", "dx", "weight", "bias", "cu_seqlens", "initial_states",
                                           "dfinal_states", "dinitial_states", "frag_info", "workspace",
-                                          "workspace_bytes", "counters", "counters_bytes", "dweight", "dbias", "S",
-                                          "C", "x_row_stride", "dy_row_stride", "dx_row_stride", "num_docs",
+                                          "workspace_bytes", "dweight", "dbias", "S", "C", "x_row_stride", "dy_row_stride", "dx_row_stride", "num_docs",
                                           "item_tokens", "round_preact", "device", "stream"]
 
 
@@ -95,33 +91,20 @@ def test_context_parallel_constants_match(header):
 
 
 def test_backward_plan_matches(header):
-    for S, C, groups, bound, item_tokens, ws_bytes, counter_bytes in header["plan"]:
-        python = (_plan.groups(S, C), _plan.groups_bound(S, C), _plan.item_tokens(S, C), _plan.workspace_bytes(S, C),
-                  _plan.counter_bytes(S, C))
-        assert python == (groups, bound, item_tokens, ws_bytes, counter_bytes), (S, C)
-
-
-def test_tree_words_match(header):
-    """Counter words per channel tile of the reduction tree over 0..5000 token groups: one per
-    node of each level of 8-way nodes (levels ceil(log8(groups)), at least one; none for no
-    groups: S = 0 launches nothing)."""
-    assert header["tree_words"] == [_plan.tree_words(g) for g in range(0, 5001)]
-    assert _plan.tree_words(0) == 0
-    for g in (1, 8, 9, 64, 65, 512, 513, 4096, 4097):
-        levels = next(lv for lv in range(1, 12) if 8**lv >= g)
-        assert _plan.tree_words(g) == sum(-(-g // 8**lv) for lv in range(1, levels + 1)), g
+    for S, C, groups, bound, item_tokens, ws_bytes in header["plan"]:
+        python = (_plan.groups(S, C), _plan.groups_bound(S, C), _plan.item_tokens(S, C), _plan.workspace_bytes(S, C))
+        assert python == (groups, bound, item_tokens, ws_bytes), (S, C)
 
 
 @pytest.mark.parametrize("C", sorted({C for _, C in SIZES}))
 def test_backward_plan_properties(C):
-    previous = (0, 0)
+    previous = 0
     for S in sorted(S for S, c in SIZES if c == C):
-        item_tokens, ws_bytes, counter_bytes = _plan.item_tokens(S, C), _plan.workspace_bytes(S, C), _plan.counter_bytes(S, C)
+        item_tokens, ws_bytes = _plan.item_tokens(S, C), _plan.workspace_bytes(S, C)
         assert item_tokens % 64 == 0 and 64 <= item_tokens <= 1024, (S, C, item_tokens)
         groups = -(-S // item_tokens)
         assert groups <= _plan.groups(S, C) <= _plan.groups_bound(S, C), (S, C)  # the tokens cover S
         assert ws_bytes >= groups * 5 * C * 4, (S, C)  # a partial row set per group
-        assert counter_bytes >= (1 + -(-C // 32) * _plan.tree_words(groups)) * 8 if S else counter_bytes == 0, (S, C)
         # A buffer for the largest S serves every smaller one.
-        assert (ws_bytes, counter_bytes) >= previous and counter_bytes >= previous[1], (S, C)
-        previous = (ws_bytes, counter_bytes)
+        assert ws_bytes >= previous, (S, C)
+        previous = ws_bytes

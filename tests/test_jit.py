@@ -401,8 +401,7 @@ def test_built_module_entries(built_cache, name, monkeypatch):
     def bwd(**at):
         args = dict(x=aligned, dy=aligned, dx=aligned, weight=aligned, bias=aligned, cu_seqlens=aligned,
                     initial_states=0, dfinal_states=0, dinitial_states=0, frag_info=0, workspace=aligned,
-                    workspace_bytes=1 << 20,
-                    counters=aligned, counters_bytes=1 << 20, dweight=aligned, dbias=aligned, S=128, C=8,
+                    workspace_bytes=1 << 20, dweight=aligned, dbias=aligned, S=128, C=8,
                     x_row_stride=8, dy_row_stride=8, dx_row_stride=8, num_docs=1, item_tokens=64, round_preact=1,
                     device=0, stream=0)
         return m.causal_conv1d_bwd(**{**args, **at})
@@ -414,12 +413,9 @@ def test_built_module_entries(built_cache, name, monkeypatch):
         ({"item_tokens": 1088}, "item_tokens must be a positive multiple of 64 up to 1024"),
         ({"round_preact": 2**32 + 1}, "round_preact must be 0 or 1"),
         ({"workspace_bytes": 5 * 8 * 4 * 2 - 4}, "workspace: expected at least 320 bytes"),  # 2 groups' rows
-        ({"counters_bytes": 8}, "counters: expected at least 16 bytes"),  # 64-bit words: 1 + 1 tile x 1 tree node
         ({"workspace": aligned + 4}, "workspace: expected a non-null 16-byte aligned pointer"),  # 16-byte loads
         ({"dy": aligned + 8}, "dy: expected a non-null 16-byte aligned pointer"),
         ({"cu_seqlens": aligned + 2}, "cu_seqlens: expected a non-null 4-byte aligned pointer"),
-        ({"counters": 0}, "counters: expected a non-null 8-byte aligned pointer"),
-        ({"counters": aligned + 4}, "counters: expected a non-null 8-byte aligned pointer"),
         ({"initial_states": aligned}, "dinitial_states: expected exactly when initial_states is given"),
         # frag_info (the context-parallel backward's): only with initial_states, without dfinal_states
         ({"frag_info": aligned}, "frag_info: expected a 4-byte aligned pointer, only with initial_states"),

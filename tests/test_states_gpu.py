@@ -384,8 +384,9 @@ def _item_edge_docs(S, tokens, groups, rng):
 
 
 def launched_item_choice(call):
-    """Whether the one backward kernel call() launches is the item-choice instance: kItemChoice is
-    the kernel template's last argument, read from the profiler's (demangled) kernel name."""
+    """Whether the streaming kernel call() launches (one; the reduction passes are another kernel)
+    is the item-choice instance: kItemChoice is the kernel template's last argument, read from the
+    profiler's (demangled) kernel name."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

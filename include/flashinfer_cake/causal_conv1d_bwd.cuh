@@ -10,7 +10,7 @@
 // plus the final states' gradient, added to the dx (or dinit) rows the final states came from.
 // Framework-free: raw device pointers, sizes, row strides and a cudaStream_t.
 //
-// One kernel. It streams x and dy once: a CTA owns an item of item_tokens tokens x
+// Two kernels. The first streams x and dy once: a CTA owns an item of item_tokens tokens x
 // kTileChannels channels; a thread owns kVec channels (4: an 8-byte row vector, so the windows,
 // taps and sums of the backward fit in ~110 registers, 4 CTAs of 128 threads per SM) of one
 // kStripLen-token strip at a time and walks x[t0 - 3, t0 + L + 3) and dy[t0, t0 + L + 3) through
@@ -18,25 +18,12 @@
 // t0 .. t0 + L - 1 (dx[s] needs g up to s + 3, the 3-token lookahead, recomputed by the next
 // strip too). Each thread sums g*x and g over its strips' own tokens in registers; at the end of
 // the item the CTA adds its strips in strip order and writes one partial row per channel to the
-// workspace: partials[item's token group][5][C]. Integer counters then pick, per channel tile,
-// the last CTA to finish under each node of a fixed tree (8 groups per node, 8 nodes per node of
-// the level above, up to one root) to add the node's children in order, so dweight and dbias are
-// bitwise identical run to run whatever the scheduling (no float atomics anywhere). Every row is
-// written before it is read, so the workspace may hold anything on entry. One launch, where a
-// separate reduction kernel cost a second one (~4 µs of host time).
-//
-// The counters (a buffer of their own, kept by the caller of the C entry) are 64-bit words: the
-// launch's tag (high half, a new one per C-entry call), an error bit, the count. Each CTA opens the
-// words of its ancestors in the tree at its start: a zero word becomes the launch's (count 0); a
-// word of any other content (a leftover of another launch, garbage) is taken over, marked with the
-// error bit, and word 0 of the buffer counts it. So no start value (other than one carrying this
-// launch's own tag, which is trusted) can make a node's sum fire early or never: the count is this
-// launch's own. The error bit reaches the reducer of the word, which writes NaN instead of its sum
-// (a node's NaN reaches the tile's dweight/dbias): a buffer that was not zero makes the result
-// loud, never wrong. Every word a launch uses is zero again afterwards (word 0 keeps the count of
-// take-overs for the caller to read; words of other shapes' layouts keep what they hold). A graph
-// replays its launch's tag. Launches that may run at once need a buffer each, as with the
-// workspace: two sharing one is undefined and not reliably detected (their counts mix).
+// workspace: partials[item's token group][5][C]. A second kernel (causal_conv1d_bwd_reduce_kernel,
+// launched with programmatic dependent launch, so it is resident and waiting when the streaming
+// kernel ends) adds them up a fixed tree (8 groups per node, 8 nodes per node of the level above,
+// up to one root) into dweight and dbias: bitwise identical run to run (no float atomics
+// anywhere), and the last CTAs of the stream no longer pay the tree's dependent round trips.
+// Every row is written before it is read, so the workspace may hold anything on entry.
 //
 // Document positions: min(position in document, 3) of the item's tokens and the 3 after it, one
 // byte each in shared memory, found once per item by scan_positions (a CTA-wide pivot search,
@@ -55,13 +42,6 @@
 #include "causal_conv1d_bwd_plan.h"
 #include "causal_conv1d_common.cuh"
 
-#ifndef CAKE_BWD_SUM_LOADS
-// 16-byte loads in flight per thread when adding partial rows. 12 or 16 raised the stateless
-// kernels from 117-119 to 128 registers (the stateful ones are at 128 anyway) and were slower than
-// 8 (4096x4096 graph 38.4 / 40.5 / 39.2 us with 8 / 12 / 16, 65536x128 35.5 / 49.2 / 42.2 us;
-// tune.py SUM_LOADS, H200).
-#define CAKE_BWD_SUM_LOADS 8
-#endif
 
 namespace flashinfer_cake {
 
@@ -77,8 +57,6 @@ struct CausalConv1dBwdParams {
   __nv_bfloat16* dinitial_states;       // [num_docs, 3, C], given iff initial_states is
   const int32_t* frag_info;  // [num_docs] or null: the CP backward's (scan_documents)
   float* partials;          // workspace: [groups][kBwdPartialRows][C], any content on entry
-  unsigned long long* counters;  // word 0: take-overs; then per channel tile, tree_words
-  uint32_t counter_tag;     // this launch's tag: never 0
   void* dweight;            // [C, 4], WeightT
   void* dbias;              // [C], BiasT (unused for NoBias)
   int32_t S;
@@ -86,7 +64,6 @@ struct CausalConv1dBwdParams {
   int32_t num_docs;
   int32_t item_tokens;  // tokens of one token group, a multiple of kStripLen
   int32_t groups;       // ceil(S / item_tokens)
-  int32_t tree_words;   // counter words per channel tile: bwd_tree_words(groups)
   int32_t tiles_c;      // channel tiles per token group
   int32_t round_preact;  // 1: silu' at the pre-activation rounded to BF16; 0: at the FP32 value
   uint32_t x_row_stride;  // in kVec-channel vectors
@@ -147,112 +124,21 @@ __device__ __forceinline__ void store_param<__nv_bfloat16>(void* base, int i, fl
   static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(v);
 }
 
-// Sums, for each (row q, channel c) of channel tile tile_c, the partial rows of `count` groups
-// first, first + step, ... in that order, starting from init (0, or NaN to poison the result);
-// the sum goes back into group `first`'s row (into_first) or to sink(q, c, sum). The rows were
-// written by other SMs: read through L2 (.cg), 16 bytes (4 channels) per load, several rows in
-// flight per thread. Each batch of rows is an L2 round trip on the grid's tail (the last CTAs to
-// finish wait on it), so the loads are as wide and as many as registers allow.
-template <int kThreads, int kTileChannels, class Sink>
-__device__ __forceinline__ void sum_partial_rows(const CausalConv1dBwdParams& p, int tile_c, int first, int step,
-                                                 int count, bool into_first, float init, Sink sink) {
-  constexpr int kQuads = kTileChannels / 4;  // 16-byte loads per row of the tile
-  constexpr int kElems = (kBwdPartialRows * kQuads + kThreads - 1) / kThreads;
-  constexpr int kLoads = CAKE_BWD_SUM_LOADS;  // 16-byte loads in flight per thread
-  constexpr int kRows = kLoads / kElems > 8 ? 8 : (kLoads / kElems > 0 ? kLoads / kElems : 1);
-  const size_t group_stride = static_cast<size_t>(kBwdPartialRows) * p.C;
-  const size_t row_step = group_stride * step;
-  const float4* base[kElems];
-  bool ok[kElems];
-  float4 sum[kElems];
-#pragma unroll
-  for (int e = 0; e < kElems; ++e) {
-    const int idx = threadIdx.x + e * kThreads;
-    const int q = idx / kQuads;  // 0..3 tap, 4 the sum of g
-    const int c = tile_c * kTileChannels + 4 * (idx - q * kQuads);  // C % 8 == 0: c < C means c + 3 < C
-    ok[e] = idx < kBwdPartialRows * kQuads && c < p.C;
-    base[e] = reinterpret_cast<const float4*>(p.partials + static_cast<size_t>(first) * group_stride +
-                                              static_cast<size_t>(q) * p.C + c);
-    sum[e] = make_float4(init, init, init, init);
-  }
-  for (int r0 = 0; r0 < count; r0 += kRows) {
-    float4 v[kRows][kElems];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int e = 0; e < kElems; ++e) {
-        if (ok[e] && r0 + r < count) v[r][e] = __ldcg(base[e] + (r0 + r) * (row_step / 4));
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int e = 0; e < kElems; ++e) {
-        if (ok[e] && r0 + r < count) {
-          sum[e].x += v[r][e].x;
-          sum[e].y += v[r][e].y;
-          sum[e].z += v[r][e].z;
-          sum[e].w += v[r][e].w;
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < kElems; ++e) {
-    if (!ok[e]) continue;
-    if (into_first) {
-      __stcg(const_cast<float4*>(base[e]), sum[e]);
-    } else {
-      const int idx = threadIdx.x + e * kThreads;
-      const int q = idx / kQuads;
-      const int c = tile_c * kTileChannels + 4 * (idx - q * kQuads);
-      sink(q, c, sum[e].x);
-      sink(q, c + 1, sum[e].y);
-      sink(q, c + 2, sum[e].z);
-      sink(q, c + 3, sum[e].w);
-    }
-  }
+// Programmatic dependent launch (sm_90 and later; the modules are built for sm_90a): a grid launched
+// after this one with the programmatic-serialization attribute may start once every CTA of this
+// grid has run this.
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
-// Counter words: tag << 32 | kCounterError | count.
-constexpr unsigned long long kCounterError = 1ull << 31;
-constexpr unsigned long long kCounterCount = kCounterError - 1;
-
-// Makes *c this launch's word: from zero, or taken over (marked, counted in *takeovers) from any
-// other content. `seen` is what an earlier atomicCAS(c, 0, tag << 32) returned (issued early, so
-// its latency hides behind the position search).
-__device__ __forceinline__ void finish_open(unsigned long long* c, unsigned long long seen, uint32_t tag,
-                                            unsigned long long* takeovers) {
-  const unsigned long long mine = static_cast<unsigned long long>(tag) << 32;
-  while (seen != 0 && (seen >> 32) != tag) {
-    const unsigned long long before = atomicCAS(c, seen, mine | kCounterError);
-    if (before == seen) {
-      atomicAdd(takeovers, 1ull);
-      return;
-    }
-    seen = before;
-  }
-}
-
-// Moves counter word *c (opened by this launch) by one; true in the CTA whose move completed
-// `target` moves (every thread sees it), with *error set when the word was taken over (or holds
-// another launch's tag, which only launches sharing the buffer at once, undefined, can cause).
-// Every thread's earlier global writes are visible device-wide before the move, and the CTA that
-// completes it reads the others' writes after a fence of its own.
-__device__ __forceinline__ bool arrive_last(unsigned long long* c, int target, uint32_t tag, bool* error) {
-  __shared__ bool s_last, s_error;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned long long before = atomicAdd(c, 1ull);
-    s_last = (before & kCounterCount) == static_cast<unsigned long long>(target - 1);
-    s_error = (before & kCounterError) || (before >> 32) != tag;
-  }
-  __syncthreads();
-  const bool last = s_last;
-  *error = s_error;
-  if (last) __threadfence();
-  return last;
+// Waits until the grid this one was launched after has ended and its writes are visible (a no-op
+// without the attribute: stream order already guarantees it).
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 }  // namespace detail
@@ -266,6 +152,9 @@ template <class Traits, class WeightT, class BiasT, bool kRoundPreact, bool kSta
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   static_assert(kStates || !kItemChoice, "the item choice is a choice between state events and none");
+  // The reduce kernel may be scheduled once every CTA of this grid has started (it waits for the
+  // whole grid's end before reading the partial rows).
+  detail::launch_dependents();
   constexpr int L = Traits::kStripLen;
   constexpr int R = Traits::kRing;
   constexpr int N = L + 6;  // x rows a strip reads: 3 before t0, its L tokens, 3 of lookahead
@@ -305,29 +194,6 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const int launch_group = blockIdx.x / p.tiles_c;
   const int tile_c = blockIdx.x - launch_group * p.tiles_c;
   const int group = launch_group == 0 ? p.groups - 1 : launch_group - 1;
-  // The reduction tree's counter words of this CTA: its group's ancestor at each level (level l
-  // nodes add kBwdChunk nodes of level l - 1; a tile's words are level 1's nodes, then level
-  // 2's, ...). Every CTA opens its ancestors' words now (so each word is open before any arrival on
-  // it: an arrival comes from a CTA below it); the open finishes after the position search.
-  unsigned long long* const tree = p.counters + 1 + static_cast<size_t>(tile_c) * p.tree_words;
-  unsigned long long seen[kBwdMaxTreeLevels];
-  const auto for_each_ancestor = [&](auto&& f) {  // f(level - 1, word index in the tile)
-    int nodes = p.groups, node = group, words = 0;
-#pragma unroll
-    for (int l = 0; l < kBwdMaxTreeLevels; ++l) {
-      if (l == 0 || nodes > 1) {
-        nodes = (nodes + kBwdChunk - 1) / kBwdChunk;
-        node /= kBwdChunk;
-        f(l, words + node);
-        words += nodes;
-      }
-    }
-  };
-  if (threadIdx.x == 0) {
-    for_each_ancestor([&](int l, int word) {
-      seen[l] = atomicCAS(tree + word, 0ull, static_cast<unsigned long long>(p.counter_tag) << 32);
-    });
-  }
   const int vec = tile_c * Traits::kLanesC + lane_c;  // my row-vector column
   const uint32_t vecs_per_row = p.C / V;
   const bool active = static_cast<uint32_t>(vec) < vecs_per_row;
@@ -391,9 +257,6 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     }
   } else {
     detail::scan_positions<T>(p.cu_seqlens, p.num_docs, item_t0, p.item_tokens + 3, s_flags, s_pos);
-  }
-  if (threadIdx.x == 0) {
-    for_each_ancestor([&](int l, int word) { detail::finish_open(tree + word, seen[l], p.counter_tag, p.counters); });
   }
   __syncthreads();
 
@@ -647,33 +510,87 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     for (int s = 0; s < Traits::kStrips; ++s) sum += src[s * Traits::kLanesC];
     rows[q * p.C + c] = sum;
   }
+}
 
-  // dweight / dbias: a fixed tree over the token groups, summed by whichever CTAs finish last.
-  // At each level the last CTA to arrive at a node adds the rows of its up to kBwdChunk children
-  // in order into its first group's row; the root's goes to dweight / dbias. A word taken over
-  // poisons its node's sum (NaN, carried up to the root). Every word used is left zero.
-  const float kNaN = __int_as_float(0x7fffffff);
-  const auto param_sink = [&](int q, int c, float sum) {
-    if (q < 4) {
-      detail::store_param<WeightT>(p.dweight, c * 4 + q, sum);
-    } else if constexpr (detail::kHasBias<BiasT>) {
-      detail::store_param<BiasT>(p.dbias, c, sum);
+// One pass of the dweight/dbias reduction (the launcher's launch_bwd_reduce): two levels of the
+// fixed tree over the token groups. A node of level l + 1 is 0 + its up to kBwdChunk children of
+// level l, added in index order (level 0: the groups' partial rows); node i of level l is kept in
+// the row of group i * 8^l. The pass reads the `nodes` nodes of its level (rows `span` groups
+// apart) and writes the nodes two levels up; the last pass (one node there) writes the root to
+// dweight / dbias. When one level is left, the root is 0 + (0 + children): the same bits as 0 +
+// children, as a sum that starts at +0 is never -0 (round to nearest, no flush to zero). Each CTA
+// owns one node two levels up and kBwdReduceQuads column quads of the kBwdPartialRows * C
+// partial-row columns: warp k adds the up to 8 children of that node's child k (8 loads in flight
+// per thread, one L2 round trip), warp 0 adds the warps' sums in order. Launched with programmatic
+// dependent launch: its CTAs wait, resident, for the grid before them (the streaming kernel or
+// the previous pass) to end, so the stream's end is followed by one round trip per two levels
+// (4096x4096 graph-replayed 38.3 -> 35.4 us against the previous design, whose last CTAs to
+// finish added the tree behind counters: a fence, an atomic and the loads per level; tune.py,
+// H200, 2026-12-02).
+constexpr int kBwdReduceThreads = 256;
+constexpr int kBwdReduceQuads = 32;
+template <class WeightT, class BiasT>
+__global__ void __launch_bounds__(kBwdReduceThreads)
+causal_conv1d_bwd_reduce_kernel(const CausalConv1dBwdParams p, int nodes, int64_t span, bool last) {
+  static_assert(kBwdReduceThreads == kBwdChunk * kBwdReduceQuads, "a warp per child of the CTA's node");
+  detail::wait_for_prerequisite_grid();
+  if (!last) detail::launch_dependents();  // the next pass may become resident
+  __shared__ float4 s_mid[kBwdChunk][kBwdReduceQuads];
+  const int quads = kBwdPartialRows * p.C / 4;  // C % 8 == 0: a quad never straddles two rows
+  const int mid_nodes = (nodes + kBwdChunk - 1) / kBwdChunk;
+  const int quad_blocks = (quads + kBwdReduceQuads - 1) / kBwdReduceQuads;
+  const int top = blockIdx.x / quad_blocks;
+  const int lane = threadIdx.x % kBwdReduceQuads;
+  const int quad = (blockIdx.x - top * quad_blocks) * kBwdReduceQuads + lane;
+  const int k = threadIdx.x / kBwdReduceQuads;
+  const bool ok = quad < quads;
+  const size_t group_stride = static_cast<size_t>(kBwdPartialRows) * p.C;
+  const float4* const partials = reinterpret_cast<const float4*>(p.partials) + quad;
+  const int mid = top * kBwdChunk + k;
+  if (ok && mid < mid_nodes) {
+    const int children = min(kBwdChunk, nodes - mid * kBwdChunk);
+    const float4* const first = partials + static_cast<size_t>(mid) * kBwdChunk * span * (group_stride / 4);
+    float4 v[kBwdChunk];
+#pragma unroll
+    for (int i = 0; i < kBwdChunk; ++i) {
+      if (i < children) v[i] = __ldcg(first + i * span * (group_stride / 4));
     }
-  };
-  // The level below: its node count, this CTA's node there, groups per node there; the level's
-  // first word in the tile. (The same walk as for_each_ancestor's, and as bwd_tree_words counts.)
-  int below = p.groups, node = group, span = 1, words = 0;
-  for (;;) {
-    const int nodes = (below + kBwdChunk - 1) / kBwdChunk, parent = node / kBwdChunk;
-    const int children = min(kBwdChunk, below - parent * kBwdChunk);
-    bool error;
-    if (!detail::arrive_last(tree + words + parent, children, p.counter_tag, &error)) return;
-    const bool root = nodes == 1;
-    detail::sum_partial_rows<Traits::kThreads, Traits::kTileChannels>(
-        p, tile_c, parent * kBwdChunk * span, span, children, !root, error ? kNaN : 0.0f, param_sink);
-    if (threadIdx.x == 0) tree[words + parent] = 0;
-    if (root) return;
-    below = nodes, node = parent, span *= kBwdChunk, words += nodes;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int i = 0; i < kBwdChunk; ++i) {
+      if (i < children) {
+        sum.x += v[i].x;
+        sum.y += v[i].y;
+        sum.z += v[i].z;
+        sum.w += v[i].w;
+      }
+    }
+    s_mid[k][lane] = sum;
+  }
+  __syncthreads();
+  if (k != 0 || !ok) return;
+  const int count = min(kBwdChunk, mid_nodes - top * kBwdChunk);
+  float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i = 0; i < count; ++i) {
+    const float4 v = s_mid[i][lane];
+    sum.x += v.x;
+    sum.y += v.y;
+    sum.z += v.z;
+    sum.w += v.w;
+  }
+  if (!last) {
+    __stcg(const_cast<float4*>(partials) + static_cast<size_t>(top) * kBwdChunk * kBwdChunk * span * (group_stride / 4), sum);
+    return;
+  }
+  const int q = 4 * quad / p.C, c = 4 * quad - q * p.C;
+  const float f[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (q < 4) {
+      detail::store_param<WeightT>(p.dweight, (c + i) * 4 + q, f[i]);
+    } else if constexpr (detail::kHasBias<BiasT>) {
+      detail::store_param<BiasT>(p.dbias, c + i, f[i]);
+    }
   }
 }
 

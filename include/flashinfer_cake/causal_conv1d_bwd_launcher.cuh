@@ -1,9 +1,7 @@
-// Host side of the backward: the route rule (tile geometry from C), the launch (the kernel also
-// reduces dweight/dbias in order) and the C entry point's argument checks. No torch, no Python.
+// Host side of the backward: the route rule (tile geometry from C), the launches (the streaming
+// kernel, then the passes that reduce dweight/dbias in order) and the C entry point's argument
+// checks. No torch, no Python.
 #pragma once
-
-#include <atomic>
-#include <chrono>
 
 #include "causal_conv1d_bwd.cuh"
 #include "launch_common.cuh"
@@ -50,6 +48,37 @@ auto bwd_kernel_for(const CausalConv1dBwdParams& p) {
   return p.round_preact ? pick(std::true_type{}) : pick(std::false_type{});
 }
 
+// The reduction of the groups' partial rows into dweight / dbias: one pass per two levels of the
+// tree (a single pass up to 64 groups, two up to 4096, ...), each launched with programmatic
+// dependent launch after the grid before it (causal_conv1d_bwd_reduce_kernel). Stream order is
+// kept: a later launch without the attribute waits for the last pass as for any kernel. The
+// largest pass grid, quad blocks x ceil(groups / 64), stays below 2^18 CTAs within the C entry's
+// limits (S * C < 2^34, groups of >= 64 tokens; one group: C < 2^28, below 2^24).
+template <class WeightT, class BiasT>
+cudaError_t launch_bwd_reduce(const CausalConv1dBwdParams& p, cudaStream_t stream) {
+  const int64_t quad_blocks = ceil_div(int64_t(kBwdPartialRows) * p.C / 4, kBwdReduceQuads);
+  int64_t nodes = p.groups, span = 1;  // the pass's input level: its nodes, rows `span` groups apart
+  for (;;) {
+    const int64_t top_nodes = ceil_div(ceil_div(nodes, kBwdChunk), kBwdChunk);
+    const bool last = top_nodes == 1;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(quad_blocks * top_nodes));
+    config.blockDim = dim3(kBwdReduceThreads);
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    const cudaError_t e = cudaLaunchKernelEx(&config, causal_conv1d_bwd_reduce_kernel<WeightT, BiasT>, p,
+                                             static_cast<int>(nodes), span, last);
+    if (e != cudaSuccess) return fail(e, "backward reduce kernel launch failed: %s", cudaGetErrorString(e));
+    if (last) return cudaSuccess;
+    nodes = top_nodes;
+    span *= kBwdChunk * kBwdChunk;
+  }
+}
+
 template <class Traits, class WeightT, class BiasT, bool kMayChooseItems = false>
 cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t stream) {
   const int64_t vecs_per_row = p.C / Traits::kVec;
@@ -60,16 +89,13 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
     return fail(cudaErrorInvalidValue, "x: S * row stride = %lld elements is too large for the backward (must be below 2^%d)",
                 (long long)rows_span * Traits::kVec, 32 + (Traits::kVec == 8 ? 3 : 2));
   }
-  if (tiles_c > ceil_div(p.C, kBwdMinTileChannels)) {  // the counters hold a tree per kBwdMinTileChannels channels
-    return fail(cudaErrorInvalidValue, "C = %d: a channel tile of %d channels is too narrow for the counters", p.C, Traits::kTileChannels);
-  }
   p.tiles_c = static_cast<int32_t>(tiles_c);
   (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
   const auto kernel = bwd_kernel_for<Traits, WeightT, BiasT, kMayChooseItems>(p);
   kernel<<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
-  const cudaError_t e = cudaGetLastError();
+  cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(e, "backward kernel launch failed: %s", cudaGetErrorString(e));
-  return cudaSuccess;
+  return launch_bwd_reduce<WeightT, BiasT>(p, stream);
 }
 
 // S == 0: no token group, so no CTA reduces; dweight and dbias are zero, and every document is
@@ -102,7 +128,6 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 
 // Token groups (the item_tokens argument) must be a multiple of this.
 constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
-static_assert(kBwdChunk == 8, "kBwdMaxTreeLevels levels of 8-way nodes: at most 8^kBwdMaxTreeLevels groups");
 
 // The 4- and 2-lane routes' smallest grid: ~4 CTAs per SM on 132 SMs.
 constexpr int kBwdNarrowRouteMinGroups = 512;
@@ -153,19 +178,8 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
   return launch_causal_conv1d_bwd_route<Narrow8, WeightT, BiasT>(p, stream);
 }
 
-// A new tag for each launch's counter words (never 0, the free word), so a word holding anything
-// but this launch's tag is known not to be this launch's (causal_conv1d_bwd.cuh). Seeded from the
-// clock, so two modules sharing a buffer do not start from the same tag.
-inline uint32_t next_counter_tag() {
-  static std::atomic<uint32_t> next{static_cast<uint32_t>(
-      static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) * 2654435761ull)};
-  uint32_t tag = next.fetch_add(1, std::memory_order_relaxed);
-  while (tag == 0) tag = next.fetch_add(1, std::memory_order_relaxed);
-  return tag;
-}
-
 // The C entry point's body: re-checks what the binding validated (the module may be called
-// directly, e.g. with ctypes), selects the device, launches the kernel. Returns a cudaError_t
+// directly, e.g. with ctypes), selects the device, launches the kernels. Returns a cudaError_t
 // code; on failure the message is in last_error_buffer().
 template <class WeightT, class BiasT>
 cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
@@ -201,10 +215,6 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
       if (ptr % 16) return fail(cudaErrorInvalidValue, "%s: expected a 16-byte aligned pointer", name);
     }
   }
-  const int64_t need_counters = bwd_counter_bytes(a.S, a.C, a.item_tokens);
-  if (a.counters_bytes < need_counters) {
-    return fail(cudaErrorInvalidValue, "counters: expected at least %lld bytes, got %lld", (long long)need_counters, (long long)a.counters_bytes);
-  }
   void* const dweight = as_ptr<void>(a.dweight);
   void* const dbias = as_ptr<void>(a.dbias);
   if (!dweight || !aligned_to(dweight, sizeof(WeightT))) return fail(cudaErrorInvalidValue, "dweight: expected a non-null pointer aligned to its dtype");
@@ -228,8 +238,6 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
   p.dy_row_stride = static_cast<uint32_t>(dy_row_stride / CAKE_BWD_VEC);
   p.dx_row_stride = static_cast<uint32_t>(dx_row_stride / CAKE_BWD_VEC);
   p.partials = as_ptr<float>(a.workspace);
-  p.counters = as_ptr<unsigned long long>(a.counters);
-  p.counter_tag = next_counter_tag();
   if (a.S > 0) {
     if (!p.x || !aligned16(p.x)) return fail(cudaErrorInvalidValue, "x: expected a non-null 16-byte aligned pointer");
     if (!p.dy || !aligned16(p.dy)) return fail(cudaErrorInvalidValue, "dy: expected a non-null 16-byte aligned pointer");
@@ -238,7 +246,6 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
     if (detail::kHasBias<BiasT> && (!p.bias || !aligned16(p.bias))) return fail(cudaErrorInvalidValue, "bias: expected a non-null 16-byte aligned pointer");
     if (!p.cu_seqlens || !aligned_to(p.cu_seqlens, 4)) return fail(cudaErrorInvalidValue, "cu_seqlens: expected a non-null 4-byte aligned pointer");
     if (!p.partials || !aligned16(p.partials)) return fail(cudaErrorInvalidValue, "workspace: expected a non-null 16-byte aligned pointer");
-    if (!p.counters || !aligned_to(p.counters, 8)) return fail(cudaErrorInvalidValue, "counters: expected a non-null 8-byte aligned pointer");
   }
   p.dweight = dweight;
   p.dbias = dbias;
@@ -247,11 +254,6 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
   p.num_docs = static_cast<int32_t>(a.num_docs);
   p.item_tokens = static_cast<int32_t>(a.item_tokens);
   p.groups = static_cast<int32_t>(ceil_div(a.S, a.item_tokens));
-  if (p.groups > (int64_t(1) << (3 * kBwdMaxTreeLevels))) {  // (only a tuning strip under 64 tokens can)
-    return fail(cudaErrorInvalidValue, "item_tokens = %lld makes %d token groups, more than the reduction tree's %lld",
-                (long long)a.item_tokens, p.groups, (long long)(int64_t(1) << (3 * kBwdMaxTreeLevels)));
-  }
-  p.tree_words = static_cast<int32_t>(bwd_tree_words(p.groups));
   p.round_preact = static_cast<int32_t>(a.round_preact);
   return on_device(static_cast<int>(a.device),
                    [&] { return launch_causal_conv1d_bwd<WeightT, BiasT>(p, as_ptr<CUstream_st>(a.stream)); });

@@ -1,4 +1,4 @@
-// The backward's token groups, workspace and counter sizes: plain C++ (no CUDA, no torch), shared
+// The backward's token groups and workspace size: plain C++ (no CUDA, no torch), shared
 // by the kernels' launcher and the torch binding, so the sizes the binding allocates and the sizes
 // the launcher checks come from one place (flashinfer_cake/_plan.py mirrors it for the Python
 // layer, which must size a workspace before anything is built; tests/test_contract.py compares).
@@ -20,10 +20,6 @@ constexpr int kBwdMaxItemTokens = 1024;
 // Token groups are whole multiples of this many tokens (the shipped strip, CAKE_BWD_STRIP_LEN).
 constexpr int kBwdPlanStripLen = 64;
 
-// The counters hold one tree per kBwdMinTileChannels channels (a route's channel tile is at least
-// this wide, or C fits in one tile).
-constexpr int kBwdMinTileChannels = 32;
-
 // The routes of the shipped geometry (causal_conv1d_bwd_launcher.cuh checks): C above this many
 // channels runs 32 channel lanes, in CTAs of 128 threads when a token group has at least
 // kBwdPlanFullTileTokens tokens (one sub-tile of the full CTA), else of 64.
@@ -37,16 +33,11 @@ constexpr int kBwdPlanNarrowMaxC = 32;
 // below (level 0: the token groups), level after level up to a single root.
 constexpr int kBwdChunk = 8;
 
-// Levels of the tree the kernel walks at most: kBwdChunk^8 = 2^24 groups (S < 2^30 in groups of
-// 64 tokens or more; the C entry refuses more groups).
-constexpr int kBwdMaxTreeLevels = 8;
-
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The most token groups a backward of S tokens x C channels may use: about 1024 work items
 // (groups x 128-channel tiles) of 128 to 1024 tokens (fewer when S itself is shorter).
-// Non-decreasing in S, so the workspace and counters sized from it for the largest S serve every
-// smaller one.
+// Non-decreasing in S, so the workspace sized from it for the largest S serves every smaller one.
 inline int64_t bwd_groups_bound(int64_t S, int64_t C) {
   const int64_t for_items = ceil_div(1024, ceil_div(C, 128));
   return std::min(ceil_div(S, 128), std::max(ceil_div(S, kBwdMaxItemTokens), for_items));
@@ -78,46 +69,20 @@ inline int64_t bwd_groups(int64_t S, int64_t C) {
 // Tokens per group of a backward of S tokens x C channels (the item_tokens argument).
 inline int64_t bwd_item_tokens(int64_t S, int64_t C) { return bwd_tokens_per_group(S, bwd_groups(S, C)); }
 
-// The workspace: FP32 partial rows [groups][kBwdPartialRows][C]. Any content: every row a launch
-// reads was written by the same launch first.
+// The workspace: FP32 partial rows [groups][kBwdPartialRows][C]. Any content: every row a call
+// reads was written by the same call first (the streaming kernel, or an earlier reduction pass).
 inline int64_t bwd_workspace_bytes_for_groups(int64_t C, int64_t groups) {
   return groups * kBwdPartialRows * C * int64_t(sizeof(float));
 }
 
-// Counter words of one channel tile's reduction tree over `groups` token groups: one per node of
-// every level above the groups (a node per kBwdChunk nodes below, up to the root; one level when
-// groups <= kBwdChunk; none without groups).
-inline int64_t bwd_tree_words(int64_t groups) {
-  if (groups <= 0) return 0;
-  int64_t words = 0, n = groups;
-  do {
-    n = ceil_div(n, kBwdChunk);
-    words += n;
-  } while (n > 1);
-  return words;
-}
-
-// The reduction tree's counters: 64-bit words, word 0 the count of words a launch found not zero
-// (causal_conv1d_bwd.cuh), then per channel tile of kBwdMinTileChannels channels the tree's
-// bwd_tree_words(groups). Zero before the first launch; every launch leaves the words it uses zero
-// (the torch binding keeps them; a caller's workspace never holds them).
-inline int64_t bwd_counter_bytes_for_groups(int64_t C, int64_t groups) {
-  return groups == 0 ? 0 : (1 + ceil_div(C, kBwdMinTileChannels) * bwd_tree_words(groups)) * int64_t(sizeof(uint64_t));
-}
-
-// Workspace and counter bytes a backward of S tokens x C channels in token groups of item_tokens
-// tokens uses.
+// Workspace bytes a backward of S tokens x C channels in token groups of item_tokens tokens uses.
 inline int64_t bwd_workspace_bytes(int64_t S, int64_t C, int64_t item_tokens) {
   return bwd_workspace_bytes_for_groups(C, ceil_div(S, item_tokens));
-}
-inline int64_t bwd_counter_bytes(int64_t S, int64_t C, int64_t item_tokens) {
-  return bwd_counter_bytes_for_groups(C, ceil_div(S, item_tokens));
 }
 
 // What the caller provides: enough for bwd_groups_bound(S, C) token groups (at least
 // bwd_groups(S, C)); 0 when S == 0. Non-decreasing in S, so a buffer for the largest S serves
 // every smaller one.
 inline int64_t bwd_workspace_bytes(int64_t S, int64_t C) { return bwd_workspace_bytes_for_groups(C, bwd_groups_bound(S, C)); }
-inline int64_t bwd_counter_bytes(int64_t S, int64_t C) { return bwd_counter_bytes_for_groups(C, bwd_groups_bound(S, C)); }
 
 }  // namespace flashinfer_cake

@@ -51,10 +51,8 @@ constexpr int kCpContinues = 4;
 //             backward only, with initial_states given and dfinal_states null: int32 [num_docs],
 //             the fragments' frag_info; the halo rows of a fragment with offset 0 are not read (any
 //             content) and its dinitial_states rows are not written; scan_documents), workspace
-//             (FP32 partial rows, any content, 16-byte aligned) and its size in bytes, counters
-//             (64-bit words, zero before the first launch; any other content poisons that launch's
-//             dweight/dbias with NaN and is counted in word 0, causal_conv1d_bwd.cuh; every launch
-//             leaves the words it uses zero) and their size in bytes, dweight, dbias, S, C,
+//             (FP32 partial rows, any content, 16-byte aligned; read by the reduction kernels the
+//             call launches after the streaming one) and its size in bytes, dweight, dbias, S, C,
 //             x_row_stride, dy_row_stride, dx_row_stride, num_docs, item_tokens
 //             (causal_conv1d_bwd_plan.h), round_preact (1: SiLU' at the BF16-rounded
 //             pre-activation), device, stream
@@ -74,7 +72,7 @@ constexpr int kCpContinues = 4;
   X(x_row_stride) X(y_row_stride) X(num_docs) X(device) X(stream)
 #define CAKE_BWD_ARGS(X)                                                                                  \
   X(x) X(dy) X(dx) X(weight) X(bias) X(cu_seqlens) X(initial_states) X(dfinal_states) X(dinitial_states) \
-  X(frag_info) X(workspace) X(workspace_bytes) X(counters) X(counters_bytes) X(dweight) X(dbias) X(S) X(C) \
+  X(frag_info) X(workspace) X(workspace_bytes) X(dweight) X(dbias) X(S) X(C)                              \
   X(x_row_stride) X(dy_row_stride) X(dx_row_stride) X(num_docs) X(item_tokens) X(round_preact) X(device)  \
   X(stream)
 
