@@ -42,7 +42,6 @@
 #include "causal_conv1d_bwd_plan.h"
 #include "causal_conv1d_common.cuh"
 
-
 namespace flashinfer_cake {
 
 struct CausalConv1dBwdParams {
@@ -529,6 +528,11 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
 // H200, 2026-12-02).
 constexpr int kBwdReduceThreads = 256;
 constexpr int kBwdReduceQuads = 32;
+// A pass's CTAs per node two levels up: blocks of kBwdReduceQuads column quads over the
+// kBwdPartialRows * C partial-row columns (below 2^31 for C < 2^28).
+__host__ __device__ constexpr int bwd_reduce_quad_blocks(int C) {
+  return (kBwdPartialRows * C / 4 + kBwdReduceQuads - 1) / kBwdReduceQuads;
+}
 template <class WeightT, class BiasT>
 __global__ void __launch_bounds__(kBwdReduceThreads)
 causal_conv1d_bwd_reduce_kernel(const CausalConv1dBwdParams p, int nodes, int64_t span, bool last) {
@@ -538,7 +542,7 @@ causal_conv1d_bwd_reduce_kernel(const CausalConv1dBwdParams p, int nodes, int64_
   __shared__ float4 s_mid[kBwdChunk][kBwdReduceQuads];
   const int quads = kBwdPartialRows * p.C / 4;  // C % 8 == 0: a quad never straddles two rows
   const int mid_nodes = (nodes + kBwdChunk - 1) / kBwdChunk;
-  const int quad_blocks = (quads + kBwdReduceQuads - 1) / kBwdReduceQuads;
+  const int quad_blocks = bwd_reduce_quad_blocks(p.C);
   const int top = blockIdx.x / quad_blocks;
   const int lane = threadIdx.x % kBwdReduceQuads;
   const int quad = (blockIdx.x - top * quad_blocks) * kBwdReduceQuads + lane;

@@ -56,7 +56,7 @@ auto bwd_kernel_for(const CausalConv1dBwdParams& p) {
 // limits (S * C < 2^34, groups of >= 64 tokens; one group: C < 2^28, below 2^24).
 template <class WeightT, class BiasT>
 cudaError_t launch_bwd_reduce(const CausalConv1dBwdParams& p, cudaStream_t stream) {
-  const int64_t quad_blocks = ceil_div(int64_t(kBwdPartialRows) * p.C / 4, kBwdReduceQuads);
+  const int64_t quad_blocks = bwd_reduce_quad_blocks(p.C);
   int64_t nodes = p.groups, span = 1;  // the pass's input level: its nodes, rows `span` groups apart
   for (;;) {
     const int64_t top_nodes = ceil_div(ceil_div(nodes, kBwdChunk), kBwdChunk);
@@ -93,7 +93,7 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
   (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
   const auto kernel = bwd_kernel_for<Traits, WeightT, BiasT, kMayChooseItems>(p);
   kernel<<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
+  const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(e, "backward kernel launch failed: %s", cudaGetErrorString(e));
   return launch_bwd_reduce<WeightT, BiasT>(p, stream);
 }
