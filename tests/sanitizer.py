@@ -1,6 +1,7 @@
 """compute-sanitizer for the GPU tests: run a Python script under one of its tools (memcheck:
 out-of-bounds and misaligned accesses; synccheck: barriers and warp-synchronous intrinsics used
-by threads that do not all reach them) and require a clean report (the script prints
+by threads that do not all reach them; racecheck: shared-memory accesses of different threads
+not ordered by a barrier) and require a clean report (the script prints
 ``sanitizer-script-done`` as its last act)."""
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ def assert_sanitizer_clean(script_text: str, tmp_path, *, tool: str = "memcheck"
     report 0 errors."""
     script = tmp_path / f"{tool}_script.py"
     script.write_text(script_text)
+    report = ["--racecheck-report", "all"] if tool == "racecheck" else []  # hazards and warnings
     proc = subprocess.run(
-        ["compute-sanitizer", "--tool", tool, "--error-exitcode", "99", sys.executable, str(script)],
+        ["compute-sanitizer", "--tool", tool, *report, "--error-exitcode", "99", sys.executable, str(script)],
         capture_output=True, text=True, timeout=timeout,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "sanitizer-script-done" in out
-    assert re.search(r"ERROR SUMMARY: 0 errors", out), out[-4000:]
+    summary = r"RACECHECK SUMMARY: 0 hazards displayed \(0 errors, 0 warnings\)" if tool == "racecheck" else r"ERROR SUMMARY: 0 errors"
+    assert re.search(summary, out), out[-4000:]

@@ -1230,6 +1230,7 @@ _MEMCHECK_SCRIPT = """
 import torch
 from flashinfer_cake import cake_causal_conv1d_train_backward as bwd
 PATTERNS = {patterns}
+PATTERNS_WARP_FILLED = {patterns_warp_filled}
 for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (4100, 8192), (300, 56), (262200, 40)]:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
@@ -1238,14 +1239,50 @@ for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (4100, 8192), (300, 
     for cu in [[0, S], [0, 1, 2, 5, S], *PATTERNS.values()]:
         bwd(x, w, torch.tensor(cu, dtype=torch.int32, device="cuda"), dy, bias=b)
         bwd(x, w.bfloat16(), torch.tensor(cu, dtype=torch.int32, device="cuda"), dy)
+S = 524289  # 513 token groups: the warp-filled routes at C <= 16, a last group of 1 token
+for C in (8, 16):  # every corrupt pattern, scaled to this S
+    x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    w = torch.randn(C, 4, device="cuda")
+    for cu in [[0, S], *PATTERNS_WARP_FILLED.values()]:
+        bwd(x, w, torch.tensor(cu, dtype=torch.int32, device="cuda"), dy)
+torch.cuda.synchronize()
+print("sanitizer-script-done")
+"""
+
+
+_RACECHECK_SCRIPT = """
+import torch
+from flashinfer_cake import cake_causal_conv1d_train_backward as bwd
+g = torch.Generator().manual_seed(5)
+for S, C in [(524289, 8), (524289, 16), (524305, 8)]:  # >= 512 token groups: the warp-filled routes
+    lengths = torch.randint(1, 3000, (S,), generator=g).cumsum(0)
+    cu = torch.tensor([0, *lengths[lengths < S].tolist(), S], dtype=torch.int32, device="cuda")
+    x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    w = torch.randn(C, 4, device="cuda")
+    h = torch.randn(len(cu) - 1, 3, C, device="cuda", dtype=torch.bfloat16)
+    bwd(x, w, cu, dy)
+    bwd(x, w, cu, dy, initial_states=h, dfinal_states=h)
 torch.cuda.synchronize()
 print("sanitizer-script-done")
 """
 
 
 @needs_sanitizer
+def test_racecheck_clean(tmp_path):
+    """compute-sanitizer's racecheck sees no unordered shared-memory access on the routes whose
+    warps fill their strips' rings and store their dx together (C <= 16, 512 or more token groups:
+    a lane writes and reads rows of other lanes' strips), stateless and with states, including a
+    last token group of 1 and of 17 tokens (strips past the batch's end)."""
+    assert_sanitizer_clean(_RACECHECK_SCRIPT, tmp_path, tool="racecheck")
+
+
+@needs_sanitizer
 def test_memcheck_clean(tmp_path):
     """compute-sanitizer's memcheck sees no out-of-bounds access, for tails of S and C and for
-    every corrupt cu_seqlens pattern."""
-    patterns = {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(1000)] for name, make in CORRUPT_CU.items()}
-    assert_sanitizer_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)
+    every corrupt cu_seqlens pattern (also on the warp-filled routes of C <= 16)."""
+    def patterns(S):
+        return {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(S)] for name, make in CORRUPT_CU.items()}
+    script = _MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns(1000)))
+    assert_sanitizer_clean(script.replace("{patterns_warp_filled}", repr(patterns(524289))), tmp_path)

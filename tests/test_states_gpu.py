@@ -1078,7 +1078,7 @@ _SYNCCHECK_SCRIPT = """
 import torch
 from flashinfer_cake import cake_causal_conv1d_train_backward as bwd, cake_causal_conv1d_train_forward as fwd
 g = torch.Generator().manual_seed(17)
-for S, C in [(4097, 64), (4099, 32), (530001, 16), (3001, 8), (1111, 4096)]:
+for S, C in [(4097, 64), (4099, 32), (530001, 16), (524305, 8), (3001, 8), (1111, 4096)]:
     lengths = torch.randint(1, 200, (S,), generator=g).cumsum(0)
     cu = [0] + [int(v) for v in lengths if v < S] + [S, S]
     n = len(cu) - 1
@@ -1090,6 +1090,7 @@ for S, C in [(4097, 64), (4099, 32), (530001, 16), (3001, 8), (1111, 4096)]:
     fwd(x, w, cu, initial_states=h, final_states_out=torch.empty_like(h))
     bwd(x, w, cu, dy, initial_states=h, dfinal_states=h)
     bwd(x, w, cu, dy, dfinal_states=h)
+    bwd(x, w, cu, dy)  # the stateless kernel (at C <= 16 with 512+ token groups: warp-filled)
 for S, C, cu in [(4096, 136, [0, 4096]), (4096, 136, [0, 1000, 4096]), (8192, 4096, [0, 8192])]:  # the item choice
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
@@ -1104,8 +1105,9 @@ print("sanitizer-script-done")
 @needs_sanitizer
 def test_states_synccheck_clean(tmp_path):
     """compute-sanitizer's synccheck sees no divergent barrier or warp-synchronous intrinsic with
-    states, on every lane route (C = 8 .. 64 put 2-16 strips in a warp, whose per-step vote must
-    hold with lanes at different steps and strips of different lengths) and a wide one, for
-    documents of 1-199 tokens and a trailing empty one; and the full-width routes' item-choice
-    kernel (1-2 long documents)."""
+    states and without, on every lane route (C = 8 .. 64 put 2-16 strips in a warp, whose per-step
+    vote must hold with lanes at different steps and strips of different lengths; C = 8 and 16 at
+    512+ token groups are warp-filled, with a __syncwarp per step) and a wide one, for documents
+    of 1-199 tokens and a trailing empty one; and the full-width routes' item-choice kernel (1-2
+    long documents)."""
     assert_sanitizer_clean(_SYNCCHECK_SCRIPT, tmp_path, tool="synccheck")

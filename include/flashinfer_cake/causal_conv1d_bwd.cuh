@@ -14,15 +14,17 @@
 // kTileChannels channels; a thread owns kVec channels (4: an 8-byte row vector, so the windows,
 // taps and sums of the backward fit in ~110 registers, 4 CTAs of 128 threads per SM) of one
 // kStripLen-token strip at a time and walks x[t0 - 3, t0 + L + 3) and dy[t0, t0 + L + 3) through
-// a per-thread cp.async ring: it recomputes a and g for tokens t0 .. t0 + L + 2 and emits dx for
-// t0 .. t0 + L - 1 (dx[s] needs g up to s + 3, the 3-token lookahead, recomputed by the next
-// strip too). Each thread sums g*x and g over its strips' own tokens in registers; at the end of
-// the item the CTA adds its strips in strip order and writes one partial row per channel to the
-// workspace: partials[item's token group][5][C]. A second kernel (causal_conv1d_bwd_reduce_kernel,
-// launched with programmatic dependent launch, so it is resident and waiting when the streaming
-// kernel ends) adds them up a fixed tree (8 groups per node, 8 nodes per node of the level above,
-// up to one root) into dweight and dbias: bitwise identical run to run (no float atomics
-// anywhere), and the last CTAs of the stream no longer pay the tree's dependent round trips.
+// a per-thread cp.async ring (at C <= 16 filled by the whole warp, 4 rows of several strips per
+// copy: BwdTraits::kWarpFill; at C <= 8 without states its dx rows are stored so too, kDxSlots):
+// it recomputes a and g for tokens t0 .. t0 + L + 2 and emits dx for t0 .. t0 + L - 1 (dx[s]
+// needs g up to s + 3, the 3-token lookahead, recomputed by the next strip too). Each thread sums
+// g*x and g over its strips' own tokens in registers; at the end of the item the CTA adds its
+// strips in strip order and writes one partial row per channel to the workspace:
+// partials[item's token group][5][C]. A second kernel (causal_conv1d_bwd_reduce_kernel, launched
+// with programmatic dependent launch, so it is resident and waiting when the streaming kernel
+// ends) adds them up a fixed tree (8 groups per node, 8 nodes per node of the level above, up to
+// one root) into dweight and dbias: bitwise identical run to run (no float atomics anywhere), and
+// the last CTAs of the stream no longer pay the tree's dependent round trips.
 // Every row is written before it is read, so the workspace may hold anything on entry.
 //
 // Document positions: min(position in document, 3) of the item's tokens and the 3 after it, one
@@ -82,6 +84,15 @@ struct BwdTraits {
   static constexpr int kTileTokens = kStrips * kStripLen;  // one sub-tile: every strip once
   static constexpr int kTileChannels = kLanesC * kVec;
   static constexpr int kPosTokens = kBwdMaxItemTokens + 3;  // a group's tokens and their lookahead
+  // The warp fills its strips' rings together, a chunk of 4 ring rows of every strip per step of 4
+  // rows (the kernel's fill_piece), when a warp holds 8 or 16 strips (2 or 4 channel lanes: C <= 16).
+  // Filled strip by strip, one cp.async of the warp read 32 / kLanesC strips' rows, each in a line of
+  // its own, and wrote shared memory one line at a time: at C = 8, 16 wavefronts per cp.async, and
+  // short-scoreboard stalls were 43 % of the samples (ncu, H200). Warp-filled (tune.py, H200,
+  // graph-replayed): 1048576x16 47.6 -> 40.9 us, 2097152x8 76.8 -> 74.9 us; with states 2097152x8
+  // 129 -> 89 us, 1048576x16 with 4096 documents 66.3 -> 71.0 us (the stateful kernel spills 4-8
+  // bytes at 128 registers). With 8 lanes (C = 32, 4 strips per warp) 1-2 % slower: not taken.
+  static constexpr bool kWarpFill = kLanesC <= 4;
   static_assert(kVec == 4 || kVec == 8, "rows of 8 or 16 bytes");
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
   static_assert(kRing >= 4 && kRing % 4 == 0, "the loop steps 4 rows, so 4 ring slots, at a time");
@@ -89,6 +100,11 @@ struct BwdTraits {
   static_assert(kStripLen % 4 == 0,
                 "the step choice reads 4 codes at once from a strip's start, and its peeled step has 3 rows");
   static_assert(kBwdMaxItemTokens % kStripLen == 0, "groups are whole strips");
+  // 12 rows: the chunk read, one landed or landing, one filling (8 would wait on each chunk at once).
+  static_assert(!kWarpFill || kRing >= 12, "the warp-filled ring holds 3 chunks of 4 rows or more");
+  // A walking warp's strips past the item's end read positions up to one warp's span past it.
+  static_assert(!kWarpFill || kBwdMaxItemTokens % (32 / kLanesC * kStripLen) == 0,
+                "a warp's strips stay inside the positions array");
 };
 
 namespace detail {
@@ -162,17 +178,27 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   constexpr int V = Traits::kVec;
   using Row = detail::Row<V>;
   constexpr int kSums = 5 * V;  // a thread's partial sums: 4 taps and g, V channels each
-  // Per-thread rings of x and dy rows, R - 1 rows ahead of the computed one. At the end of an
-  // item the same bytes hold the strips' partial sums.
-  constexpr int kRingBytes = 2 * R * T * sizeof(Row);
+  // Per-thread rings of x and dy rows, R - 1 rows ahead of the computed one (kWarpFill: 4 to 8).
+  // At the end of an item the same bytes hold the strips' partial sums.
+  // A strip row of the tile under a 32-byte sector (C <= 8 on the shipped geometry), stateless:
+  // dx rows staged in kDxSlots slots per thread and stored by the warp in chunks of 4 rows of a
+  // strip (flush_piece). Stored per thread, a strip's 16-byte dx row was half a sector (twice the
+  // L2 write sectors of the bytes, ncu) and one store wrote 16 strips' rows in 16 lines. tune.py,
+  // H200, graph-replayed: 2097152x8 73.8 -> 51.3 us, 4194305x8 137 -> 98 us eager; at C = 16 (full
+  // sectors already) 41.1 -> 45.5 us, and with states (128 registers: 32 bytes of spills) 88 -> 104
+  // us at C = 8: not taken there.
+  constexpr int kDxSlots = Traits::kWarpFill && Traits::kTileChannels * 2 < 32 && !kStates ? 12 : 0;
+  constexpr int kRingBytes = (2 * R + kDxSlots) * T * sizeof(Row);
   constexpr int kSumBytes = kSums * T * 4;
   __shared__ __align__(detail::kRingAlign) unsigned char s_raw[kRingBytes > kSumBytes ? kRingBytes : kSumBytes];
   Row* const s_xring = reinterpret_cast<Row*>(s_raw);
   Row* const s_dyring = s_xring + R * T;
+  [[maybe_unused]] Row* const s_dxring = s_dyring + R * T;
   float* const s_sums = reinterpret_cast<float*>(s_raw);  // [kSums][T]
-  // min(position in document, 3) per item token; kStates: its code. Words, as the per-step choice
-  // reads 4 codes at once; the peeled step's word reads the byte after the item's last code (one
-  // more than kPosTokens at the longest item), masked off.
+  // min(position in document, 3) per item token; kStates: its code. Words, as a 4-row step reads
+  // its 4 codes at once (one load per step; with states also the step choice); the peeled step's
+  // word reads the byte after the item's last code (one more than kPosTokens at the longest
+  // item), masked off.
   __shared__ uint32_t s_pos_words[(Traits::kPosTokens + 4) / 4];
   uint8_t* const s_pos = reinterpret_cast<uint8_t*>(s_pos_words);
   __shared__ uint8_t s_flags[kStates ? 1 : Traits::kPosTokens + 2];  // document starts (scan_positions)
@@ -205,12 +231,62 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   Row* const my_xring = s_xring + threadIdx.x;
   Row* const my_dyring = s_dyring + threadIdx.x;
 
-  // The first R - 1 rows of the strip at t0 into ring slots 1 .. R - 1, one cp.async group each.
-  // x row i is token t0 - 3 + i; dy row i is the same token, read from i = 3 on. Rows outside
-  // [0, S) and lanes past C read zeros (so g is 0 past S). Offsets are 32-bit: the launcher
-  // caps S * row stride / V < 2^32 for each of x, dy and dx.
+  // The first R - 1 rows of the strip at t0 into ring slots 1 .. R - 1, one cp.async group each
+  // (kWarpFill: one group per chunk, below). x row i is token t0 - 3 + i; dy row i is the same
+  // token, read from i = 3 on. Rows outside [0, S) and lanes past C read zeros (so g is 0 past S).
+  // Offsets are 32-bit: the launcher caps S * row stride / V < 2^32 for each of x, dy and dx.
   const uint32_t xs = p.x_row_stride, dys = p.dy_row_stride;
+  // kWarpFill: chunk k of a strip is ring rows 4k - 1 .. 4k + 2 (tokens t0 - 4 + 4k ..), in slots
+  // 4k .. 4k + 3 (mod R). Lane l's piece of a chunk is ring row 4k - 1 + piece_row of channel lane
+  // piece_lane of the warp's strip piece_strip + q kFillStride at phase q = 0..3: the warp's 32
+  // pieces of one phase are 4 consecutive rows of kFillStride strips (at C = 8: 4 lines, not 16).
+  // kDxSlots: the same lane stores row piece_row of that strip's dx chunk m (tokens 4m .. 4m + 3).
+  constexpr bool kWarpFill = Traits::kWarpFill;
+  constexpr int kFillStride = kWarpFill ? 8 / Traits::kLanesC : 1;
+  const int strip_in_warp = strip % (32 / Traits::kLanesC);
+  const int lane = threadIdx.x % 32;
+  const int piece_lane = lane % Traits::kLanesC, piece_row = lane / Traits::kLanesC % 4,
+            piece_strip = lane / (4 * Traits::kLanesC);
+  const uint32_t piece_vec = static_cast<uint32_t>(tile_c * Traits::kLanesC + piece_lane);
+  const bool piece_active = piece_vec < vecs_per_row;
+  // phase q's owner thread is q kFillStride strips (8 q threads) on from phase 0's
+  static_assert(!kWarpFill || kFillStride * Traits::kLanesC == 8, "phase q's owner is 8 q threads on");
+  Row* const piece_xring = s_xring + (threadIdx.x - lane) + piece_strip * Traits::kLanesC + piece_lane + piece_row * T;
+  Row* const piece_dyring = piece_xring + R * T;
+  // Chunk k into slots first_slot .. first_slot + 3.
+  [[maybe_unused]] const auto fill_piece = [&](int warp_t0, int k, int first_slot, auto phase) {
+    constexpr int q = decltype(phase)::value;
+    const int st0 = warp_t0 + (piece_strip + q * kFillStride) * L;  // the owner strip's t0
+    const int i = 4 * k - 1 + piece_row;                            // ring row: token st0 - 3 + i
+    const int t = st0 - 3 + i;
+    const bool valid = piece_active && st0 < item_end && i < N && t >= 0 && t < p.S;
+    const int dst = first_slot * T + 8 * q;
+    detail::cp_async_row(piece_xring + dst, xv + (valid ? static_cast<uint32_t>(t) * xs + piece_vec : 0u), valid);
+    detail::cp_async_row(piece_dyring + dst, dyv + (valid ? static_cast<uint32_t>(t) * dys + piece_vec : 0u), valid && i >= 3);
+  };
+  // dx chunk m from slots first_slot .. first_slot + 3 (token u is in slot u mod kDxSlots).
+  const uint32_t dxs = p.dx_row_stride;
+  [[maybe_unused]] const auto flush_piece = [&](int warp_t0, int m, int first_slot, auto phase) {
+    constexpr int q = decltype(phase)::value;
+    const int st0 = warp_t0 + (piece_strip + q * kFillStride) * L;
+    const int t = st0 + 4 * m + piece_row;
+    const Row v =
+        s_dxring[(first_slot + piece_row) * T + (threadIdx.x - lane) + piece_strip * Traits::kLanesC + piece_lane + 8 * q];
+    if (piece_active && st0 < item_end && t < p.S) dxv[static_cast<uint32_t>(t) * dxs + piece_vec] = v;
+  };
   const auto prefetch = [&](int t0) {
+    if constexpr (kWarpFill) {  // chunks 0 .. R / 4 - 1, one cp.async group each
+      const int warp_t0 = t0 - strip_in_warp * L;
+#pragma unroll
+      for (int k = 0; k < R / 4; ++k) {
+        fill_piece(warp_t0, k, 4 * k, std::integral_constant<int, 0>{});
+        fill_piece(warp_t0, k, 4 * k, std::integral_constant<int, 1>{});
+        fill_piece(warp_t0, k, 4 * k, std::integral_constant<int, 2>{});
+        fill_piece(warp_t0, k, 4 * k, std::integral_constant<int, 3>{});
+        detail::cp_async_commit();
+      }
+      return;
+    }
     const uint32_t x_base = static_cast<uint32_t>(t0) * xs + vec, dy_base = static_cast<uint32_t>(t0) * dys + vec;
 #pragma unroll
     for (int i = 0; i < R - 1; ++i) {
@@ -223,7 +299,10 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   };
 
   const int first_t0 = item_t0 + strip * L;
-  if (first_t0 < item_end) prefetch(first_t0);  // streams while the positions are searched
+  // kWarpFill: the warp walks while its first strip has tokens (a strip past the item's end walks
+  // zeros; its lanes fill the others' rings).
+  const auto walks = [&](int t0) { return (kWarpFill ? t0 - strip_in_warp * L : t0) < item_end; };
+  if (walks(first_t0)) prefetch(first_t0);  // streams while the positions are searched
   float w[4][V] = {}, b[V] = {};
   if (active) {
     detail::load_weights<WeightT>(p.weight, vec * V, w);
@@ -260,7 +339,9 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   __syncthreads();
 
   float dw[4][V] = {}, db[V] = {};
-  for (int t0 = first_t0; t0 < item_end; t0 += TT) {
+  for (int t0 = first_t0; walks(t0); t0 += TT) {
+    const bool live = kWarpFill ? active && t0 < item_end : active;  // the strip's rows are read and written
+    const int dx_lim = live ? p.S : INT32_MIN;
     const uint32_t x_base = static_cast<uint32_t>(t0) * xs + vec, dy_base = static_cast<uint32_t>(t0) * dys + vec;
     const uint8_t* pos_row = s_pos + (t0 - item_t0);  // pos_row[r]: token t0 + r (kStates: its code)
     const int32_t* doc_row = s_doc + (t0 - item_t0);  // kStates: doc_row[r], its document
@@ -273,8 +354,14 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     [[maybe_unused]] Row fm[4];  // kStates: slot q, the dfinal row of the token of phase q
     int pm[4] = {0, 0, 0, 0};
     // Rows 0..2 (x before t0), each refilling the ring with row i + R - 1 (a token >= t0 - 1).
+    if constexpr (kWarpFill) {  // chunk 0 has them; the steps refill
+      detail::cp_async_wait<R / 4 - 1>();
+      __syncwarp();
+    }
 #pragma unroll
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 3 && kWarpFill; ++i) detail::row_to_float(my_xring[(i + 1) * T], xm[i + 1]);
+#pragma unroll
+    for (int i = 0; i < 3 && !kWarpFill; ++i) {
       if (i + R - 1 < N) {
         const int t = t0 + R - 4 + i;
         const bool valid = t >= 0 && t < t_lim;
@@ -286,7 +373,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       detail::row_to_float(my_xring[(i + 1) * T], xm[i + 1]);
     }
     if constexpr (kStates) {
-      detail::strip_start_state_rows<V>(pos_row[0], init_v && active, doc_row, init_v, vecs_per_row, vec, xm);
+      detail::strip_start_state_rows<V>(pos_row[0], init_v && live, doc_row, init_v, vecs_per_row, vec, xm);
     }
     // Loop state, stepped once per row or per step (no per-row multiplies): the ring slots of the
     // step's 4 rows (cur) and of the 4 rows before them (prev), the token and offset of the next
@@ -329,6 +416,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     int cur = 4 % R, prev = 0;
     int refill_t = t0 + R - 1;
     uint32_t refill_x = x_base + (R - 1) * xs, refill_dy = dy_base + (R - 1) * dys;
+    [[maybe_unused]] int flush_slot = 4;  // kDxSlots: (r0 - 8) mod 12 at the step of row r0
     int dx_t = t0 - 3;
     uint32_t dx_off = static_cast<uint32_t>(t0 - 3) * p.dx_row_stride + vec;
     // kEvents (a compile-time bool): the stateful body, which the walk below runs on a step when
@@ -337,9 +425,12 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     // and 3 back (the dfinal add): a new kInDoc-gated read must stay in that window or widen
     // step_events' masks. Where no token in the window has kInDoc it computes bitwise what the
     // stateless body does.
+    [[maybe_unused]] uint32_t step_codes = 0;
     const auto row = [&](int r, auto phase, auto events) {
       constexpr int q = decltype(phase)::value, s3 = (q + 1) % 4, s2 = (q + 2) % 4, s1 = (q + 3) % 4;
       constexpr bool kEvents = decltype(events)::value;
+      if constexpr (q == 0) step_codes = *reinterpret_cast<const uint32_t*>(pos_row + r);
+      const int code = step_codes >> (8 * q) & 0xff;
       if constexpr (kEvents) {
         // The token is one of its document's last 3, k before its end: its final-state row's
         // gradient (row 3 - k) is loaded now and added to its dx 3 rows later, so the load's
@@ -347,27 +438,37 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         // samples at 1024 documents, r35). The step of row r + 3 is stateful too: it looks 3
         // tokens back. Rows >= L are the lookahead: their dx is the next strip's, which loads
         // their dfinal itself (skipping them: 1-2.6 % at many documents, r41).
-        const int c = pos_row[r], k = c >> detail::kEndShift & 3;
-        if (r < L && dfinal_v && active && k && (c & detail::kInDoc)) {
+        const int c = code, k = c >> detail::kEndShift & 3;
+        if (r < L && dfinal_v && live && k && (c & detail::kInDoc)) {
           fm[q] = __ldg(dfinal_v + state_off(doc_row[r], 3 - k) + vec);
         }
       }
-      if (r + R + 2 < N) {  // refill the slot ring row r + 2 has just left with row r + R + 2
-        const bool valid = refill_t < t_lim;
-        const int slot = q == 0 ? prev + 3 : cur + q - 1;
-        detail::cp_async_row(my_xring + slot * T, xv + (valid ? refill_x : 0u), valid);
-        detail::cp_async_row(my_dyring + slot * T, dyv + (valid ? refill_dy : 0u), valid);
+      if constexpr (kWarpFill) {
+        // The step's chunk (slots cur ..) landed for every lane, and every lane has read the
+        // chunk before it (slots prev ..), which the step refills with chunk r / 4 + R / 4.
+        if constexpr (q == 0) {
+          detail::cp_async_wait<R / 4 - 2>();
+          __syncwarp();
+        }
+        if (r - q + R - 1 < N) fill_piece(t0 - strip_in_warp * L, r / 4 + R / 4, prev, phase);
+        if constexpr (q == 3) detail::cp_async_commit();  // possibly empty: keeps "chunk k is group k"
+      } else {
+        if (r + R + 2 < N) {  // refill the slot ring row r + 2 has just left with row r + R + 2
+          const bool valid = refill_t < t_lim;
+          const int slot = q == 0 ? prev + 3 : cur + q - 1;
+          detail::cp_async_row(my_xring + slot * T, xv + (valid ? refill_x : 0u), valid);
+          detail::cp_async_row(my_dyring + slot * T, dyv + (valid ? refill_dy : 0u), valid);
+        }
+        ++refill_t;
+        refill_x += xs;
+        refill_dy += dys;
+        detail::cp_async_commit();  // possibly empty: keeps "ring row j is group j"
+        detail::cp_async_wait<R - 1>();
       }
-      ++refill_t;
-      refill_x += xs;
-      refill_dy += dys;
-      detail::cp_async_commit();  // possibly empty: keeps "ring row j is group j"
-      detail::cp_async_wait<R - 1>();
-      const int code = pos_row[r];
       const int pos = code & detail::kPosMask;  // the token's position: which later tokens' taps reach it
       int read_pos = pos;  // the taps the token reads itself: all of them with an initial state
       if constexpr (kEvents) {
-        if (init_v && active && (code & detail::kInDoc)) {
+        if (init_v && live && (code & detail::kInDoc)) {
           if (pos == 0) {  // a document's first token: the window takes its initial state
             const size_t off = state_off(doc_row[r], 0) + vec;
             detail::row_to_float(__ldg(init_v + off + 2 * vecs_per_row), xm[s1]);
@@ -409,7 +510,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       if constexpr (kEvents) {
         // dinit of the document whose first token is u - 2, one of the strip's own: its first 3
         // tokens' g are in the window now (those still in the document).
-        if (init_v && active && r >= 2 && r - 2 < L && (pm[s2] & detail::kPosMask) == 0 && (pm[s2] & detail::kInDoc)) {
+        if (init_v && live && r >= 2 && r - 2 < L && (pm[s2] & detail::kPosMask) == 0 && (pm[s2] & detail::kInDoc)) {
           emit_dinit(doc_row[r - 2], pm[s2] >> detail::kEndShift & 3, gm[s2], gm[s1], (pm[s1] & detail::kPosMask) >= 1, g,
                      pos >= 2);
         }
@@ -430,14 +531,25 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
           // s is one of its document's last 3 tokens: its final-state row's gradient, loaded
           // 3 rows ago into slot s3, adds to its dx.
           const int cs = pm[s3], k = cs >> detail::kEndShift & 3;
-          if (dfinal_v && active && k && (cs & detail::kInDoc)) {
+          if (dfinal_v && live && k && (cs & detail::kInDoc)) {
             float f[V];
             detail::row_to_float(fm[s3], f);
 #pragma unroll
             for (int j = 0; j < V; ++j) d[j] += f[j];
           }
         }
-        if (dx_t < t_lim) dxv[dx_off] = detail::pack_row<V>(d);
+        if constexpr (kDxSlots > 0) {  // token r - 3 into slot (r - 3) mod 12 = flush_slot + 5 + q mod 12
+          const int slot = flush_slot + 5 + q >= kDxSlots ? flush_slot + 5 + q - kDxSlots : flush_slot + 5 + q;
+          s_dxring[slot * T + threadIdx.x] = detail::pack_row<V>(d);
+        } else {
+          if (dx_t < dx_lim) dxv[dx_off] = detail::pack_row<V>(d);
+        }
+      }
+      if constexpr (kDxSlots > 0) {
+        // Chunk r0 / 4 - 2 (its last row was stored 2 rows into the step before, before the
+        // step's __syncwarp); the peeled step leaves its chunks to the tail.
+        if (r - q >= 8 && r - q + 4 <= L + 3) flush_piece(t0 - strip_in_warp * L, (r - q) / 4 - 2, flush_slot, phase);
+        if constexpr (q == 3) flush_slot = flush_slot + 4 == kDxSlots ? 0 : flush_slot + 4;
       }
       ++dx_t;
       dx_off += p.dx_row_stride;
@@ -485,7 +597,19 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     } else {
       detail::walk_rows<L + 3, R>(row, cur, prev, [](int) { return std::false_type{}; });
     }
-    if (t0 + TT < item_end) prefetch(t0 + TT);  // the ring is free: every row was consumed
+    if constexpr (kWarpFill) __syncwarp();  // every lane has read its last ring row
+    if constexpr (kDxSlots > 0) {  // the strips' last two dx chunks
+      const int warp_t0 = t0 - strip_in_warp * L;
+#pragma unroll
+      for (int m = L / 4 - 2; m < L / 4; ++m) {
+        flush_piece(warp_t0, m, 4 * m % kDxSlots, std::integral_constant<int, 0>{});
+        flush_piece(warp_t0, m, 4 * m % kDxSlots, std::integral_constant<int, 1>{});
+        flush_piece(warp_t0, m, 4 * m % kDxSlots, std::integral_constant<int, 2>{});
+        flush_piece(warp_t0, m, 4 * m % kDxSlots, std::integral_constant<int, 3>{});
+      }
+      __syncwarp();  // the next sub-tile's rows reuse the slots
+    }
+    if (walks(t0 + TT)) prefetch(t0 + TT);  // the ring is free: every row was consumed
   }
 
   // The item's partial rows: strips added in strip order, one row per (tap or g, channel).

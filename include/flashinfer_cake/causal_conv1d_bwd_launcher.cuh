@@ -122,6 +122,9 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 #ifndef CAKE_BWD_MIN_CTAS
 #define CAKE_BWD_MIN_CTAS 4
 #endif
+#ifndef CAKE_BWD_NARROW_RING
+#define CAKE_BWD_NARROW_RING 12  // the warp-filled routes' ring (BwdTraits::kWarpFill)
+#endif
 #ifndef CAKE_BWD_VEC
 #define CAKE_BWD_VEC 4  // channels per thread
 #endif
@@ -142,7 +145,7 @@ constexpr int kBwdNarrowRouteMinGroups = 512;
 // The routes of C <= 32 give bitwise the same results. With 32 or 16 lanes, half the threads (2
 // strips) when a token group is shorter than one sub-tile of the full CTA (small S: the group would
 // leave strips idle). Threads per SM stay 4 * CAKE_BWD_THREADS on every route of the stateless
-// kernels (the stateful ones' shared memory fits fewer of the 32-thread CTAs: 17 746 bytes each).
+// kernels (the stateful ones' shared memory fits fewer of the 32-thread CTAs: 19 792 bytes each, 11 per SM).
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_t stream) {
   if (p.groups == 0) return grads_of_no_tokens<WeightT, BiasT>(p, stream);
@@ -152,9 +155,10 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
   using WideShort = BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
   using Mid = BwdTraits<kVec, 16, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
   using MidShort = BwdTraits<kVec, 16, kThreads / 4, kStrip, kRing, 4 * kMinCtas>;
+  constexpr int kNarrowRing = CAKE_BWD_NARROW_RING;
   using Narrow8 = BwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>;
-  using Narrow4 = BwdTraits<kVec, 4, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
-  using Narrow2 = BwdTraits<kVec, 2, kThreads / 4, kStrip, kRing, 4 * kMinCtas>;
+  using Narrow4 = BwdTraits<kVec, 4, kThreads / 2, kStrip, kNarrowRing, 2 * kMinCtas>;
+  using Narrow2 = BwdTraits<kVec, 2, kThreads / 4, kStrip, kNarrowRing, 4 * kMinCtas>;
   // The plan (causal_conv1d_bwd_plan.h) gives longer token groups to the full-width routes and
   // groups of a whole sub-tile to the narrow ones; its thresholds are the shipped geometry's
   // (tune.py may build others).
