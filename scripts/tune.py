@@ -2,7 +2,8 @@
 """Measure tile geometries of the forward or the backward side by side (one GPU run, many builds).
 
 Each config overrides the launcher's CAKE_FWD_* / CAKE_BWD_* defaults (threads, strip length,
-ring rows, min CTAs per SM, optionally the channels per thread (backward: 4 or 8; the forward
+ring rows (backward: of the routes above 4 channel lanes; NARROW_RING=N sets the warp-filled
+2- and 4-lane routes'), min CTAs per SM, optionally the channels per thread (backward: 4 or 8; the forward
 takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME macro; backward: ITEM_TOKENS=N
 launches with token groups of N tokens instead of the plan's, at most bwd_groups_bound of them) for one
 variant (default fp32 taps + fp32 bias); all are built in parallel, then timed against a device
@@ -155,7 +156,7 @@ def summation_order(cfg: str) -> tuple:
     threads, strip, _ring, _min_ctas, *rest = cfg.split("/")
     vec = [v for v in rest if "=" not in v]
     tokens = [kv for kv in rest if kv.startswith("ITEM_TOKENS=")]
-    return threads, strip, vec, tokens
+    return threads, strip, tuple(vec), tuple(tokens)
 
 
 def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
