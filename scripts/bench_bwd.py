@@ -12,7 +12,8 @@ eager and compile (the FP32 reference; torch.compile with dynamic shapes unless
 --compile-static). Suite as bench_fwd.py's; the peers are checked with a looser tolerance. Small
 shapes: graph replays of ours and of fla's raw ``causal_conv1d_bwd``. Host: the raw backward and
 forward, the autograd entry, the custom ops, autograd.grad through ours-ag, fla, fla-gluon and
-torch's silu. Goals: >= 80 % of copy at S*C >= 32 M, >= 1.3x fla.
+torch's silu. Goals: >= 80 % of copy at S*C >= 32 M (C >= 256), >= 1.3x fla; the narrow rows at
+S >= 1 M (issue 17): C = 128 >= 85 %, C = 64 >= 75 %, C <= 16 >= 50 %.
 
     python3 scripts/bench_bwd.py                  # full suite (< 4 min on an H200)
     python3 scripts/bench_bwd.py --quick --no-peers --json out.json
@@ -98,6 +99,10 @@ class BackwardBench(Bench):
     CHECK_COLUMNS = {"dx": "dx err", "dweight": "dw err", "dbias": "db err"}
     GOALS = (Goal("pct_copy_large>=80", "pct_copy", 80), Goal("speedup_vs_fla_large>=1.3", "speedup:fla", 1.3),
              Goal("graph_pct_copy_small", "graph_pct_copy", None, (0, math.inf)),
+             Goal("pct_copy_C128>=85", "pct_copy", 85, (0, math.inf), (128, 128)),
+             Goal("pct_copy_C64>=75", "pct_copy", 75, (0, math.inf), (64, 64)),
+             Goal("pct_copy_C<=16>=50", "pct_copy", 50, (0, math.inf), (0, 16)),
+             Goal("graph_pct_copy_C<=16", "graph_pct_copy", None, (0, math.inf), (0, 16)),
              *(Goal(f"speedup_vs_{p}_large", f"speedup:{p}") for p in ("ours-ag", "fla-gluon", "dao", "eager",
                                                                         "compile")))
     TARGET_MS, MAX_REPS, BUDGET_S, COMPILE_DYNAMIC = (30.0, 20.0), 300, 195.0, True

@@ -42,8 +42,10 @@ except Exception as e:  # noqa: BLE001
     CAKE_ERROR = f"{type(e).__name__}: {e}"
 
 REPO = Path(__file__).resolve().parents[1]
+# Rows of 8 to 128 channels at S >= 1 M (the narrow-row goals of issue 17).
+NARROW_SHAPES = [(1048576, 128), (1048576, 64), (1048576, 16), (2097152, 8)]
 FULL_SHAPES = [(4096, 4096), (16384, 8192), (32768, 8192), (65536, 2048),
-               (32768, 4096), (8192, 2048), (1024, 8192), (131072, 4096)]
+               (32768, 4096), (8192, 2048), (1024, 8192), (131072, 4096), *NARROW_SHAPES]
 QUICK_SHAPES = [(4096, 4096), (32768, 8192), (1024, 8192)]
 MIXES = ("1", "rand", "many", "tiny")
 # (taps dtype, bias on); the bias has the taps' dtype. Peers run on PEER_VARIANT only.
@@ -51,6 +53,7 @@ FULL_VARIANTS = [("fp32", True), ("fp32", False), ("bf16", True), ("bf16", False
 QUICK_VARIANTS = [("fp32", True), ("bf16", False)]
 PEER_VARIANT = ("fp32", True)
 LARGE_ELEMS = 32 * 2**20  # the goals' "large" shapes: S*C >= 32 M
+WIDE_C = (256, math.inf)  # the goals' "wide" rows; NARROW_SHAPES have goals of their own
 # fla peer -> (chunk indices precomputed, fla's tensor cache off, FLA_CONV_GLUON)
 FLA_MODES = {"fla+ci": (True, False, "0"), "fla": (False, True, "0"), "fla-gluon": (True, False, "1")}
 T0 = time.perf_counter()
@@ -607,12 +610,17 @@ class Peers:
 
 @dataclass
 class Goal:
-    """A goal: the worst and the median of `metric` over the rows with S*C in `elems`, passing when
-    the worst is >= need ("host:<call>": its median µs, passing when <= need; need None: reported)."""
+    """A goal: the worst and the median of `metric` over the rows with S*C in `elems` and C in
+    `channels`, passing when the worst is >= need ("host:<call>": its median µs, passing when <=
+    need; need None: reported)."""
     name: str
     metric: str  # "pct_copy", "graph_pct_copy", "speedup:<peer>" or "host:<call>"
     need: float | None = None
     elems: tuple = (LARGE_ELEMS, math.inf)
+    channels: tuple = WIDE_C
+
+    def covers(self, row: dict) -> bool:
+        return self.elems[0] <= row["S"] * row["C"] <= self.elems[1] and self.channels[0] <= row["C"] <= self.channels[1]
 
 
 def metric_value(metric: str, row: dict):
@@ -1081,8 +1089,7 @@ class Bench:
             if "median_us" not in r:
                 return None
             return {"median_us": r["median_us"], **({} if goal.need is None else {"pass": r["median_us"] <= goal.need})}
-        vals = [(v, r) for r in rows if goal.elems[0] <= r["S"] * r["C"] <= goal.elems[1]
-                and (v := metric_value(goal.metric, r)) is not None]
+        vals = [(v, r) for r in rows if goal.covers(r) and (v := metric_value(goal.metric, r)) is not None]
         if not vals:
             return None
         worst = min(vals, key=lambda t: t[0])

@@ -193,8 +193,7 @@ class StatesBench(Bench):
         if kind not in ("pct", "speedup"):
             return super().goal_result(goal, rows)
         key, hi = ("pct_copy", False) if kind == "pct" else ("time_ratio", True)
-        vals = [(v, r) for r in rows if goal.elems[0] <= r["S"] * r["C"] <= goal.elems[1]
-                and (v := r["peers"].get(name, {}).get(key)) is not None]
+        vals = [(v, r) for r in rows if goal.covers(r) and (v := r["peers"].get(name, {}).get(key)) is not None]
         if not vals:
             return None
         worst, at = (max if hi else min)(vals, key=lambda t: t[0])
