@@ -620,7 +620,8 @@ class Goal:
     channels: tuple = WIDE_C
 
     def covers(self, row: dict) -> bool:
-        return self.elems[0] <= row["S"] * row["C"] <= self.elems[1] and self.channels[0] <= row["C"] <= self.channels[1]
+        elems, channels = row["S"] * row["C"], row["C"]
+        return self.elems[0] <= elems <= self.elems[1] and self.channels[0] <= channels <= self.channels[1]
 
 
 def metric_value(metric: str, row: dict):

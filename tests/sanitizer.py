@@ -30,5 +30,6 @@ def assert_sanitizer_clean(script_text: str, tmp_path, *, tool: str = "memcheck"
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "sanitizer-script-done" in out
-    summary = r"RACECHECK SUMMARY: 0 hazards displayed \(0 errors, 0 warnings\)" if tool == "racecheck" else r"ERROR SUMMARY: 0 errors"
+    summary = (r"RACECHECK SUMMARY: 0 hazards displayed \(0 errors, 0 warnings\)" if tool == "racecheck"
+               else r"ERROR SUMMARY: 0 errors")
     assert re.search(summary, out), out[-4000:]

@@ -253,11 +253,14 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   static_assert(!kWarpFill || kFillStride * Traits::kLanesC == 8, "phase q's owner is 8 q threads on");
   Row* const piece_xring = s_xring + (threadIdx.x - lane) + piece_strip * Traits::kLanesC + piece_lane + piece_row * T;
   Row* const piece_dyring = piece_xring + R * T;
+  // The t0 of the warp's first strip, and of the strip a lane's piece of phase q belongs to.
+  const auto warp_t0_of = [&](int t0) { return t0 - strip_in_warp * L; };
+  const auto piece_t0 = [&](int warp_t0, int q) { return warp_t0 + (piece_strip + q * kFillStride) * L; };
   // Chunk k into slots first_slot .. first_slot + 3.
   [[maybe_unused]] const auto fill_piece = [&](int warp_t0, int k, int first_slot, auto phase) {
     constexpr int q = decltype(phase)::value;
-    const int st0 = warp_t0 + (piece_strip + q * kFillStride) * L;  // the owner strip's t0
-    const int i = 4 * k - 1 + piece_row;                            // ring row: token st0 - 3 + i
+    const int st0 = piece_t0(warp_t0, q);
+    const int i = 4 * k - 1 + piece_row;  // ring row: token st0 - 3 + i
     const int t = st0 - 3 + i;
     const bool valid = piece_active && st0 < item_end && i < N && t >= 0 && t < p.S;
     const int dst = first_slot * T + 8 * q;
@@ -268,7 +271,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const uint32_t dxs = p.dx_row_stride;
   [[maybe_unused]] const auto flush_piece = [&](int warp_t0, int m, int first_slot, auto phase) {
     constexpr int q = decltype(phase)::value;
-    const int st0 = warp_t0 + (piece_strip + q * kFillStride) * L;
+    const int st0 = piece_t0(warp_t0, q);
     const int t = st0 + 4 * m + piece_row;
     const Row v =
         s_dxring[(first_slot + piece_row) * T + (threadIdx.x - lane) + piece_strip * Traits::kLanesC + piece_lane + 8 * q];
@@ -276,7 +279,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   };
   const auto prefetch = [&](int t0) {
     if constexpr (kWarpFill) {  // chunks 0 .. R / 4 - 1, one cp.async group each
-      const int warp_t0 = t0 - strip_in_warp * L;
+      const int warp_t0 = warp_t0_of(t0);
 #pragma unroll
       for (int k = 0; k < R / 4; ++k) {
         fill_piece(warp_t0, k, 4 * k, std::integral_constant<int, 0>{});
@@ -301,7 +304,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const int first_t0 = item_t0 + strip * L;
   // kWarpFill: the warp walks while its first strip has tokens (a strip past the item's end walks
   // zeros; its lanes fill the others' rings).
-  const auto walks = [&](int t0) { return (kWarpFill ? t0 - strip_in_warp * L : t0) < item_end; };
+  const auto walks = [&](int t0) { return (kWarpFill ? warp_t0_of(t0) : t0) < item_end; };
   if (walks(first_t0)) prefetch(first_t0);  // streams while the positions are searched
   float w[4][V] = {}, b[V] = {};
   if (active) {
@@ -450,7 +453,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
           detail::cp_async_wait<R / 4 - 2>();
           __syncwarp();
         }
-        if (r - q + R - 1 < N) fill_piece(t0 - strip_in_warp * L, r / 4 + R / 4, prev, phase);
+        if (r - q + R - 1 < N) fill_piece(warp_t0_of(t0), r / 4 + R / 4, prev, phase);
         if constexpr (q == 3) detail::cp_async_commit();  // possibly empty: keeps "chunk k is group k"
       } else {
         if (r + R + 2 < N) {  // refill the slot ring row r + 2 has just left with row r + R + 2
@@ -548,7 +551,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       if constexpr (kDxSlots > 0) {
         // Chunk r0 / 4 - 2 (its last row was stored 2 rows into the step before, before the
         // step's __syncwarp); the peeled step leaves its chunks to the tail.
-        if (r - q >= 8 && r - q + 4 <= L + 3) flush_piece(t0 - strip_in_warp * L, (r - q) / 4 - 2, flush_slot, phase);
+        if (r - q >= 8 && r - q + 4 <= L + 3) flush_piece(warp_t0_of(t0), (r - q) / 4 - 2, flush_slot, phase);
         if constexpr (q == 3) flush_slot = flush_slot + 4 == kDxSlots ? 0 : flush_slot + 4;
       }
       ++dx_t;
@@ -599,7 +602,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     }
     if constexpr (kWarpFill) __syncwarp();  // every lane has read its last ring row
     if constexpr (kDxSlots > 0) {  // the strips' last two dx chunks
-      const int warp_t0 = t0 - strip_in_warp * L;
+      const int warp_t0 = warp_t0_of(t0);
 #pragma unroll
       for (int m = L / 4 - 2; m < L / 4; ++m) {
         flush_piece(warp_t0, m, 4 * m % kDxSlots, std::integral_constant<int, 0>{});

@@ -145,7 +145,8 @@ constexpr int kBwdNarrowRouteMinGroups = 512;
 // The routes of C <= 32 give bitwise the same results. With 32 or 16 lanes, half the threads (2
 // strips) when a token group is shorter than one sub-tile of the full CTA (small S: the group would
 // leave strips idle). Threads per SM stay 4 * CAKE_BWD_THREADS on every route of the stateless
-// kernels (the stateful ones' shared memory fits fewer of the 32-thread CTAs: 19 792 bytes each, 11 per SM).
+// kernels (the stateful ones' shared memory fits fewer of the 32-thread CTAs: 19 792 bytes each,
+// 11 per SM).
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_t stream) {
   if (p.groups == 0) return grads_of_no_tokens<WeightT, BiasT>(p, stream);
