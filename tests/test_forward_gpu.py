@@ -145,6 +145,25 @@ def test_every_variant_matches_reference(weight_dtype, bias_dtype):
     assert torch.equal(out, y)
 
 
+# The token-lane route (C <= 128: 1, 2, 4 or 8 lanes per token, then channel tiles of 8 lanes; a
+# CTA of 2048, 1024, 512 or 256 tokens, 4 warp segments): several tiles, a last tile that ends
+# inside a warp's segment or leaves whole warps without tokens, every lane count, C not a power of
+# 2 (idle lanes), two channel tiles, all variants.
+NARROW_CASES = [
+    pytest.param(5000, 8, docs_16_to_64, F32, F32, id="S5000-C8-docs16-64"),
+    pytest.param(70001, 8, docs_3000, BF16, None, id="S70001-C8-3000docs"),
+    pytest.param(4099, 16, tiny_docs, BF16, None, id="S4099-C16-tiny"),
+    pytest.param(3001, 24, boundary_mix, F32, BF16, id="S3001-C24-boundary-mix"),
+    pytest.param(2053, 32, one_doc, BF16, BF16, id="S2053-C32-one"),
+    pytest.param(1999, 40, empty_at_ends, F32, None, id="S1999-C40-empty-ends"),
+    pytest.param(777, 56, tiny_docs, BF16, F32, id="S777-C56-tiny"),
+    pytest.param(1029, 64, docs_16_to_64, F32, BF16, id="S1029-C64-docs16-64"),
+    pytest.param(300, 64, boundary_mix, BF16, F32, id="S300-C64-boundary-mix"),
+    pytest.param(2001, 72, docs_16_to_64, BF16, F32, id="S2001-C72-docs16-64"),
+    pytest.param(1500, 128, tiny_docs, F32, None, id="S1500-C128-tiny"),
+]
+
+
 DOC_CASES = [
     # S, C, document mix, weight dtype, bias dtype
     pytest.param(1, 8, one_doc, F32, None, id="S1-C8-one"),
@@ -162,6 +181,7 @@ DOC_CASES = [
     pytest.param(2049, 4096, docs_16_to_64, F32, BF16, id="S2049-C4096-docs16-64"),
     pytest.param(1500, 16384, docs_16_to_64, F32, F32, id="S1500-C16384-docs16-64"),
     pytest.param(777, 16384, empty_at_ends, BF16, F32, id="S777-C16384-empty-ends"),
+    *NARROW_CASES,
 ]
 
 
@@ -490,7 +510,7 @@ CORRUPT_CU = {
 SORTED_CORRUPT = [name for name, make in CORRUPT_CU.items() if make(3000) == sorted(make(3000))]
 
 
-@pytest.mark.parametrize("S, C", [(3000, 264), (1000, 4096)])
+@pytest.mark.parametrize("S, C", [(3000, 264), (1000, 4096), (3000, 8), (1000, 72)])
 @pytest.mark.parametrize("pattern", list(CORRUPT_CU))
 def test_corrupt_cu_seqlens_do_not_fault(pattern, S, C):
     x, w, b = make_inputs(S, C, seed=S + C)
@@ -519,13 +539,12 @@ def test_corrupt_cu_seqlens_do_not_fault(pattern, S, C):
 _MEMCHECK_SCRIPT = """
 import random, torch
 from flashinfer_cake import cake_causal_conv1d_train_forward as fwd
-PATTERNS = {patterns}
-for S, C in [(300, 264), (200, 4096)]:
+PATTERNS = {patterns}  # per S
+for S, C in [(300, 264), (200, 4096), (3000, 8), (1000, 40), (1000, 72)]:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(C, 4, device="cuda")
     b = torch.randn(C, device="cuda")
-    for name, cu in PATTERNS.items():
-        cu = [v if not callable(v) else v(S) for v in cu] if isinstance(cu, list) else cu(S)
+    for name, cu in PATTERNS[S].items():
         fwd(x, w, torch.tensor(cu, dtype=torch.int32, device="cuda"), bias=b)
 torch.cuda.synchronize()
 print("sanitizer-script-done")
@@ -535,6 +554,33 @@ print("sanitizer-script-done")
 @needs_sanitizer
 def test_corrupt_cu_seqlens_memcheck_clean(tmp_path):
     """compute-sanitizer's memcheck sees no out-of-bounds access for any corrupt pattern."""
-    patterns = {name: CORRUPT_CU[name](1000) for name in CORRUPT_CU}  # concrete lists
-    patterns = {k: [min(max(v, -(2**31)), 2**31 - 1) for v in lst] for k, lst in patterns.items()}
+    patterns = {S: {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(S)] for name, make in CORRUPT_CU.items()}
+                for S in (300, 200, 3000, 1000)}  # concrete lists, each pattern made for the S it runs at
     assert_sanitizer_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)
+
+
+_RACECHECK_SCRIPT = """
+import torch
+from flashinfer_cake import cake_causal_conv1d_train_forward as fwd
+g = torch.Generator().manual_seed(11)
+for S, C in [(70001, 8), (20001, 16), (9001, 24), (5001, 64), (3001, 72)]:  # token lanes: 1 to 8, 2 channel tiles
+    lengths = torch.randint(1, 300, (S,), generator=g).cumsum(0)
+    cu = torch.tensor([0, *lengths[lengths < S].tolist(), S], dtype=torch.int32, device="cuda")
+    x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(C, 4, device="cuda")
+    h = torch.randn(len(cu) - 1, 3, C, device="cuda", dtype=torch.bfloat16)
+    fwd(x, w, cu)
+    fwd(x, w, cu, initial_states=h, final_states_out=torch.empty_like(h))
+torch.cuda.synchronize()
+print("sanitizer-script-done")
+"""
+
+
+@needs_sanitizer
+def test_racecheck_clean(tmp_path):
+    """compute-sanitizer's racecheck sees no unordered shared-memory access on the token-lane route
+    (C <= 128: a lane reads the rows other lanes copied into the warp's ring, and refills a slot
+    others read the block before), stateless and with states, with a last tile that ends inside a
+    warp's segment."""
+    assert_sanitizer_clean(_RACECHECK_SCRIPT, tmp_path, tool="racecheck")
+

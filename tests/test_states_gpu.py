@@ -256,6 +256,11 @@ FWD_CASES = [
     pytest.param(3001, 4096, docs_16_to_64, BF16, F32, id="S3001-C4096-docs16-64"),
     pytest.param(4097, 8, chunky_mix, F32, None, id="S4097-C8-chunky"),
     pytest.param(777, 4096, one_doc, BF16, None, id="S777-C4096-one"),
+    pytest.param(5000, 16, tiny_docs, F32, F32, id="S5000-C16-tiny"),
+    pytest.param(3001, 32, docs_16_to_64, BF16, BF16, id="S3001-C32-docs16-64"),
+    pytest.param(2049, 24, chunky_mix, F32, None, id="S2049-C24-chunky"),
+    pytest.param(2001, 72, tiny_docs, BF16, F32, id="S2001-C72-tiny"),
+    pytest.param(1500, 128, empty_at_ends, F32, BF16, id="S1500-C128-empty-ends"),
 ]
 
 
@@ -592,6 +597,7 @@ STRIDE_CASES = [
     pytest.param(333, 4096, True, [(0, 64), (128, 0), (8, 56), (64, 0)], id="S333-C4096-3d"),
     pytest.param(2, 64, True, [(8, 8), (0, 8), (16, 0), (8, 24)], id="S2-C64-3d"),
     pytest.param(1, 64, False, [(0, 3), (8, 5), (0, 1), (16, 7)], id="S1-C64-odd-strides-ignored"),
+    pytest.param(3001, 32, False, [(8, 16), (0, 8), (32, 0), (8, 8)], id="S3001-C32"),
 ]
 
 
@@ -1046,13 +1052,13 @@ def test_corrupt_cu_seqlens_with_states_do_not_fault_and_are_deterministic(patte
 _MEMCHECK_SCRIPT = """
 import torch
 from flashinfer_cake import cake_causal_conv1d_train_backward as bwd, cake_causal_conv1d_train_forward as fwd
-PATTERNS = {patterns}
-for S, C in [(300, 264), (77, 8), (1111, 4096), (4096, 136)]:  # (4096, 136): the item choice at 1-2 documents
+PATTERNS = {patterns}  # per S
+for S, C in [(300, 264), (77, 8), (5000, 24), (1111, 4096), (4096, 136)]:  # (4096, 136): the item choice at 1-2 documents
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")
     b = torch.randn(C, device="cuda", dtype=torch.bfloat16)
-    for cu in [[0, S], [0, 1, 2, 5, S] + [S] * 300, *PATTERNS.values()]:
+    for cu in [[0, S], [0, 1, 2, 5, S] + [S] * 300, *PATTERNS[S].values()]:
         n = len(cu) - 1
         h = torch.randn(n, 3, C, device="cuda", dtype=torch.bfloat16)
         cu = torch.tensor(cu, dtype=torch.int32, device="cuda")
@@ -1070,7 +1076,8 @@ def test_states_memcheck_clean(tmp_path):
     """compute-sanitizer's memcheck sees no out-of-bounds access with states, for every corrupt
     cu_seqlens pattern, trailing empty documents and tails of S and C, and in the full-width
     routes' item-choice kernel (4096 x 136: 32 token groups, which 1-2 documents leave to it)."""
-    patterns = {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(1000)] for name, make in CORRUPT_CU.items()}
+    patterns = {S: {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(S)] for name, make in CORRUPT_CU.items()}
+                for S in (300, 77, 5000, 1111, 4096)}  # each pattern made for the S it runs at
     assert_sanitizer_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)
 
 

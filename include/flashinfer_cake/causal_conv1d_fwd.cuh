@@ -5,13 +5,16 @@
 // documents' final states (the last 3 rows of each one's history). Framework-free: raw device
 // pointers, sizes, row strides and a cudaStream_t.
 //
-// Geometry (FwdTraits): a CTA owns one tile of kTileTokens tokens x kTileChannels channels (64 x
-// 256 on the wide route): many small CTAs, so the hardware's block scheduler balances the grid
-// to its last few microseconds. A thread owns kVec channels (8: one 16-byte row vector) of one
+// Two kernels: C <= 128 runs the token-lane kernel (the end of this file), whose warps read whole
+// rows; wider rows the strip kernel. The strip kernel's geometry (FwdTraits): a CTA owns one tile
+// of kTileTokens tokens x kTileChannels channels (64 x 256 on the wide route): many small CTAs, so
+// the hardware's block scheduler balances the grid to its last few microseconds. A thread owns kVec channels (8: one 16-byte row vector) of one
 // kStripLen-token strip and walks x[t0 - 3, t0 + L) through a per-thread cp.async ring in
 // shared memory, with the last three rows in registers, so x is read once from DRAM (plus a
 // 3-row halo per strip, which the strip before it reads at about the same time: L2 hits). Which
-// CTA computes a token never changes its value: the output is bitwise deterministic.
+// CTA computes a token never changes its value for non-decreasing cu_seqlens (for other content the
+// positions depend on where a tile starts: the same on every run of one route): the output is
+// bitwise deterministic.
 //
 // Per CTA, while the first rows stream in: the taps and bias are staged once in shared memory
 // (one coalesced read instead of one strided read per strip), and scan_positions (scan_documents
@@ -46,6 +49,7 @@ struct CausalConv1dFwdParams {
   int32_t C;
   int32_t num_docs;
   int32_t tiles_c;  // channel tiles per token tile
+  int32_t lanes_log2;  // the token-lane route: log2 of the channel lanes of a token (1, 2, 4 or 8 lanes)
   uint32_t x_row_stride;  // in kVec-channel vectors
   uint32_t y_row_stride;
 };
@@ -67,6 +71,47 @@ struct FwdTraits {
   static_assert(kRing >= 4 && kRing % 4 == 0, "the loop steps 4 rows, so 4 ring slots, at a time");
   static_assert(kRing <= kStripLen + 4, "the first R - 1 rows are rows of the strip");
 };
+
+namespace detail {
+
+// y of one token from its row xt and the rows 1, 2, 3 tokens back (x1, x2, x3): FP32 accumulation
+// in a fixed order, the bias, then the taps current token first, every route the same bits. Taps
+// and bias pre-scaled by -log2(e) (silu_of_scaled). pos (0..3): the taps reaching back further
+// are skipped (predicated FMAs), never multiplied by zero, so nothing leaks across documents.
+template <int V>
+__device__ __forceinline__ Row<V> conv_silu_row(const float (&w)[4][V], const float (&b)[V], const float (&xt)[V],
+                                                const float (&x1)[V], const float (&x2)[V], const float (&x3)[V],
+                                                int pos) {
+  float ys[V];
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    float s = fmaf(w[3][j], xt[j], b[j]);
+    if (pos >= 1) s = fmaf(w[2][j], x1[j], s);
+    if (pos >= 2) s = fmaf(w[1][j], x2[j], s);
+    if (pos >= 3) s = fmaf(w[0][j], x3[j], s);
+    ys[j] = silu_of_scaled(s);
+  }
+  return pack_row<V>(ys);
+}
+
+// A lane's taps and bias (V channels) from the CTA's staged copies (stage_params' blocks at s_w,
+// s_b), pre-scaled by -log2(e) for silu_of_scaled; w and b stay as given (zeros) when !active.
+template <class WeightT, class BiasT, int V>
+__device__ __forceinline__ void load_scaled_params(const uint8_t* s_w, const uint8_t* s_b, bool active,
+                                                   float (&w)[4][V], float (&b)[V]) {
+  if (active) {
+    load_weights<WeightT, V, true>(s_w, 0, w);
+    load_bias<BiasT, V, true>(s_b, 0, b);
+  }
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k][j] *= -kLog2e;
+    b[j] *= -kLog2e;
+  }
+}
+
+}  // namespace detail
 
 // kStates: initial_states or final_states may be given (either may still be null).
 template <class Traits, class WeightT, class BiasT, bool kStates>
@@ -160,18 +205,9 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   }
   __syncthreads();
   if (!has_rows) return;
-  // Taps and bias pre-scaled by -log2(e) (see silu_of_scaled); lanes past C use zeros.
   float w[4][V] = {}, b[V] = {};
-  if (active) {
-    detail::load_weights<WeightT, V, true>(s_w + lane_c * WBlocks::kStride * 16, 0, w);
-    detail::load_bias<BiasT, V, true>(s_b + lane_c * BBlocks::kStride * 16, 0, b);
-  }
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k][j] *= -detail::kLog2e;
-    b[j] *= -detail::kLog2e;
-  }
+  detail::load_scaled_params<WeightT, BiasT, V>(s_w + lane_c * WBlocks::kStride * 16,
+                                                s_b + lane_c * BBlocks::kStride * 16, active, w, b);
 
   // pos_row[r]: token t0 + r (past S it was never written: those rows are not stored); with
   // kStates its code (scan_documents) and doc_row[r] its document.
@@ -244,7 +280,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
     detail::cp_async_commit();  // possibly empty: keeps "ring row j is group j after the parameters'"
     detail::cp_async_wait<R - 1>();
     int pos = pos_row[r];
-    float xt[V], ys[V];
+    float xt[V];
     detail::row_to_float(my_ring[(cur + q) * T], xt);
     if constexpr (kEvents) {
       if (static_cast<uint32_t>(r + 3) < lim && (pos & detail::kInDoc)) {
@@ -252,16 +288,8 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
       }
     }
     if constexpr (kStates) pos &= detail::kPosMask;  // the code's position bits
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      // FP32 accumulation in a fixed order: the bias, then the taps, current token first.
-      float s = fmaf(w[3][j], xt[j], b[j]);
-      if (pos >= 1) s = fmaf(w[2][j], xm[s1][j], s);
-      if (pos >= 2) s = fmaf(w[1][j], xm[s2][j], s);
-      if (pos >= 3) s = fmaf(w[0][j], xm[s3][j], s);
-      ys[j] = detail::silu_of_scaled(s);
-    }
-    if (static_cast<uint32_t>(r + 3) < lim) yv[y_off] = detail::pack_row<V>(ys);
+    const Row y = detail::conv_silu_row(w, b, xt, xm[s1], xm[s2], xm[s3], pos);
+    if (static_cast<uint32_t>(r + 3) < lim) yv[y_off] = y;
     y_off += p.y_row_stride;
 #pragma unroll
     for (int j = 0; j < V; ++j) xm[q][j] = xt[j];
@@ -289,6 +317,263 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
     }
   } else {
     walk(std::false_type{});
+  }
+  detail::cp_async_wait<0>();  // no copy outlives the CTA's shared memory
+}
+
+// The token-lane route (FwdTokenLaneTraits; the launcher's rule says which C take it): the lanes of
+// a warp side by side along tokens. At narrow C the strip-per-thread kernel above leaves lanes idle
+// (its tile is 8 or more vectors wide) and reads and writes 16-byte rows of 32 strips per warp instruction:
+// 2097152x8 ran at 15 % of a graph copy, 1048576x16 at 30 % (tune.py, H200). Here a warp reads and
+// writes whole rows: one instruction covers 32 / lanes consecutive tokens of lanes vectors each (512
+// contiguous bytes when C = 8 lanes), so every sector is whole and no store is staged.
+template <int kMaxLanesC_, int kThreads_, int kSegBlocks_, int kRingBlocks_, int kMinCtasPerSm_>
+struct FwdTokenLaneTraits {
+  static constexpr int kVec = 8;                  // channels per lane (a 16-byte row vector)
+  static constexpr int kMaxLanesC = kMaxLanesC_;  // most lanes of one token (a power of 2 up to 8)
+  static constexpr int kThreads = kThreads_;
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kSegBlocks = kSegBlocks_;  // blocks (one row vector per lane) a warp walks
+  static constexpr int kRingBlocks = kRingBlocks_;  // shared-memory blocks per warp (kRingBlocks - 2 in flight)
+  static constexpr int kMinCtasPerSm = kMinCtasPerSm_;
+  static constexpr int kMaxTileTokens = kWarps * kSegBlocks * 32;  // a CTA's tokens at 1 lane per token
+  static constexpr int kMaxTileChannels = kMaxLanesC * kVec;
+  static_assert(kSegBlocks <= 32, "a warp's blocks with a state event fit one 32-bit mask");
+  // Lanes per token for C channels (log2): as many as C / kVec needs, at most kMaxLanesC (then
+  // channel tiles); a CTA's tokens at that many.
+  __host__ __device__ static constexpr int lanes_log2_for(int64_t C) {
+    int lg = 0;
+    while ((1 << lg) < kMaxLanesC && (int64_t(kVec) << lg) < C) ++lg;
+    return lg;
+  }
+  __host__ __device__ static constexpr int tile_tokens(int lanes_log2) { return kWarps * kSegBlocks * (32 >> lanes_log2); }
+  // The tile's positions (and with states its documents and scan_documents' scratch) live in
+  // dynamic shared memory sized for the launch's tile (static arrays sized for one lane per token
+  // held the stateful kernel of C >= 16 at 4 CTAs per SM). Byte offsets: doc, first_idx, last_idx
+  // (int32, with states), then pos and flags (bytes, flags without states).
+  struct SmemLayout {
+    int doc = 0, first_idx = 0, last_idx = 0, pos = 0, flags = 0, bytes = 0;
+    __host__ __device__ constexpr SmemLayout(int tile_tokens, bool states) {
+      const int ints = states ? tile_tokens : 0, idx = states ? tile_tokens + 5 : 0;
+      doc = 0;
+      first_idx = doc + 4 * ints;
+      last_idx = first_idx + 4 * idx;
+      pos = last_idx + 4 * idx;
+      flags = pos + tile_tokens;
+      bytes = flags + (states ? 0 : tile_tokens + 2);
+    }
+  };
+  // Static shared memory (the rings; the taps and bias, at most 12 16-byte chunks per lane with
+  // their padding (ParamBlocks); scan_documents' s_empty and s_more; 128 bytes of alignment) and the
+  // largest dynamic part stay within the 48 KB a launch may take without an opt-in.
+  static constexpr int kStaticSmemBound = kWarps * kRingBlocks * 32 * 16 + kMaxLanesC * 12 * 16 + 4 * kThreads + 2 + 128;
+  static_assert(kStaticSmemBound + SmemLayout(kMaxTileTokens, true).bytes <= 48 * 1024 &&
+                    kStaticSmemBound + SmemLayout(kMaxTileTokens, false).bytes <= 48 * 1024,
+                "shared memory per CTA above 48 KB");
+  static_assert(kMaxLanesC >= 1 && kMaxLanesC <= 8 && (kMaxLanesC & (kMaxLanesC - 1)) == 0,
+                "1 to 8 lanes per token: a block of 4 or more tokens holds the 3 rows before its first");
+  static_assert(kThreads % 32 == 0, "CTA must be whole warps");
+  static_assert(kRingBlocks >= 4 && (kRingBlocks & (kRingBlocks - 1)) == 0,
+                "a power of 2 (entries wrap with a mask) holding the block read, the one before it and 2 in flight");
+};
+
+// The token-lane kernel. A CTA owns kSegBlocks * 32 / lanes tokens per warp, each warp a segment of
+// consecutive tokens, and the row vectors [tile_c * lanes, + lanes); lane l of a block (32 / lanes
+// tokens) owns token l / lanes, row vector l % lanes. The warp streams its segment through its
+// own ring of blocks in shared memory (cp.async, kRingBlocks - 2 blocks ahead), entry = token row
+// vector in token order, so a token's 3 rows before are the entries 1, 2, 3 token rows back (a
+// 3-row halo before the segment is read once). Each lane reads its 4 rows from shared memory, sums
+// them as every route does (conv_silu_row) and stores its y vector: the warp's store is whole rows.
+// Positions and states as in the strip kernel (scan_positions / scan_documents); with states, a tap
+// of a document's token reaching before its first token reads the initial state's row directly
+// (the token's position says which), and the blocks without a state event run the stateless body.
+template <class Traits, class WeightT, class BiasT, bool kStates>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
+causal_conv1d_fwd_token_lane_kernel(const CausalConv1dFwdParams p) {
+  constexpr int V = Traits::kVec;
+  constexpr int T = Traits::kThreads;
+  constexpr int RB = Traits::kRingBlocks;
+  constexpr int kRingMask = RB * 32 - 1;  // a warp's ring entries
+  using Row = detail::Row<V>;
+  using WBlocks = detail::ParamBlocks<V * detail::kTapBytes<WeightT>>;
+  using BBlocks = detail::ParamBlocks<V * detail::kBiasBytes<BiasT>>;
+  __shared__ __align__(detail::kRingAlign) Row s_ring[Traits::kWarps * RB * 32];
+  extern __shared__ __align__(16) uint8_t s_dyn[];  // Traits::SmemLayout
+  __shared__ __align__(16) uint8_t s_w[Traits::kMaxLanesC * WBlocks::kStride * 16];
+  constexpr int kBiasSmem = detail::kHasBias<BiasT> ? Traits::kMaxLanesC * BBlocks::kStride * 16 : 16;
+  __shared__ __align__(16) uint8_t s_b[kBiasSmem];
+
+  const int lg = p.lanes_log2;  // Traits::lanes_log2_for(C): up to kMaxLanesC lanes (s_w, s_b)
+  const int lanes = 1 << lg;
+  const int tpb = 32 >> lg;  // tokens per block
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int lane_c = lane & (lanes - 1), lane_t = lane >> lg;
+  const int group = blockIdx.x / p.tiles_c;
+  const int tile_c = blockIdx.x - group * p.tiles_c;
+  const int vec = tile_c * lanes + lane_c;
+  const uint32_t vecs_per_row = p.C / V;
+  const bool active = static_cast<uint32_t>(vec) < vecs_per_row;
+  const int seg_tokens = Traits::kSegBlocks * tpb;
+  const int tile_tokens = Traits::tile_tokens(lg);
+  // int32 token indices as in the strip kernel: tile_t0 < S, a walking warp's seg0 < S, and a
+  // token is tested on its offset from seg0 against s_left before its index is formed.
+  const int tile_t0 = group * tile_tokens;
+  const int tile_len = min(tile_tokens, p.S - tile_t0);
+  const int seg_off = warp * seg_tokens;  // the warp's first token, in the tile
+  const bool walks = seg_off < tile_len;
+  const int seg0 = walks ? tile_t0 + seg_off : 0;
+  const int s_left = p.S - seg0;  // tokens from seg0 to the end of the batch
+  const typename Traits::SmemLayout layout(tile_tokens, kStates);
+  uint8_t* const s_pos = s_dyn + layout.pos;  // per tile token, as in the strip kernel
+  uint8_t* const s_flags = s_dyn + layout.flags;
+  int32_t* const s_doc = reinterpret_cast<int32_t*>(s_dyn + layout.doc);
+  int32_t* const s_first_idx = reinterpret_cast<int32_t*>(s_dyn + layout.first_idx);
+  int32_t* const s_last_idx = reinterpret_cast<int32_t*>(s_dyn + layout.last_idx);
+  const Row* __restrict__ xv = reinterpret_cast<const Row*>(p.x);
+  Row* __restrict__ yv = reinterpret_cast<Row*>(p.y);
+  Row* const ring = s_ring + warp * RB * 32;
+  const uint32_t xs = p.x_row_stride, ys = p.y_row_stride;
+
+  // Block b (b >= -1; block -1 holds the 3 rows before seg0) into ring slot (b + 1) % RB: tokens
+  // before seg0 - 3, outside [0, S) and lanes past C read zeros (those entries are never stored).
+  const auto fill = [&](int b) {
+    const int u_off = b * tpb + lane_t;  // the lane's token, from seg0
+    const bool valid = active && u_off >= -3 && u_off >= -seg0 && u_off < s_left;
+    const uint32_t off = valid ? static_cast<uint32_t>(seg0 + u_off) * xs + vec : 0u;
+    detail::cp_async_row(ring + ((b + 1) & (RB - 1)) * 32 + lane, xv + off, valid);
+  };
+  // cp.async groups: the taps and bias with block -1, then blocks 0 .. RB - 3, one group each,
+  // streaming while the positions are found.
+  const int64_t c_tile0 = int64_t(tile_c) * lanes * V;
+  detail::stage_params<WeightT, BiasT, V, T>(p.weight, p.bias, c_tile0,
+                                             static_cast<int>(min(int64_t(lanes) * V, p.C - c_tile0)), s_w, s_b);
+  if (walks) fill(-1);
+  detail::cp_async_commit();
+#pragma unroll
+  for (int b = 0; b < RB - 2; ++b) {
+    if (walks && b < Traits::kSegBlocks) fill(b);
+    detail::cp_async_commit();
+  }
+  const Row* __restrict__ init_v = reinterpret_cast<const Row*>(p.initial_states);
+  Row* __restrict__ final_v = reinterpret_cast<Row*>(p.final_states);
+  const auto state_off = [&](int d, int i) { return detail::state_row_offset(d, i, vecs_per_row); };
+  if constexpr (kStates) {
+    detail::scan_documents<T, 1, Traits::kMaxLanesC>(
+        p.cu_seqlens, p.num_docs, p.S, tile_t0, tile_len, tile_t0 + tile_len, s_first_idx, s_last_idx, s_pos, s_doc,
+        nullptr, nullptr, [&](int d, int i, int v) {
+          // An empty document's final state is its initial state (zeros without one), for this
+          // tile's channels (the strip kernel's rule).
+          if (v >= lanes) return;
+          v += tile_c * lanes;
+          if (final_v && static_cast<uint32_t>(v) < vecs_per_row) {
+            final_v[state_off(d, i) + v] = init_v ? __ldg(init_v + state_off(d, i) + v) : Row{};
+          }
+        });
+  } else {
+    detail::scan_positions<T>(p.cu_seqlens, p.num_docs, tile_t0, tile_len, s_flags, s_pos);
+  }
+  detail::cp_async_wait<RB - 2>();  // group 0 (the taps, bias and block -1) has landed
+  __syncthreads();
+  if (!walks) return;
+  float w[4][V] = {}, b[V] = {};
+  detail::load_scaled_params<WeightT, BiasT, V>(s_w + lane_c * WBlocks::kStride * 16,
+                                                s_b + lane_c * BBlocks::kStride * 16, active, w, b);
+  const uint8_t* const pos_seg = s_pos + seg_off;  // pos_seg[j]: token seg0 + j (j < tile_len - seg_off)
+  const int32_t* const doc_seg = s_doc + seg_off;
+  const int seg_len = min(seg_tokens, tile_len - seg_off);
+  // kStates: bit i of `events` is set when a token of block i has a state event (kInDoc; uniform in
+  // the warp): those blocks run the stateful body, and the documents starting in them get their
+  // initial rows prefetched into L2 when the block is copied (read at the token, RB - 2 blocks
+  // later; the blocks already in flight, now).
+  [[maybe_unused]] uint32_t events = 0;
+  [[maybe_unused]] const auto prefetch_block = [&](int blk) {
+    const int j = blk * tpb + lane_t;
+    if (init_v && active && j < seg_len) {
+      const int c = pos_seg[j];
+      if ((c & detail::kInDoc) && (c & detail::kPosMask) == 0) {
+        detail::prefetch_initial_rows(init_v, doc_seg[j], p.num_docs, vecs_per_row, vec);
+      }
+    }
+  };
+  if constexpr (kStates) {
+    for (int i = 0; i * tpb < seg_len; ++i) {
+      const int j = i * tpb + lane_t;
+      events |= uint32_t(__ballot_sync(0xffffffffu, active && j < seg_len && (pos_seg[j] & detail::kInDoc)) != 0) << i;
+    }
+#pragma unroll
+    for (int blk = 0; blk < RB - 2; ++blk) {
+      if (events >> blk & 1) prefetch_block(blk);
+    }
+  }
+  int slot = 1;  // block i's ring slot, (i + 1) % RB
+  uint32_t y_off = (static_cast<uint32_t>(seg0) + lane_t) * ys + vec;  // wraps only past S (never stored)
+  const uint32_t y_step = static_cast<uint32_t>(tpb) * ys;
+  const auto block = [&](int i, auto events) {
+    constexpr bool kEvents = decltype(events)::value;
+    const int j = i * tpb + lane_t;  // the lane's token, from seg0
+    const bool valid = active && j < seg_len;
+    const int e = slot * 32 + lane;
+    Row r0 = ring[e], r1 = ring[(e - lanes) & kRingMask], r2 = ring[(e - 2 * lanes) & kRingMask],
+        r3 = ring[(e - 3 * lanes) & kRingMask];
+    int pos = j < seg_len ? pos_seg[j] : 0;
+    if constexpr (kEvents) {
+      // A token of a document with states: the taps reaching before its first token read the
+      // initial rows (row 3 - k + pos for the tap k back), so every tap is read; one of the
+      // document's last 3 (kend before its end) copies its row into the final state, and the first
+      // token of a document shorter than 3 also the initial rows its final state keeps.
+      if (valid && (pos & detail::kInDoc)) {
+        const int ps = pos & detail::kPosMask, kend = pos >> detail::kEndShift & 3;
+        const size_t off = state_off(doc_seg[j], 0) + vec;
+        if (init_v) {
+          if (ps < 3) r3 = __ldg(init_v + off + ps * vecs_per_row);
+          if (ps < 2) r2 = __ldg(init_v + off + (ps + 1) * vecs_per_row);
+          if (ps < 1) r1 = __ldg(init_v + off + 2 * vecs_per_row);
+          pos = 3;
+        }
+        if (final_v && kend) {  // as the strip kernel's document_states
+          final_v[off + (3 - kend) * vecs_per_row] = r0;
+          if (ps == 0) {
+            for (int k = 0; k < 3 - kend; ++k) {
+              final_v[off + k * vecs_per_row] = init_v ? __ldg(init_v + off + (kend + k) * vecs_per_row) : Row{};
+            }
+          }
+        }
+      }
+    }
+    if constexpr (kStates) pos &= detail::kPosMask;
+    float xt[V], x1[V], x2[V], x3[V];
+    detail::row_to_float(r0, xt);
+    detail::row_to_float(r1, x1);
+    detail::row_to_float(r2, x2);
+    detail::row_to_float(r3, x3);
+    const Row y = detail::conv_silu_row(w, b, xt, x1, x2, x3, pos);
+    if (valid) yv[y_off] = y;
+  };
+#pragma unroll 1
+  for (int i = 0; i < Traits::kSegBlocks; ++i) {
+    // Block i landed for every lane, and every lane is done with iteration i - 1, the last to read
+    // block i - 2: its slot takes block i + RB - 2.
+    detail::cp_async_wait<RB - 3>();
+    __syncwarp();
+    if (i + RB - 2 < Traits::kSegBlocks) {
+      fill(i + RB - 2);
+      if constexpr (kStates) {
+        if (events >> (i + RB - 2) & 1) prefetch_block(i + RB - 2);
+      }
+    }
+    detail::cp_async_commit();  // possibly empty: keeps "block i is group i + 1"
+    if (i * tpb >= seg_len) break;  // uniform: the segment's end (the batch's last tile)
+    if constexpr (kStates) {
+      if (events >> i & 1) {
+        block(i, std::true_type{});
+      } else {
+        block(i, std::false_type{});
+      }
+    } else {
+      block(i, std::false_type{});
+    }
+    slot = (slot + 1) & (RB - 1);
+    y_off += y_step;
   }
   detail::cp_async_wait<0>();  // no copy outlives the CTA's shared memory
 }

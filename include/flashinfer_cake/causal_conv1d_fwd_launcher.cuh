@@ -7,25 +7,49 @@
 
 namespace flashinfer_cake {
 
-template <class Traits, class WeightT, class BiasT>
-cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, cudaStream_t stream) {
-  const int64_t vecs_per_row = p.C / Traits::kVec;
-  const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
-  const int64_t groups = (int64_t(p.S) + Traits::kTileTokens - 1) / Traits::kTileTokens;
+// One launch of a forward kernel over tiles of tile_tokens tokens x `lanes` row vectors (p.tiles_c
+// and the grid from them), p.lanes_log2 given, with smem bytes of dynamic shared memory.
+template <class KernelFn>
+cudaError_t launch_fwd_tiles(KernelFn kernel, CausalConv1dFwdParams p, int64_t tile_tokens, int64_t lanes, int threads,
+                             int smem, cudaStream_t stream) {
+  constexpr int kVec = 8;  // both kernels' row vectors
+  const int64_t vecs_per_row = p.C / kVec;
+  const int64_t tiles_c = (vecs_per_row + lanes - 1) / lanes;
+  const int64_t groups = (int64_t(p.S) + tile_tokens - 1) / tile_tokens;
   const int64_t blocks = groups * tiles_c;
   const int64_t rows_span = int64_t(p.S) * std::max(p.x_row_stride, p.y_row_stride);  // vectors
   if (blocks > INT32_MAX || rows_span >= (int64_t(1) << 32)) {  // 32-bit offsets
-    return fail(cudaErrorInvalidValue, "x: S * row stride = %lld elements is too large for the forward (must be below 2^%d)",
-                (long long)rows_span * Traits::kVec, 32 + (Traits::kVec == 8 ? 3 : 2));
+    return fail(cudaErrorInvalidValue, "x, out: S * row stride = %lld elements is too large for the forward (must be below %lld)",
+                (long long)rows_span * kVec, (long long)kFwdMaxElements);
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
   (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
-  const auto kernel = p.initial_states || p.final_states ? causal_conv1d_fwd_kernel<Traits, WeightT, BiasT, true>
-                                                         : causal_conv1d_fwd_kernel<Traits, WeightT, BiasT, false>;
-  kernel<<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
+  kernel<<<static_cast<int>(blocks), threads, smem, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return fail(e, "kernel launch failed: %s", cudaGetErrorString(e));
   return cudaSuccess;
+}
+
+// The strip kernel's route of Traits' geometry.
+template <class Traits, class WeightT, class BiasT>
+cudaError_t launch_causal_conv1d_fwd_route(const CausalConv1dFwdParams& p, cudaStream_t stream) {
+  const auto kernel = p.initial_states || p.final_states ? causal_conv1d_fwd_kernel<Traits, WeightT, BiasT, true>
+                                                         : causal_conv1d_fwd_kernel<Traits, WeightT, BiasT, false>;
+  return launch_fwd_tiles(kernel, p, Traits::kTileTokens, Traits::kLanesC, Traits::kThreads, 0, stream);
+}
+
+// The token-lane route: as many lanes per token as C needs (1, 2, 4, then kMaxLanesC per channel
+// tile).
+template <class Traits, class WeightT, class BiasT>
+cudaError_t launch_causal_conv1d_fwd_token_lanes(CausalConv1dFwdParams p, cudaStream_t stream) {
+  const int lanes_log2 = Traits::lanes_log2_for(p.C);
+  p.lanes_log2 = lanes_log2;
+  const bool states = p.initial_states || p.final_states;
+  const auto kernel = states ? causal_conv1d_fwd_token_lane_kernel<Traits, WeightT, BiasT, true>
+                             : causal_conv1d_fwd_token_lane_kernel<Traits, WeightT, BiasT, false>;
+  const int tile_tokens = Traits::tile_tokens(lanes_log2);
+  return launch_fwd_tiles(kernel, p, tile_tokens, int64_t(1) << lanes_log2, Traits::kThreads,
+                          typename Traits::SmemLayout(tile_tokens, states).bytes, stream);
 }
 
 // Tile geometry; scripts/tune.py overrides these with -D to measure alternatives.
@@ -45,17 +69,47 @@ cudaError_t launch_causal_conv1d_fwd_route(CausalConv1dFwdParams p, cudaStream_t
 #define CAKE_FWD_VEC 8  // channels per thread
 #endif
 
-// The route rule, from C only (the output never depends on it): 32 channel lanes, or 8 when
-// C <= 8 * kVec (a few idle lanes at tiny C).
+// The token-lane route's geometry (FwdTokenLaneTraits): C up to CAKE_FWD_TL_MAX_C takes it.
+#ifndef CAKE_FWD_TL_MAX_C
+#define CAKE_FWD_TL_MAX_C 128
+#endif
+#ifndef CAKE_FWD_TL_THREADS
+#define CAKE_FWD_TL_THREADS 128
+#endif
+#ifndef CAKE_FWD_TL_BLOCKS
+#define CAKE_FWD_TL_BLOCKS 16  // blocks of 512 bytes a warp walks
+#endif
+#ifndef CAKE_FWD_TL_RING
+#define CAKE_FWD_TL_RING 8  // ring blocks per warp
+#endif
+#ifndef CAKE_FWD_TL_MIN_CTAS
+#define CAKE_FWD_TL_MIN_CTAS 5  // the stateful kernel's registers (the stateless one needs ~80)
+#endif
+
+// The route rule, from C only (for non-decreasing cu_seqlens the output never depends on it:
+// tune.py checks): C <= 128 the token-lane kernel, wider rows the strip kernel with 32 channel lanes.
+// The strip kernel, with 8 lanes up to C = 64, ran 2097152x8 at 118.5 us (20 % of copy), 1048576x16
+// at 63.2 us (31 %), 1048576x32 at 64.0 us (56 %) and, with 32 lanes, 1048576x128 at 226 us (57 %:
+// half the lanes idle); token lanes 26.8, 25.3, 40.8 and 140 us (87, 78, 87 and 92 %); 1048576x64
+// 74.8 against 75.1 us (tune.py, H200, eager, 1 document, 2026-12-02). With states the strip kernel
+// with 8 lanes is faster at 1048576x64 (76.9 against 92.3 us): a build with CAKE_FWD_TL_MAX_C = 32
+// routes 32 < C <= 64 to it and 64 < C <= 128 to 16 lanes (not yet measured on a GPU).
 template <class WeightT, class BiasT>
-cudaError_t launch_causal_conv1d_fwd(CausalConv1dFwdParams p, cudaStream_t stream) {
+cudaError_t launch_causal_conv1d_fwd(const CausalConv1dFwdParams& p, cudaStream_t stream) {
   constexpr int kVec = CAKE_FWD_VEC, kThreads = CAKE_FWD_THREADS, kStrip = CAKE_FWD_STRIP_LEN,
                 kRing = CAKE_FWD_RING, kMinCtas = CAKE_FWD_MIN_CTAS;
-
+  using TokenLanes = FwdTokenLaneTraits<8, CAKE_FWD_TL_THREADS, CAKE_FWD_TL_BLOCKS, CAKE_FWD_TL_RING, CAKE_FWD_TL_MIN_CTAS>;
   using Wide = FwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
+  using Mid = FwdTraits<kVec, 16, kThreads, kStrip, kRing, kMinCtas>;
   using Narrow = FwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>;
-  if (p.C / kVec > 8) return launch_causal_conv1d_fwd_route<Wide, WeightT, BiasT>(p, stream);
-  return launch_causal_conv1d_fwd_route<Narrow, WeightT, BiasT>(p, stream);
+  if (p.C <= CAKE_FWD_TL_MAX_C) return launch_causal_conv1d_fwd_token_lanes<TokenLanes, WeightT, BiasT>(p, stream);
+  if constexpr (CAKE_FWD_TL_MAX_C < 8 * kVec) {
+    if (p.C <= 8 * kVec) return launch_causal_conv1d_fwd_route<Narrow, WeightT, BiasT>(p, stream);
+  }
+  if constexpr (CAKE_FWD_TL_MAX_C < 16 * kVec) {
+    if (p.C <= 16 * kVec) return launch_causal_conv1d_fwd_route<Mid, WeightT, BiasT>(p, stream);
+  }
+  return launch_causal_conv1d_fwd_route<Wide, WeightT, BiasT>(p, stream);
 }
 
 // The C entry point's body: re-checks what the binding validated (the module may be called
