@@ -1053,7 +1053,8 @@ _MEMCHECK_SCRIPT = """
 import torch
 from flashinfer_cake import cake_causal_conv1d_train_backward as bwd, cake_causal_conv1d_train_forward as fwd
 PATTERNS = {patterns}  # per S
-for S, C in [(300, 264), (77, 8), (5000, 24), (1111, 4096), (4096, 136)]:  # (4096, 136): the item choice at 1-2 documents
+# (4096, 136): the backward's item choice at 1-2 documents
+for S, C in [(300, 264), (77, 8), (5000, 24), (1111, 4096), (4096, 136)]:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")

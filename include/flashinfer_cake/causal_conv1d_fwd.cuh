@@ -8,8 +8,8 @@
 // Two kernels: C <= 128 runs the token-lane kernel (the end of this file), whose warps read whole
 // rows; wider rows the strip kernel. The strip kernel's geometry (FwdTraits): a CTA owns one tile
 // of kTileTokens tokens x kTileChannels channels (64 x 256 on the wide route): many small CTAs, so
-// the hardware's block scheduler balances the grid to its last few microseconds. A thread owns kVec channels (8: one 16-byte row vector) of one
-// kStripLen-token strip and walks x[t0 - 3, t0 + L) through a per-thread cp.async ring in
+// the hardware's block scheduler balances the grid to its last few microseconds. A thread owns
+// kVec channels (8: one 16-byte row vector) of one kStripLen-token strip and walks x[t0 - 3, t0 + L) through a per-thread cp.async ring in
 // shared memory, with the last three rows in registers, so x is read once from DRAM (plus a
 // 3-row halo per strip, which the strip before it reads at about the same time: L2 hits). Which
 // CTA computes a token never changes its value for non-decreasing cu_seqlens (for other content the
@@ -323,10 +323,11 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
 
 // The token-lane route (FwdTokenLaneTraits; the launcher's rule says which C take it): the lanes of
 // a warp side by side along tokens. At narrow C the strip-per-thread kernel above leaves lanes idle
-// (its tile is 8 or more vectors wide) and reads and writes 16-byte rows of 32 strips per warp instruction:
-// 2097152x8 ran at 15 % of a graph copy, 1048576x16 at 30 % (tune.py, H200). Here a warp reads and
-// writes whole rows: one instruction covers 32 / lanes consecutive tokens of lanes vectors each (512
-// contiguous bytes when C = 8 lanes), so every sector is whole and no store is staged.
+// (its tile is 8 or more vectors wide) and reads and writes 16-byte rows of 32 strips per warp
+// instruction: 2097152x8 ran at 15 % of a graph copy, 1048576x16 at 30 % (tune.py, H200). Here a
+// warp reads and writes whole rows: one instruction covers 32 / lanes consecutive tokens of lanes
+// vectors each (512 contiguous bytes when C = 8 lanes), so every sector is whole and no store is
+// staged.
 template <int kMaxLanesC_, int kThreads_, int kSegBlocks_, int kRingBlocks_, int kMinCtasPerSm_>
 struct FwdTokenLaneTraits {
   static constexpr int kVec = 8;                  // channels per lane (a 16-byte row vector)
@@ -334,10 +335,9 @@ struct FwdTokenLaneTraits {
   static constexpr int kThreads = kThreads_;
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kSegBlocks = kSegBlocks_;  // blocks (one row vector per lane) a warp walks
-  static constexpr int kRingBlocks = kRingBlocks_;  // shared-memory blocks per warp (kRingBlocks - 2 in flight)
+  static constexpr int kRingBlocks = kRingBlocks_;  // shared-memory blocks per warp (RB - 2 in flight)
   static constexpr int kMinCtasPerSm = kMinCtasPerSm_;
   static constexpr int kMaxTileTokens = kWarps * kSegBlocks * 32;  // a CTA's tokens at 1 lane per token
-  static constexpr int kMaxTileChannels = kMaxLanesC * kVec;
   static_assert(kSegBlocks <= 32, "a warp's blocks with a state event fit one 32-bit mask");
   // Lanes per token for C channels (log2): as many as C / kVec needs, at most kMaxLanesC (then
   // channel tiles); a CTA's tokens at that many.
@@ -346,7 +346,9 @@ struct FwdTokenLaneTraits {
     while ((1 << lg) < kMaxLanesC && (int64_t(kVec) << lg) < C) ++lg;
     return lg;
   }
-  __host__ __device__ static constexpr int tile_tokens(int lanes_log2) { return kWarps * kSegBlocks * (32 >> lanes_log2); }
+  __host__ __device__ static constexpr int tile_tokens(int lanes_log2) {
+    return kWarps * kSegBlocks * (32 >> lanes_log2);
+  }
   // The tile's positions (and with states its documents and scan_documents' scratch) live in
   // dynamic shared memory sized for the launch's tile (static arrays sized for one lane per token
   // held the stateful kernel of C >= 16 at 4 CTAs per SM). Byte offsets: doc, first_idx, last_idx
@@ -366,7 +368,8 @@ struct FwdTokenLaneTraits {
   // Static shared memory (the rings; the taps and bias, at most 12 16-byte chunks per lane with
   // their padding (ParamBlocks); scan_documents' s_empty and s_more; 128 bytes of alignment) and the
   // largest dynamic part stay within the 48 KB a launch may take without an opt-in.
-  static constexpr int kStaticSmemBound = kWarps * kRingBlocks * 32 * 16 + kMaxLanesC * 12 * 16 + 4 * kThreads + 2 + 128;
+  static constexpr int kStaticSmemBound =
+      kWarps * kRingBlocks * 32 * 16 + kMaxLanesC * 12 * 16 + 4 * kThreads + 2 + 128;
   static_assert(kStaticSmemBound + SmemLayout(kMaxTileTokens, true).bytes <= 48 * 1024 &&
                     kStaticSmemBound + SmemLayout(kMaxTileTokens, false).bytes <= 48 * 1024,
                 "shared memory per CTA above 48 KB");

@@ -19,7 +19,8 @@ cudaError_t launch_fwd_tiles(KernelFn kernel, CausalConv1dFwdParams p, int64_t t
   const int64_t blocks = groups * tiles_c;
   const int64_t rows_span = int64_t(p.S) * std::max(p.x_row_stride, p.y_row_stride);  // vectors
   if (blocks > INT32_MAX || rows_span >= (int64_t(1) << 32)) {  // 32-bit offsets
-    return fail(cudaErrorInvalidValue, "x, out: S * row stride = %lld elements is too large for the forward (must be below %lld)",
+    return fail(cudaErrorInvalidValue,
+                "x, out: S * row stride = %lld elements is too large for the forward (must be below %lld)",
                 (long long)rows_span * kVec, (long long)kFwdMaxElements);
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
@@ -92,22 +93,19 @@ cudaError_t launch_causal_conv1d_fwd_token_lanes(CausalConv1dFwdParams p, cudaSt
 // at 63.2 us (31 %), 1048576x32 at 64.0 us (56 %) and, with 32 lanes, 1048576x128 at 226 us (57 %:
 // half the lanes idle); token lanes 26.8, 25.3, 40.8 and 140 us (87, 78, 87 and 92 %); 1048576x64
 // 74.8 against 75.1 us (tune.py, H200, eager, 1 document, 2026-12-02). With states the strip kernel
-// with 8 lanes is faster at 1048576x64 (76.9 against 92.3 us): a build with CAKE_FWD_TL_MAX_C = 32
-// routes 32 < C <= 64 to it and 64 < C <= 128 to 16 lanes (not yet measured on a GPU).
+// with 8 lanes is faster at 1048576x64 (76.9 against 92.3 us); a build with CAKE_FWD_TL_MAX_C below
+// 64 (tune.py's baseline) routes C <= 64 to it.
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_fwd(const CausalConv1dFwdParams& p, cudaStream_t stream) {
   constexpr int kVec = CAKE_FWD_VEC, kThreads = CAKE_FWD_THREADS, kStrip = CAKE_FWD_STRIP_LEN,
                 kRing = CAKE_FWD_RING, kMinCtas = CAKE_FWD_MIN_CTAS;
-  using TokenLanes = FwdTokenLaneTraits<8, CAKE_FWD_TL_THREADS, CAKE_FWD_TL_BLOCKS, CAKE_FWD_TL_RING, CAKE_FWD_TL_MIN_CTAS>;
+  using TokenLanes =
+      FwdTokenLaneTraits<8, CAKE_FWD_TL_THREADS, CAKE_FWD_TL_BLOCKS, CAKE_FWD_TL_RING, CAKE_FWD_TL_MIN_CTAS>;
   using Wide = FwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
-  using Mid = FwdTraits<kVec, 16, kThreads, kStrip, kRing, kMinCtas>;
   using Narrow = FwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>;
   if (p.C <= CAKE_FWD_TL_MAX_C) return launch_causal_conv1d_fwd_token_lanes<TokenLanes, WeightT, BiasT>(p, stream);
   if constexpr (CAKE_FWD_TL_MAX_C < 8 * kVec) {
     if (p.C <= 8 * kVec) return launch_causal_conv1d_fwd_route<Narrow, WeightT, BiasT>(p, stream);
-  }
-  if constexpr (CAKE_FWD_TL_MAX_C < 16 * kVec) {
-    if (p.C <= 16 * kVec) return launch_causal_conv1d_fwd_route<Mid, WeightT, BiasT>(p, stream);
   }
   return launch_causal_conv1d_fwd_route<Wide, WeightT, BiasT>(p, stream);
 }
