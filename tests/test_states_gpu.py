@@ -260,6 +260,8 @@ FWD_CASES = [
     pytest.param(3001, 32, docs_16_to_64, BF16, BF16, id="S3001-C32-docs16-64"),
     pytest.param(2049, 24, chunky_mix, F32, None, id="S2049-C24-chunky"),
     pytest.param(2001, 72, tiny_docs, BF16, F32, id="S2001-C72-tiny"),
+    pytest.param(2500, 48, chunky_mix, BF16, BF16, id="S2500-C48-chunky"),
+    pytest.param(4099, 56, docs_16_to_64, F32, None, id="S4099-C56-docs16-64"),
     pytest.param(1500, 128, empty_at_ends, F32, BF16, id="S1500-C128-empty-ends"),
 ]
 
@@ -1030,11 +1032,11 @@ CORRUPT_CU = {
 }
 
 
+@pytest.mark.parametrize("S, C", [(3000, 264), (3000, 48)])  # the strip kernel with 32 and 8 lanes
 @pytest.mark.parametrize("pattern", list(CORRUPT_CU))
-def test_corrupt_cu_seqlens_with_states_do_not_fault_and_are_deterministic(pattern):
+def test_corrupt_cu_seqlens_with_states_do_not_fault_and_are_deterministic(pattern, S, C):
     """Any cu_seqlens content with states: no fault, and the same bits on every run (each state
     row has at most one writer; rows no document writes keep the caller's content)."""
-    S, C = 3000, 264
     cu = torch.tensor(CORRUPT_CU[pattern](S), dtype=I32, device=DEV)
     n = cu.numel() - 1
     x, w, b, dy, h, dh = make_inputs(S, C, n, seed=903)
@@ -1054,7 +1056,7 @@ import torch
 from flashinfer_cake import cake_causal_conv1d_train_backward as bwd, cake_causal_conv1d_train_forward as fwd
 PATTERNS = {patterns}  # per S
 # (4096, 136): the backward's item choice at 1-2 documents
-for S, C in [(300, 264), (77, 8), (5000, 24), (1111, 4096), (4096, 136)]:
+for S, C in [(300, 264), (77, 8), (5000, 24), (1111, 4096), (4096, 136), (3003, 48)]:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")
@@ -1078,7 +1080,7 @@ def test_states_memcheck_clean(tmp_path):
     cu_seqlens pattern, trailing empty documents and tails of S and C, and in the full-width
     routes' item-choice kernel (4096 x 136: 32 token groups, which 1-2 documents leave to it)."""
     patterns = {S: {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(S)] for name, make in CORRUPT_CU.items()}
-                for S in (300, 77, 5000, 1111, 4096)}  # each pattern made for the S it runs at
+                for S in (300, 77, 5000, 1111, 4096, 3003)}  # each pattern made for the S it runs at
     assert_sanitizer_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)
 
 

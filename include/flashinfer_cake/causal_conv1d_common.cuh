@@ -57,12 +57,26 @@ __device__ __forceinline__ float silu_of_scaled(float u) {
   return u * r;
 }
 
+// A shared-memory pointer's 32-bit shared-window address.
+__device__ __forceinline__ uint32_t smem_addr(const void* smem) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+}
+
 // 16-byte global -> shared copy that bypasses L1; valid == false writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
                "r"(valid ? 16 : 0)
                : "memory");
+}
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  cp_async_16(smem_addr(smem), gmem, valid);
+}
+
+// A 16-byte row from a shared-window address (volatile: stays after the cp.async wait before it).
+__device__ __forceinline__ uint4 ld_shared_row(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }

@@ -32,25 +32,22 @@ cudaError_t launch_fwd_tiles(KernelFn kernel, CausalConv1dFwdParams p, int64_t t
 }
 
 // The strip kernel's route of Traits' geometry.
-template <class Traits, class WeightT, class BiasT>
+template <class Traits, class WeightT, class BiasT, bool kStates>
 cudaError_t launch_causal_conv1d_fwd_route(const CausalConv1dFwdParams& p, cudaStream_t stream) {
-  const auto kernel = p.initial_states || p.final_states ? causal_conv1d_fwd_kernel<Traits, WeightT, BiasT, true>
-                                                         : causal_conv1d_fwd_kernel<Traits, WeightT, BiasT, false>;
-  return launch_fwd_tiles(kernel, p, Traits::kTileTokens, Traits::kLanesC, Traits::kThreads, 0, stream);
+  return launch_fwd_tiles(causal_conv1d_fwd_kernel<Traits, WeightT, BiasT, kStates>, p, Traits::kTileTokens,
+                          Traits::kLanesC, Traits::kThreads, 0, stream);
 }
 
 // The token-lane route: as many lanes per token as C needs (1, 2, 4, then kMaxLanesC per channel
 // tile).
-template <class Traits, class WeightT, class BiasT>
+template <class Traits, class WeightT, class BiasT, bool kStates>
 cudaError_t launch_causal_conv1d_fwd_token_lanes(CausalConv1dFwdParams p, cudaStream_t stream) {
   const int lanes_log2 = Traits::lanes_log2_for(p.C);
   p.lanes_log2 = lanes_log2;
-  const bool states = p.initial_states || p.final_states;
-  const auto kernel = states ? causal_conv1d_fwd_token_lane_kernel<Traits, WeightT, BiasT, true>
-                             : causal_conv1d_fwd_token_lane_kernel<Traits, WeightT, BiasT, false>;
   const int tile_tokens = Traits::tile_tokens(lanes_log2);
-  return launch_fwd_tiles(kernel, p, tile_tokens, int64_t(1) << lanes_log2, Traits::kThreads,
-                          typename Traits::SmemLayout(tile_tokens, states).bytes, stream);
+  return launch_fwd_tiles(causal_conv1d_fwd_token_lane_kernel<Traits, WeightT, BiasT, kStates>, p, tile_tokens,
+                          int64_t(1) << lanes_log2, Traits::kThreads,
+                          typename Traits::SmemLayout(tile_tokens, kStates).bytes, stream);
 }
 
 // Tile geometry; scripts/tune.py overrides these with -D to measure alternatives.
@@ -87,27 +84,43 @@ cudaError_t launch_causal_conv1d_fwd_token_lanes(CausalConv1dFwdParams p, cudaSt
 #define CAKE_FWD_TL_MIN_CTAS 5  // the stateful kernel's registers (the stateless one needs ~80)
 #endif
 
-// The route rule, from C only (for non-decreasing cu_seqlens the output never depends on it:
-// tune.py checks): C <= 128 the token-lane kernel, wider rows the strip kernel with 32 channel lanes.
-// The strip kernel, with 8 lanes up to C = 64, ran 2097152x8 at 118.5 us (20 % of copy), 1048576x16
-// at 63.2 us (31 %), 1048576x32 at 64.0 us (56 %) and, with 32 lanes, 1048576x128 at 226 us (57 %:
-// half the lanes idle); token lanes 26.8, 25.3, 40.8 and 140 us (87, 78, 87 and 92 %); 1048576x64
-// 74.8 against 75.1 us (tune.py, H200, eager, 1 document, 2026-12-02). With states the strip kernel
-// with 8 lanes is faster at 1048576x64 (76.9 against 92.3 us); a build with CAKE_FWD_TL_MAX_C below
-// 64 (tune.py's baseline) routes C <= 64 to it.
-template <class WeightT, class BiasT>
-cudaError_t launch_causal_conv1d_fwd(const CausalConv1dFwdParams& p, cudaStream_t stream) {
+// With states, C above this and up to 64 takes the strip kernel with 8 lanes (below).
+#ifndef CAKE_FWD_STATES_NARROW_ABOVE_C
+#define CAKE_FWD_STATES_NARROW_ABOVE_C 32
+#endif
+
+// The route rule, from C and whether states are given (for non-decreasing cu_seqlens the output
+// never depends on it: tune.py checks): C <= 128 the token-lane kernel, wider rows the strip kernel
+// with 32 channel lanes; with states, 32 < C <= 64 the strip kernel with 8 lanes. The strip kernel,
+// with 8 lanes up to C = 64, ran 2097152x8 at 118.5 us (20 % of copy), 1048576x16 at 63.2 us (31 %),
+// 1048576x32 at 64.0 us (56 %) and, with 32 lanes, 1048576x128 at 226 us (57 %: half the lanes
+// idle); token lanes 26.8, 25.3, 40.8 and 140 us (87, 78, 87 and 92 %); 1048576x64 74.8 against
+// 75.1 us (tune.py, H200, eager, 1 document, 2026-12-02). With states the strip kernel with 8 lanes
+// is faster at 1048576 x 40, 48, 56 and 64 (70.2, 70.6, 79.1, 76.4 against 91.4, 91.2, 92.1, 91.6
+// us; r82), though not with 64-token documents (1048576x64: 127.1 against 104.8 us); token lanes
+// stay ahead at C <= 32 and at C = 128 (1048576x128: 172.6 against 232.0 us with 32 lanes).
+template <class WeightT, class BiasT, bool kStates>
+cudaError_t launch_causal_conv1d_fwd_routes(const CausalConv1dFwdParams& p, cudaStream_t stream) {
   constexpr int kVec = CAKE_FWD_VEC, kThreads = CAKE_FWD_THREADS, kStrip = CAKE_FWD_STRIP_LEN,
                 kRing = CAKE_FWD_RING, kMinCtas = CAKE_FWD_MIN_CTAS;
   using TokenLanes =
       FwdTokenLaneTraits<8, CAKE_FWD_TL_THREADS, CAKE_FWD_TL_BLOCKS, CAKE_FWD_TL_RING, CAKE_FWD_TL_MIN_CTAS>;
   using Wide = FwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
   using Narrow = FwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>;
-  if (p.C <= CAKE_FWD_TL_MAX_C) return launch_causal_conv1d_fwd_token_lanes<TokenLanes, WeightT, BiasT>(p, stream);
-  if constexpr (CAKE_FWD_TL_MAX_C < 8 * kVec) {
-    if (p.C <= 8 * kVec) return launch_causal_conv1d_fwd_route<Narrow, WeightT, BiasT>(p, stream);
+  // C above kNarrowAbove and up to 8 vectors: the 8-lane strip kernel.
+  constexpr int kNarrowAbove =
+      kStates ? std::min(CAKE_FWD_STATES_NARROW_ABOVE_C, CAKE_FWD_TL_MAX_C) : CAKE_FWD_TL_MAX_C;
+  if constexpr (kNarrowAbove < 8 * kVec) {
+    if (p.C > kNarrowAbove && p.C <= 8 * kVec) return launch_causal_conv1d_fwd_route<Narrow, WeightT, BiasT, kStates>(p, stream);
   }
-  return launch_causal_conv1d_fwd_route<Wide, WeightT, BiasT>(p, stream);
+  if (p.C <= CAKE_FWD_TL_MAX_C) return launch_causal_conv1d_fwd_token_lanes<TokenLanes, WeightT, BiasT, kStates>(p, stream);
+  return launch_causal_conv1d_fwd_route<Wide, WeightT, BiasT, kStates>(p, stream);
+}
+
+template <class WeightT, class BiasT>
+cudaError_t launch_causal_conv1d_fwd(const CausalConv1dFwdParams& p, cudaStream_t stream) {
+  return p.initial_states || p.final_states ? launch_causal_conv1d_fwd_routes<WeightT, BiasT, true>(p, stream)
+                                            : launch_causal_conv1d_fwd_routes<WeightT, BiasT, false>(p, stream);
 }
 
 // The C entry point's body: re-checks what the binding validated (the module may be called
