@@ -563,7 +563,8 @@ _RACECHECK_SCRIPT = """
 import torch
 from flashinfer_cake import cake_causal_conv1d_train_forward as fwd
 g = torch.Generator().manual_seed(11)
-for S, C in [(70001, 8), (20001, 16), (9001, 24), (5001, 64), (3001, 72)]:  # token lanes: 1 to 8, 2 channel tiles
+# token lanes with 1 to 8 lanes and 2 channel tiles (with states C = 64 takes the 8-lane strip kernel)
+for S, C in [(70001, 8), (20001, 16), (9001, 24), (5001, 64), (3001, 72)]:
     lengths = torch.randint(1, 300, (S,), generator=g).cumsum(0)
     cu = torch.tensor([0, *lengths[lengths < S].tolist(), S], dtype=torch.int32, device="cuda")
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)

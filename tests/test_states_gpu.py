@@ -260,6 +260,7 @@ FWD_CASES = [
     pytest.param(3001, 32, docs_16_to_64, BF16, BF16, id="S3001-C32-docs16-64"),
     pytest.param(2049, 24, chunky_mix, F32, None, id="S2049-C24-chunky"),
     pytest.param(2001, 72, tiny_docs, BF16, F32, id="S2001-C72-tiny"),
+    pytest.param(3001, 40, tiny_docs, F32, F32, id="S3001-C40-tiny"),
     pytest.param(2500, 48, chunky_mix, BF16, BF16, id="S2500-C48-chunky"),
     pytest.param(4099, 56, docs_16_to_64, F32, None, id="S4099-C56-docs16-64"),
     pytest.param(1500, 128, empty_at_ends, F32, BF16, id="S1500-C128-empty-ends"),
@@ -600,6 +601,8 @@ STRIDE_CASES = [
     pytest.param(2, 64, True, [(8, 8), (0, 8), (16, 0), (8, 24)], id="S2-C64-3d"),
     pytest.param(1, 64, False, [(0, 3), (8, 5), (0, 1), (16, 7)], id="S1-C64-odd-strides-ignored"),
     pytest.param(3001, 32, False, [(8, 16), (0, 8), (32, 0), (8, 8)], id="S3001-C32"),
+    pytest.param(3003, 16, False, [(8, 0), (0, 16), (16, 8), (8, 8)], id="S3003-C16"),
+    pytest.param(2999, 128, True, [(0, 8), (64, 0), (8, 24), (0, 64)], id="S2999-C128-3d"),
 ]
 
 

@@ -6,7 +6,7 @@
 // pointers, sizes, row strides and a cudaStream_t.
 //
 // Two kernels: C <= 128 runs the token-lane kernel (the end of this file), whose warps read whole
-// rows; wider rows the strip kernel. The strip kernel's geometry (FwdTraits): a CTA owns one tile
+// rows (with states but for 32 < C <= 64: the launcher's route rule); wider rows the strip kernel. The strip kernel's geometry (FwdTraits): a CTA owns one tile
 // of kTileTokens tokens x kTileChannels channels (64 x 256 on the wide route): many small CTAs, so
 // the hardware's block scheduler balances the grid to its last few microseconds. A thread owns
 // kVec channels (8: one 16-byte row vector) of one kStripLen-token strip and walks x[t0 - 3, t0 + L) through a per-thread cp.async ring in
@@ -378,7 +378,6 @@ struct FwdTokenLaneTraits {
   static_assert(kThreads % 32 == 0, "CTA must be whole warps");
   static_assert(kRingBlocks >= 4 && (kRingBlocks & (kRingBlocks - 1)) == 0,
                 "a power of 2 (entries wrap with a mask) holding the block read, the one before it and 2 in flight");
-  static_assert(kSegBlocks % kRingBlocks == 0, "the stateless loop runs whole turns of the ring");
 };
 
 // The token-lane kernel. A CTA owns kSegBlocks * 32 / lanes tokens per warp, each warp a segment of
@@ -577,10 +576,10 @@ causal_conv1d_fwd_token_lane_kernel(const CausalConv1dFwdParams p) {
       slot = (slot + 1) & (RB - 1);
     }
   } else {
-    // The loop unrolled over the ring's turn, every ring address a register plus a constant: 20 %
-    // fewer instructions per block than the loop above, 1-6 % less time at C = 8..128 (r86). (The
-    // stateful kernel stays on the rolled loop: unrolled, at the 96-register bound, it spilled and
-    // took up to 10 % more time.) Shared-window addresses: slot k of the warp's ring at 512 k, a
+    // The loop unrolled over the ring's turn (a turn starts at slot 1: i0 is a multiple of RB), every
+    // ring address a register plus a constant: fewer instructions per block than the loop above and
+    // less time; the stateful kernel stays on the rolled loop, which measured faster for it
+    // (NOTES_fwd, session 26). Shared-window addresses: slot k of the warp's ring at 512 k, a
     // lane's entry of a block at 16 lane. The entries 1, 2, 3 tokens back are 16 m lanes before it,
     // in the slot before for lane < m lanes: for slots 1 .. RB - 1 the same address, for slot 0
     // slot RB - 1's, 512 RB later (back_wrap).

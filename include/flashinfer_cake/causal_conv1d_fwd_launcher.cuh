@@ -81,7 +81,7 @@ cudaError_t launch_causal_conv1d_fwd_token_lanes(CausalConv1dFwdParams p, cudaSt
 #define CAKE_FWD_TL_RING 8  // ring blocks per warp
 #endif
 #ifndef CAKE_FWD_TL_MIN_CTAS
-#define CAKE_FWD_TL_MIN_CTAS 5  // the stateful kernel's registers (the stateless one needs ~80)
+#define CAKE_FWD_TL_MIN_CTAS 5  // at most 96 registers (v16: both kernels use 91-96)
 #endif
 
 // With states, C above this and up to 64 takes the strip kernel with 8 lanes (below).
@@ -91,14 +91,11 @@ cudaError_t launch_causal_conv1d_fwd_token_lanes(CausalConv1dFwdParams p, cudaSt
 
 // The route rule, from C and whether states are given (for non-decreasing cu_seqlens the output
 // never depends on it: tune.py checks): C <= 128 the token-lane kernel, wider rows the strip kernel
-// with 32 channel lanes; with states, 32 < C <= 64 the strip kernel with 8 lanes. The strip kernel,
-// with 8 lanes up to C = 64, ran 2097152x8 at 118.5 us (20 % of copy), 1048576x16 at 63.2 us (31 %),
-// 1048576x32 at 64.0 us (56 %) and, with 32 lanes, 1048576x128 at 226 us (57 %: half the lanes
-// idle); token lanes 26.8, 25.3, 40.8 and 140 us (87, 78, 87 and 92 %); 1048576x64 74.8 against
-// 75.1 us (tune.py, H200, eager, 1 document, 2026-12-02). With states the strip kernel with 8 lanes
-// is faster at 1048576 x 40, 48, 56 and 64 (70.2, 70.6, 79.1, 76.4 against 91.4, 91.2, 92.1, 91.6
-// us; r82), though not with 64-token documents (1048576x64: 127.1 against 104.8 us); token lanes
-// stay ahead at C <= 32 and at C = 128 (1048576x128: 172.6 against 232.0 us with 32 lanes).
+// with 32 channel lanes; with states, 32 < C <= 64 the strip kernel with 8 lanes. Token lanes beat
+// the strip kernel from 2097152x8 to 1048576x128 (4.6x to 1.6x; at C = 64 1.03x) without states;
+// with states the strip kernel with 8 lanes is faster at 1048576 x 40..64 (70-79 against 91-92 us),
+// though not with 64-token documents (127.1 against 104.8 us at C = 64), and token lanes stay ahead
+// at C <= 32 and at C = 128 (tune.py, H200, 2026-12-02: README and NOTES_fwd sessions 25 and 26).
 template <class WeightT, class BiasT, bool kStates>
 cudaError_t launch_causal_conv1d_fwd_routes(const CausalConv1dFwdParams& p, cudaStream_t stream) {
   constexpr int kVec = CAKE_FWD_VEC, kThreads = CAKE_FWD_THREADS, kStrip = CAKE_FWD_STRIP_LEN,
