@@ -19,7 +19,8 @@ initial_states and dfinal_states, giving dinitial_states), timed beside its stat
 
     python scripts/tune.py --op fwd --configs 128/16/8/4,128/16/12/4 [--variant bf16/none] [--json out.json]
     python scripts/tune.py --op fwd --states --configs 128/16/8/4,128/16/8/4/TL_MAX_C=32 --shapes 1048576x64x1
-        (TL_MAX_C: the widest C of the token-lane route; TL_BLOCKS, TL_RING, TL_MIN_CTAS its geometry;
+        (TL_MAX_C: the widest C of the token-lane route; TL_BLOCKS, TL_RING, TL_MIN_CTAS its geometry
+         (TL_MIN_CTAS_STATELESS: the stateless kernel's, when it should differ);
          STATES_NARROW_ABOVE_C: with states, C above it up to 64 takes the 8-lane strip kernel, 64 = never)
     python scripts/tune.py --op bwd --configs 128/64/8/4/4,128/64/8/4/8
     python scripts/tune.py --op bwd --states --configs 128/64/8/4 [--shapes 8192x4096x1,8192x4096x1024]

@@ -83,6 +83,9 @@ cudaError_t launch_causal_conv1d_fwd_token_lanes(CausalConv1dFwdParams p, cudaSt
 #ifndef CAKE_FWD_TL_MIN_CTAS
 #define CAKE_FWD_TL_MIN_CTAS 5  // at most 96 registers (v16: both kernels use 91-96)
 #endif
+#ifndef CAKE_FWD_TL_MIN_CTAS_STATELESS
+#define CAKE_FWD_TL_MIN_CTAS_STATELESS CAKE_FWD_TL_MIN_CTAS  // the stateless kernel's bound, if another
+#endif
 
 // With states, C above this and up to 64 takes the strip kernel with 8 lanes (below).
 #ifndef CAKE_FWD_STATES_NARROW_ABOVE_C
@@ -100,8 +103,8 @@ template <class WeightT, class BiasT, bool kStates>
 cudaError_t launch_causal_conv1d_fwd_routes(const CausalConv1dFwdParams& p, cudaStream_t stream) {
   constexpr int kVec = CAKE_FWD_VEC, kThreads = CAKE_FWD_THREADS, kStrip = CAKE_FWD_STRIP_LEN,
                 kRing = CAKE_FWD_RING, kMinCtas = CAKE_FWD_MIN_CTAS;
-  using TokenLanes =
-      FwdTokenLaneTraits<8, CAKE_FWD_TL_THREADS, CAKE_FWD_TL_BLOCKS, CAKE_FWD_TL_RING, CAKE_FWD_TL_MIN_CTAS>;
+  using TokenLanes = FwdTokenLaneTraits<8, CAKE_FWD_TL_THREADS, CAKE_FWD_TL_BLOCKS, CAKE_FWD_TL_RING,
+                                        kStates ? CAKE_FWD_TL_MIN_CTAS : CAKE_FWD_TL_MIN_CTAS_STATELESS>;
   using Wide = FwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
   using Narrow = FwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>;
   // C above kNarrowAbove and up to 8 vectors: the 8-lane strip kernel.
