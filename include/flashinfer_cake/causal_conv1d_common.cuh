@@ -393,6 +393,10 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // or written for it (its halo rows may hold anything; an empty fragment's dinit rows are still
 // zeroed, on_empty).
 //
+// Returns whether an entry fell in [first_token - 2, first_token + count + 2]: when none did, no
+// token has kInDoc or an end distance, and the codes are the positions alone (written without the
+// per-token search: a tile far from every document boundary, most tiles of long documents).
+//
 // Empty documents (cu[d] == cu[d + 1] == v, d < num_docs) that this CTA owns (first_token <= v <
 // own_end, or v == S == own_end: the last tile owns those at the end of the batch, e.g. a
 // cu_seqlens padded to a fixed length) have no token: the whole CTA runs on_empty(d, row, vec) for
@@ -402,7 +406,7 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // + 5] each (the least / greatest entry index of each value first_token - 2 .. first_token + count
 // + 2).
 template <int kThreads, int kBlock, int kTileVecs, class Blocks, class OnEmpty>
-__device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, int num_docs, int S, int first_token,
+__device__ __forceinline__ bool scan_documents(const int32_t* __restrict__ cu, int num_docs, int S, int first_token,
                                                int count, int own_end, int32_t* first_idx, int32_t* last_idx,
                                                uint8_t* code, int32_t* doc, Blocks blocks,
                                                const int32_t* __restrict__ frag_info, OnEmpty&& on_empty) {
@@ -410,6 +414,7 @@ __device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, i
   static_assert(kBlocks ? std::is_same_v<Blocks, uint8_t*> : true, "blocks: uint8_t* or nullptr");
   __shared__ int32_t s_empty[kThreads];  // per thread: the owned empty document its entry starts, or -1
   __shared__ bool s_more[2];             // whether another pass follows, by pass parity
+  __shared__ bool s_hit;                 // whether an entry fell in [first, last]
   const int first = first_token - 2;  // >= -2
   // The greatest value the scratch holds, first_token + count + 2, in int32 (the forward's last
   // tile at S = 2^31 - 1 would pass 2^31 - 1: no entry can).
@@ -421,6 +426,7 @@ __device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, i
   if constexpr (kBlocks) {
     for (int i = threadIdx.x; i <= (count + kBlock - 1) / kBlock; i += kThreads) blocks[i] = 0;
   }
+  if (threadIdx.x == 0) s_hit = false;  // ordered by the search's barriers, as the scratch
   const int64_t lo = search_first_entry<kThreads>(cu, num_docs, first);
   // Passes over the entries from lo until one > last, one barrier each (two with empty documents).
   // s_more alternates so that a pass's flag is never rewritten before every thread has read it
@@ -431,6 +437,7 @@ __device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, i
     const int v = in ? __ldg(cu + d) : 0;
     bool empty = false;
     if (in && v >= first && v <= last) {
+      s_hit = true;  // every write the same true, read after the passes' barriers
       atomicMin(first_idx + (v - first), static_cast<int32_t>(d));
       atomicMax(last_idx + (v - first), static_cast<int32_t>(d));
       const bool owned = (v >= first_token && v < own_end) || (v == S && own_end == S);
@@ -448,6 +455,13 @@ __device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, i
     if (!s_more[pass & 1]) break;
   }
   const int64_t none_below = lo == 0 ? int64_t(__ldg(cu)) : int64_t(INT32_MIN);
+  if (!s_hit) {  // the scratch untouched: what the loop below gives for it, without reading it
+    for (int j = threadIdx.x; j < count; j += kThreads) {
+      code[j] = first_token + j < none_below ? 0 : 3;
+      doc[j] = -1;
+    }
+    return false;
+  }
   for (int j = threadIdx.x; j < count; j += kThreads) {  // slot j + 2 is token first_token + j
     int pos = 3, d = -1;
     if (first_token + j < none_below) {
@@ -472,6 +486,7 @@ __device__ __forceinline__ void scan_documents(const int32_t* __restrict__ cu, i
       if (in_doc) blocks[j / kBlock] = 1;  // every write the same 1
     }
   }
+  return true;
 }
 
 }  // namespace detail

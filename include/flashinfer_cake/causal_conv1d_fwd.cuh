@@ -366,10 +366,10 @@ struct FwdTokenLaneTraits {
     }
   };
   // Static shared memory (the rings; the taps and bias, at most 12 16-byte chunks per lane with
-  // their padding (ParamBlocks); scan_documents' s_empty and s_more; 128 bytes of alignment) and the
-  // largest dynamic part stay within the 48 KB a launch may take without an opt-in.
+  // their padding (ParamBlocks); scan_documents' s_empty, s_more and s_hit; 128 bytes of alignment)
+  // and the largest dynamic part stay within the 48 KB a launch may take without an opt-in.
   static constexpr int kStaticSmemBound =
-      kWarps * kRingBlocks * 32 * 16 + kMaxLanesC * 12 * 16 + 4 * kThreads + 2 + 128;
+      kWarps * kRingBlocks * 32 * 16 + kMaxLanesC * 12 * 16 + 4 * kThreads + 3 + 128;
   static_assert(kStaticSmemBound + SmemLayout(kMaxTileTokens, true).bytes <= 48 * 1024 &&
                     kStaticSmemBound + SmemLayout(kMaxTileTokens, false).bytes <= 48 * 1024,
                 "shared memory per CTA above 48 KB");
@@ -459,8 +459,9 @@ causal_conv1d_fwd_token_lane_kernel(const CausalConv1dFwdParams p) {
   const Row* __restrict__ init_v = reinterpret_cast<const Row*>(p.initial_states);
   Row* __restrict__ final_v = reinterpret_cast<Row*>(p.final_states);
   const auto state_off = [&](int d, int i) { return detail::state_row_offset(d, i, vecs_per_row); };
+  [[maybe_unused]] bool entries = false;  // kStates: an entry of cu_seqlens within the tile's reach
   if constexpr (kStates) {
-    detail::scan_documents<T, 1, Traits::kMaxLanesC>(
+    entries = detail::scan_documents<T, 1, Traits::kMaxLanesC>(
         p.cu_seqlens, p.num_docs, p.S, tile_t0, tile_len, tile_t0 + tile_len, s_first_idx, s_last_idx, s_pos, s_doc,
         nullptr, nullptr, [&](int d, int i, int v) {
           // An empty document's final state is its initial state (zeros without one), for this
@@ -498,7 +499,7 @@ causal_conv1d_fwd_token_lane_kernel(const CausalConv1dFwdParams p) {
     }
   };
   if constexpr (kStates) {
-    for (int i = 0; i * tpb < seg_len; ++i) {
+    for (int i = 0; entries && i * tpb < seg_len; ++i) {  // no entry: no event
       const int j = i * tpb + lane_t;
       events |= uint32_t(__ballot_sync(0xffffffffu, active && j < seg_len && (pos_seg[j] & detail::kInDoc)) != 0) << i;
     }
