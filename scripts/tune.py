@@ -8,8 +8,9 @@ takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME mac
 launches with token groups of N tokens instead of the plan's, at most bwd_groups_bound of them) for one
 variant (default fp32 taps + fp32 bias); all are built in parallel, then timed against a device
 copy of the same DRAM bytes on each shape (forward: read x, write y; backward: read x and dy,
-write dx): eager CUDA-event medians over rotated inputs, and for small shapes the kernel time from
-a replayed CUDA graph. Every config must give bitwise the same result as the first (the exit code
+write dx): eager CUDA-event medians over rotated inputs, and for shapes up to --graph-max-elems the
+kernel time from a replayed CUDA graph (the eager figure of a kernel shorter than the ctypes launch
+is the launch's). Every config must give bitwise the same result as the first (the exit code
 says if not: an experiment may time a config that computes something else): y, or dx, and with
 states the final states or dinitial_states; dweight and dbias too where the config sums the same
 partial rows (the same threads, strip length, channels per thread and ITEM_TOKENS: another
@@ -167,7 +168,7 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
     """The copy and every config on one shape (with states too when asked); a config whose
     result is not bitwise the first config's (dweight and dbias: the first config of the same
     summation order's) is listed in differs."""
-    small = b.S * b.C <= 16 * 2**20
+    small = b.S * b.C <= args.graph_max_elems
     row = {"S": b.S, "C": b.C, "docs": b.docs, "copy": median_ms(b.copy, b.k)}
     if small:
         row["copy_graph"] = graph_ms(b.copy, b.k)
@@ -183,9 +184,10 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
                 ref += refs.setdefault((states, summation_order(c)), got)[2:]
             if not all(r is None or torch.equal(r, g) for r, g in zip(ref, got)):
                 differs.append(f"{b.S}x{b.C} d{b.docs}: {c}{' with states' if states else ''} differs from the first")
-            row[c + (" states" if states else "")] = median_ms(lambda i: call(i, states=states), b.k)
-        if small:
-            row[c + " graph"] = graph_ms(call, b.k)
+            name = c + (" states" if states else "")
+            row[name] = median_ms(lambda i: call(i, states=states), b.k)
+            if small:  # the kernel's time alone: tune's ctypes launch can take longer than a small kernel
+                row[name + " graph"] = graph_ms(lambda i: call(i, states=states), b.k)
     return row
 
 
@@ -197,8 +199,9 @@ def row_text(row: dict, configs: list, op: str) -> str:
             f"{c}:{row[c + ' graph'] * 1e3:.1f}us({row['copy_graph'] / row[c + ' graph'] * 100:.0f}%)" for c in configs)
         text += f" copy graph {row['copy_graph'] * 1e3:.1f}us"
     if configs[0] + " states" in row:
-        text += " | states " + " ".join(f"{c}:{row[c + ' states'] * 1e3:.1f}us({row[c + ' states'] / row[c]:.3f}x)"
-                                        for c in configs)
+        g = " graph" if configs[0] + " states graph" in row else ""  # states against stateless, graph-replayed if timed so
+        text += f" | states{g} " + " ".join(
+            f"{c}:{row[c + ' states' + g] * 1e3:.1f}us({row[c + ' states' + g] / row[c + g]:.3f}x)" for c in configs)
     return f"{row['S']}x{row['C']} d{row['docs']} copy {row['copy'] * 1e3:.1f}us {gb / row['copy']:.0f}GB/s | {text}"
 
 
@@ -209,6 +212,8 @@ def main() -> None:
     parser.add_argument("--variant", default="fp32/fp32", help="weight/bias dtypes, e.g. bf16/none")
     parser.add_argument("--states", action="store_true", help="also time each config with per-document states")
     parser.add_argument("--shapes", help="SxCxDOCS,... (default: the tuning set)")
+    parser.add_argument("--graph-max-elems", type=int, default=16 * 2**20,
+                        help="also time shapes of S*C up to this many elements from replayed CUDA graphs (default 16M)")
     parser.add_argument("--json")
     args = parser.parse_args()
     mods = build(args)
