@@ -3,10 +3,12 @@
 
 Ours is bench_fwd's call (contiguous, no states); the harness's peer slot carries the configurations
 (fp32 taps with bias): fwd+st (initial_states, final_states_out: 4·S·C + 2·num_docs·3·C·2 bytes), fwd-str
-(x, out: column slices at column 64 of NaN-padded [S, C + 128] buffers; 4·S·C), bwd (contiguous, no states: 6·S·C as
-bench_bwd counts), bwd+st (initial_states, dfinal_states -> dinitial_states: 6·S·C + 3·num_docs·3·C·2)
-and bwd-str (x, dy, dx slices; 6·S·C). % of copy: the shape's copy scaled to each one's bytes;
-time_ratio (the tables' ×): its time / its direction's stateless contiguous time. Checked against the
+(x, out: column slices at column 64 of NaN-padded [S, C + 128] buffers; 4·S·C), copy-str (torch's copy from the
+x slice into the out slice as 16-byte elements: what the same sectors cost a copy, fwd-str's floor; 4·S·C), bwd (contiguous, no
+states: 6·S·C as bench_bwd counts), bwd+st (initial_states, dfinal_states -> dinitial_states: 6·S·C +
+3·num_docs·3·C·2) and bwd-str (x, dy, dx slices; 6·S·C). % of copy: the shape's copy scaled to each one's bytes;
+time_ratio (the tables' ×): its time / its direction's stateless contiguous time; fwd-str's over_copy_str: its time /
+copy-str's. Checked against the
 FP64 reference (final states exactly), the strided ones bitwise against the contiguous kernel: a
 mismatch or an error fails the "correct" goal.
 
@@ -77,10 +79,11 @@ class StatesBench(Bench):
                    "S*C = 32 M and 64 M, C = 1024..8192 (--quick: 3); the configurations run on fp32+b.")
     BYTES, INPUTS, OUTPUTS = 4, ("x", "dy"), ("y", "dx")  # the copy of 4*S*C bytes, scaled per configuration
     WORKSPACE, FLA_MODES = "cake_causal_conv1d_train_forward_workspace", {}
-    PEERS, CHECK_COLUMNS = ("fwd+st", "fwd-str", "bwd", "bwd+st", "bwd-str"), {"out": "y/dx err"}
+    PEERS, CHECK_COLUMNS = ("fwd+st", "fwd-str", "copy-str", "bwd", "bwd+st", "bwd-str"), {"out": "y/dx err"}
     GOALS = (Goal("fwd+st_pct_copy_large>=90", "pct:fwd+st", 90), Goal("fwd_pct_copy_large>=90", "pct_copy", 90),
              *(Goal(f"{c}_time_ratio_large<=1.03", f"speedup:{c}", 1.03) for c in ("bwd+st", "fwd-str", "bwd-str")),
              Goal("bwd_pct_copy_large>=80", "pct:bwd", 80), Goal("fwd+st_time_ratio_large", "speedup:fwd+st"),
+             Goal("fwd-str_over_copy-str_large", "over_copy_str:fwd-str"),
              Goal("bwd+st_pct_copy_large", "pct:bwd+st"))
     BUDGET_S = 0.0  # none: past a budget the harness skips peers, here the configurations
     OURS_LABEL, HEADER_EXTRA = "forward, contiguous, no states", " · policy {policy}"
@@ -126,7 +129,12 @@ class StatesBench(Bench):
         w, b, cu, k, st, strided = case.w, case.b, case.cu, case.k, "+st" in name, name.endswith("-str")
         xs, h0 = self.sets(case, "x", strided), self.sets(case, "h0") if st else [None] * k
         new = [torch.empty_like(h) for h in h0] if st else [None] * k  # final states or dinitial_states
-        if name.startswith("fwd"):
+        if name == "copy-str":
+            ys = self.sets(case, "y", strided)
+            v16 = lambda t: t.view(torch.complex128)  # noqa: E731  16-byte elements: one per row vector
+            timed = Timed(lambda i: (v16(ys[i]).copy_(v16(xs[i])), ys[i])[1], lambda o: {"cfg": name, "out": o},
+                          poison=(ys[0],))
+        elif name.startswith("fwd"):
             f, ys, ws = self.forward, self.sets(case, "y", strided), case.ws
             kw = [dict(initial_states=h0[i], final_states_out=new[i]) if st else {} for i in range(k)]
             timed = Timed(lambda i: (f(xs[i], w, cu, bias=b, out=ys[i], workspace=ws, **kw[i]), new[i]),
@@ -161,6 +169,7 @@ class StatesBench(Bench):
             ref = dict(zip(("out", "dweight", "dbias"), outs))
             return {**ref, "tol": dict.fromkeys(ref, 0.0)}
         make = {"fwd+st": lambda: fwd(h0()), "bwd": lambda: bwd_reference(x, w, cu, dy, b, pol),
+                "copy-str": lambda: exact((x,)),
                 "bwd+st": lambda: bwd_reference(x, w, cu, dy, b, pol, h0(), dhn()),
                 "fwd-str": lambda: exact((self.forward(x, w, cu, bias=b),)),
                 "bwd-str": lambda: exact(self.backward(x, w, cu, dy, bias=b, silu_grad_preactivation=pol))}
@@ -182,17 +191,20 @@ class StatesBench(Bench):
             p["bytes"] = (6 if bwd else 4) * S * C + ("+st" in name) * (3 if bwd else 2) * nd * 3 * C * 2
             ok = "ms" in p and "ms" in base and name != "bwd"
             p["time_ratio"] = p["ours_speedup"] = p["ms"] / base["ms"] if ok else None
+            if name == "fwd-str":  # against the copy of the same slices
+                floor = row["peers"].get("copy-str", {}).get("ms")
+                p["over_copy_str"] = p["ms"] / floor if floor and "ms" in p else None
             if "ms" in p:
                 p["gbps"] = p["bytes"] / p["ms"] / 1e6
                 p["pct_copy"] = 100 * copy_ms * p["bytes"] / row["bytes"] / p["ms"]  # the copy scaled to its bytes
 
     def goal_result(self, goal, rows):
         """pct:<configuration> (worst the lowest, pass >= need); speedup:<configuration>, its time_ratio
-        (worst the highest, pass <= need); the harness's for ours."""
+        (worst the highest, pass <= need); over_copy_str:fwd-str (worst the highest); the harness's for ours."""
         kind, _, name = goal.metric.partition(":")
-        if kind not in ("pct", "speedup"):
+        if kind not in ("pct", "speedup", "over_copy_str"):
             return super().goal_result(goal, rows)
-        key, hi = ("pct_copy", False) if kind == "pct" else ("time_ratio", True)
+        key, hi = {"pct": ("pct_copy", False), "speedup": ("time_ratio", True)}.get(kind, (kind, True))
         vals = [(v, r) for r in rows if goal.covers(r) and (v := r["peers"].get(name, {}).get(key)) is not None]
         if not vals:
             return None

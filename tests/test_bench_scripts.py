@@ -32,9 +32,10 @@ def test_smoke_cpu_prints_its_tables(script, tmp_path):
     assert f"## {name} " in out_md.read_text()
     if name == "bench_states":  # every configuration timed, checked and put against its contiguous call
         for r in res["rows"]:
-            assert set(r["peers"]) == {"fwd+st", "fwd-str", "bwd", "bwd+st", "bwd-str"}, r["peers"]
+            assert set(r["peers"]) == {"fwd+st", "fwd-str", "copy-str", "bwd", "bwd+st", "bwd-str"}, r["peers"]
             assert all(p["check"]["ok"] and p["ms"] > 0 and p["pct_copy"] > 0 for p in r["peers"].values())
             assert all(p["time_ratio"] > 0 for n, p in r["peers"].items() if n != "bwd")
+            assert r["peers"]["fwd-str"]["over_copy_str"] > 0
 
 
 @pytest.mark.parametrize("script", ["bench_fwd.py", "bench_bwd.py", "bench_states.py"])
