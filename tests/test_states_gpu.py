@@ -1035,7 +1035,7 @@ CORRUPT_CU = {
 }
 
 
-@pytest.mark.parametrize("S, C", [(3000, 264), (3000, 48)])  # the strip kernel with 32 and 8 lanes
+@pytest.mark.parametrize("S, C", [(3000, 264), (3000, 48), (3000, 16)])  # strip kernel, 32 and 8 lanes; token lanes
 @pytest.mark.parametrize("pattern", list(CORRUPT_CU))
 def test_corrupt_cu_seqlens_with_states_do_not_fault_and_are_deterministic(pattern, S, C):
     """Any cu_seqlens content with states: no fault, and the same bits on every run (each state

@@ -393,9 +393,10 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // or written for it (its halo rows may hold anything; an empty fragment's dinit rows are still
 // zeroed, on_empty).
 //
-// Returns whether an entry fell in [first_token - 2, first_token + count + 2]: when none did, no
-// token has kInDoc or an end distance, and the codes are the positions alone (written without the
-// per-token search: a tile far from every document boundary, most tiles of long documents).
+// Returns whether the passes recorded an entry in [first_token - 2, first_token + count + 2] (for
+// content in order: whether one lies there): when none did, no token has kInDoc or an end
+// distance, and the codes are the positions alone (written without the per-token search: a tile
+// far from every document boundary, most tiles of long documents).
 //
 // Empty documents (cu[d] == cu[d + 1] == v, d < num_docs) that this CTA owns (first_token <= v <
 // own_end, or v == S == own_end: the last tile owns those at the end of the batch, e.g. a
@@ -426,7 +427,8 @@ __device__ __forceinline__ bool scan_documents(const int32_t* __restrict__ cu, i
   if constexpr (kBlocks) {
     for (int i = threadIdx.x; i <= (count + kBlock - 1) / kBlock; i += kThreads) blocks[i] = 0;
   }
-  if (threadIdx.x == 0) s_hit = false;  // ordered by the search's barriers, as the scratch
+  // Ordered by the search's barriers, as the scratch (its loop runs at least once: num_docs >= 0).
+  if (threadIdx.x == 0) s_hit = false;
   const int64_t lo = search_first_entry<kThreads>(cu, num_docs, first);
   // Passes over the entries from lo until one > last, one barrier each (two with empty documents).
   // s_more alternates so that a pass's flag is never rewritten before every thread has read it
@@ -455,7 +457,7 @@ __device__ __forceinline__ bool scan_documents(const int32_t* __restrict__ cu, i
     if (!s_more[pass & 1]) break;
   }
   const int64_t none_below = lo == 0 ? int64_t(__ldg(cu)) : int64_t(INT32_MIN);
-  if (!s_hit) {  // the scratch untouched: what the loop below gives for it, without reading it
+  if (!s_hit) {  // the scratch untouched: what the loop below gives for it (keep the two in step)
     for (int j = threadIdx.x; j < count; j += kThreads) {
       code[j] = first_token + j < none_below ? 0 : 3;
       doc[j] = -1;
