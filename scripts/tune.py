@@ -13,8 +13,8 @@ kernel time from a replayed CUDA graph (the eager figure of a kernel shorter tha
 is the launch's). Every config must give bitwise the same result as the first (the exit code
 says if not: an experiment may time a config that computes something else): y, or dx, and with
 states the final states or dinitial_states; dweight and dbias too where the config sums the same
-partial rows (the same threads, strip length, channels per thread and ITEM_TOKENS: another
-geometry adds in another fixed order). With --states each config also
+partial rows (the same threads, strip length, channels per thread, ITEM_TOKENS and
+SMALL_GRID_WARPS: another geometry adds in another fixed order). With --states each config also
 runs with per-document states (forward: initial_states and final_states_out; backward:
 initial_states and dfinal_states, giving dinitial_states), timed beside its stateless run.
 
@@ -156,12 +156,12 @@ def launcher(m, b: argparse.Namespace, op: str, cfg: str):
 
 
 def summation_order(cfg: str) -> tuple:
-    """What fixes the backward's dweight / dbias bits: the config's geometry (not its ring, CTAs
-    per SM or other macros)."""
+    """What fixes the backward's dweight / dbias bits: the config's geometry and the macros that pick
+    routes of another strip length (not its ring, CTAs per SM or other macros)."""
     threads, strip, _ring, _min_ctas, *rest = cfg.split("/")
     vec = [v for v in rest if "=" not in v]
-    tokens = [kv for kv in rest if kv.startswith("ITEM_TOKENS=")]
-    return threads, strip, tuple(vec), tuple(tokens)
+    order = [kv for kv in rest if kv.startswith(("ITEM_TOKENS=", "SMALL_GRID_WARPS="))]
+    return threads, strip, tuple(vec), tuple(order)
 
 
 def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:

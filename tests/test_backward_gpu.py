@@ -301,8 +301,13 @@ DOC_CASES = [
     # Token groups of >= 256 tokens (the 4-strip route), the last sub-tile of a group part-filled.
     pytest.param(9000, 4096, short_docs, F32, F32, "bf16", id="S9000-C4096-short"),
     pytest.param(4100, 8192, boundary_mix, BF16, None, "fp32", id="S4100-C8192-boundary-mix"),
+    # Groups under 256 tokens on a grid of at most 1024 warps: strips of 32 tokens (WideHalf,
+    # MidHalf), here at the threshold (16 groups x 32 channel tiles x 2 warps) and with groups of
+    # 192 tokens (a second sub-tile half walked). The short groups of larger grids: S33000-C136.
+    pytest.param(2048, 4096, boundary_mix, BF16, F32, "bf16", id="S2048-C4096-boundary-mix"),
+    pytest.param(131073, 64, short_docs, F32, F32, "fp32", id="S131073-C64-short"),
     # 16 channel lanes (32 < C <= 64) in 64-thread CTAs: groups of >= 256 tokens (320 here), two
-    # lanes idle at C = 56. (S69999-C40 and the boundary lengths at C = 48 take its 32-thread form.)
+    # lanes idle at C = 56. (S69999-C40 and the boundary lengths at C = 48 take the 32-token strips.)
     pytest.param(270000, 56, short_docs, F32, BF16, "fp32", id="S270000-C56-short"),
     pytest.param(262144, 64, docs_16_to_64, BF16, F32, "bf16", id="S262144-C64-docs16-64"),
     # C <= 16 with 512+ token groups: the 2- and 4-lane routes (32- and 64-thread CTAs of 16

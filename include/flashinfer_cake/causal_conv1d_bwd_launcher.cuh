@@ -135,6 +135,13 @@ constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
 // The 4- and 2-lane routes' smallest grid: ~4 CTAs per SM on 132 SMs.
 constexpr int kBwdNarrowRouteMinGroups = 512;
 
+#ifndef CAKE_BWD_SMALL_GRID_WARPS
+// C > 64: token groups shorter than one sub-tile of the full CTA whose grid of 64-thread CTAs has
+// at most this many warps (~8 per SM on 132 SMs) take strips of half the length in the full CTA
+// (WideHalf). 0 turns it off (tune.py: SMALL_GRID_WARPS=0).
+#define CAKE_BWD_SMALL_GRID_WARPS 1024
+#endif
+
 // Routes, from shapes only: channel lanes per CTA 32; 16 when C <= 16 * kVec, in CTAs of half the
 // threads (with 32 lanes half of each row would be idle: C = 64 ran at 37-40 % of copy); 8, 4 or 2
 // when C <= 8, 4 or 2 * kVec, in CTAs of 16 strips: as many lanes as C needs (with 8 lanes C = 16
@@ -142,11 +149,15 @@ constexpr int kBwdNarrowRouteMinGroups = 512;
 // 130.7 -> 86.0 us; tune.py, H200), when the grid has kBwdNarrowRouteMinGroups CTAs or more; fewer
 // 32- or 64-thread CTAs leave an SM one or two warps to issue from, and the 8-lane CTAs (4 warps,
 // the same strips) were faster there (70000x8: 34.8 against 38.4 us, 65536x16: 23.6 against 24.6).
-// The routes of C <= 32 give bitwise the same results. With 32 or 16 lanes, half the threads (2
-// strips) when a token group is shorter than one sub-tile of the full CTA (small S: the group would
-// leave strips idle). Threads per SM stay 4 * CAKE_BWD_THREADS on every route of the stateless
-// kernels (the stateful ones' shared memory fits fewer of the 32-thread CTAs: 19 792 bytes each,
-// 11 per SM).
+// The routes of C <= 32 give bitwise the same results. When a token group is shorter than one
+// sub-tile of the full CTA (small S: the group would leave strips idle), with 32 lanes half the
+// threads (WideShort: 2 strips), or on a grid of at most CAKE_BWD_SMALL_GRID_WARPS warps the full
+// CTA with strips of half the length (WideHalf), and with 16 lanes always the latter (MidHalf; such
+// grids have at most 1024 groups). With 64-token strips a 4 M-element backward had ~4 warps per SM:
+// graph-replayed 1024x4096 17.3 -> 14.4 us, 65536x64 19.3 -> 15.9, 1024x8192 22.3 -> 21.2, and at
+// 2048 warps 4096x4096 35.0 -> 37.8 (tune.py, H200, 2026-12-03). Threads per SM stay 4 *
+// CAKE_BWD_THREADS on every route of the stateless kernels (the stateful ones' shared memory fits
+// fewer of the 32-thread CTAs: 19 792 bytes each, 11 per SM).
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_t stream) {
   if (p.groups == 0) return grads_of_no_tokens<WeightT, BiasT>(p, stream);
@@ -155,7 +166,11 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
   using Wide = BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
   using WideShort = BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
   using Mid = BwdTraits<kVec, 16, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
-  using MidShort = BwdTraits<kVec, 16, kThreads / 4, kStrip, kRing, 4 * kMinCtas>;
+  using WideHalf = BwdTraits<kVec, 32, kThreads, kStrip / 2, kRing, kMinCtas>;
+  using MidHalf = BwdTraits<kVec, 16, kThreads / 2, kStrip / 2, kRing, 2 * kMinCtas>;
+  static_assert(WideHalf::kTileTokens == WideShort::kTileTokens && 2 * MidHalf::kTileTokens == Mid::kTileTokens,
+                "the half-length routes walk the sub-tile of a half CTA");
+  constexpr int64_t kSmallGridWarps = CAKE_BWD_SMALL_GRID_WARPS;
   constexpr int kNarrowRing = CAKE_BWD_NARROW_RING;
   using Narrow8 = BwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>;
   using Narrow4 = BwdTraits<kVec, 4, kThreads / 2, kStrip, kNarrowRing, 2 * kMinCtas>;
@@ -170,11 +185,15 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                 "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
     if (p.item_tokens >= Wide::kTileTokens) return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT, true>(p, stream);
+    const int64_t tiles_c = ceil_div(p.C / kVec, 32);
+    if (int64_t(p.groups) * tiles_c * (WideShort::kThreads / 32) <= kSmallGridWarps) {
+      return launch_causal_conv1d_bwd_route<WideHalf, WeightT, BiasT, true>(p, stream);
+    }
     return launch_causal_conv1d_bwd_route<WideShort, WeightT, BiasT, true>(p, stream);
   }
   if (p.C > 8 * kVec) {
     if (p.item_tokens >= Mid::kTileTokens) return launch_causal_conv1d_bwd_route<Mid, WeightT, BiasT>(p, stream);
-    return launch_causal_conv1d_bwd_route<MidShort, WeightT, BiasT>(p, stream);
+    return launch_causal_conv1d_bwd_route<MidHalf, WeightT, BiasT>(p, stream);
   }
   if (p.groups >= kBwdNarrowRouteMinGroups) {
     if (p.C <= 2 * kVec) return launch_causal_conv1d_bwd_route<Narrow2, WeightT, BiasT>(p, stream);

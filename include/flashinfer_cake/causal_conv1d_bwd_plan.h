@@ -50,8 +50,9 @@ inline int64_t bwd_tokens_per_group(int64_t S, int64_t groups) {
 }
 
 // Token groups of a backward of S tokens x C channels (one partial row of dweight/dbias each).
-// Groups shorter than a full CTA's 256-token sub-tile run on CTAs of half the threads (8 per SM):
-// bwd_groups_bound's ~1024 items fill the 132 SMs of an H100 SXM / H200 about once. When C > 64
+// Groups shorter than a full CTA's 256-token sub-tile run on CTAs of half the threads (8 per SM),
+// or with strips of half the length on small grids (the launcher's route rule): bwd_groups_bound's
+// ~1024 items fill the 132 SMs of an H100 SXM / H200 about once. When C > 64
 // and the groups are 256 tokens or longer, CTAs have 128 threads (4 per SM): ~512 items fill those
 // SMs once, where 1024 ran two waves, each SM slot paying a CTA's start and end twice (8192x4096
 // 66 -> 69 %, 32768x1024 59 -> 67 %, 65536x512 53 -> 64 % of copy; tune.py ITEM_TOKENS, H200,
