@@ -1236,7 +1236,8 @@ import torch
 from flashinfer_cake import cake_causal_conv1d_train_backward as bwd
 PATTERNS = {patterns}
 PATTERNS_WARP_FILLED = {patterns_warp_filled}
-for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (4100, 8192), (300, 56), (262200, 40)]:
+# (2049, 4096): 17 groups of 128 tokens in 64-thread CTAs (WideShort); (1111, 4096) their WideHalf
+for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (2049, 4096), (4100, 8192), (300, 56), (262200, 40)]:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")

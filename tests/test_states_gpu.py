@@ -376,7 +376,8 @@ def test_backward_document_mixes_with_states(S, C, mix, weight_dtype, bias_dtype
 # no token and change no other result, so with as many of them as groups the same batch runs the
 # per-step kernel (groups < num_docs): both must give the same bits and match the reference.
 ITEM_CHOICE_CASES = [
-    pytest.param(32768, 136, F32, F32, id="S32768-C136"),  # 256 groups of 128 tokens: 64-thread CTAs
+    pytest.param(32768, 136, F32, F32, id="S32768-C136"),  # 256 groups of 128 tokens: 32-token strips (WideHalf)
+    pytest.param(33000, 136, BF16, F32, id="S33000-C136"),  # 258 groups of 128 tokens: 64-thread CTAs (WideShort)
     pytest.param(131072, 136, BF16, None, id="S131072-C136"),  # 256 groups of 512 tokens: 128-thread CTAs
 ]
 
@@ -1058,8 +1059,9 @@ _MEMCHECK_SCRIPT = """
 import torch
 from flashinfer_cake import cake_causal_conv1d_train_backward as bwd, cake_causal_conv1d_train_forward as fwd
 PATTERNS = {patterns}  # per S
-# (4096, 136): the backward's item choice at 1-2 documents
-for S, C in [(300, 264), (77, 8), (5000, 24), (1111, 4096), (4096, 136), (3003, 48)]:
+# (4096, 136): the backward's item choice at 1-2 documents; (2049, 4096) the 64-thread CTAs of short
+# groups (WideShort), (1111, 4096) their 32-token strips (WideHalf)
+for S, C in [(300, 264), (77, 8), (5000, 24), (1111, 4096), (2049, 4096), (4096, 136), (3003, 48)]:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")
@@ -1083,7 +1085,7 @@ def test_states_memcheck_clean(tmp_path):
     cu_seqlens pattern, trailing empty documents and tails of S and C, and in the full-width
     routes' item-choice kernel (4096 x 136: 32 token groups, which 1-2 documents leave to it)."""
     patterns = {S: {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(S)] for name, make in CORRUPT_CU.items()}
-                for S in (300, 77, 5000, 1111, 4096, 3003)}  # each pattern made for the S it runs at
+                for S in (300, 77, 5000, 1111, 2049, 4096, 3003)}  # each pattern made for the S it runs at
     assert_sanitizer_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)
 
 
@@ -1091,7 +1093,7 @@ _SYNCCHECK_SCRIPT = """
 import torch
 from flashinfer_cake import cake_causal_conv1d_train_backward as bwd, cake_causal_conv1d_train_forward as fwd
 g = torch.Generator().manual_seed(17)
-for S, C in [(4097, 64), (4099, 32), (530001, 16), (524305, 8), (3001, 8), (1111, 4096)]:
+for S, C in [(4097, 64), (4099, 32), (530001, 16), (524305, 8), (3001, 8), (1111, 4096), (2049, 4096)]:
     lengths = torch.randint(1, 200, (S,), generator=g).cumsum(0)
     cu = [0] + [int(v) for v in lengths if v < S] + [S, S]
     n = len(cu) - 1

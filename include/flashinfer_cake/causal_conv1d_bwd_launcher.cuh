@@ -114,10 +114,10 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 #define CAKE_BWD_THREADS 128
 #endif
 #ifndef CAKE_BWD_STRIP_LEN
-#define CAKE_BWD_STRIP_LEN 64  // a multiple of 4; bwd_item_tokens (causal_conv1d_bwd_plan.h) rounds groups to it
+#define CAKE_BWD_STRIP_LEN 64  // a multiple of 8 (WideHalf and MidHalf walk half of it); bwd_item_tokens rounds groups to it
 #endif
 #ifndef CAKE_BWD_RING
-#define CAKE_BWD_RING 8
+#define CAKE_BWD_RING 8  // at most CAKE_BWD_STRIP_LEN / 2 + 7 (BwdTraits of WideHalf, MidHalf)
 #endif
 #ifndef CAKE_BWD_MIN_CTAS
 #define CAKE_BWD_MIN_CTAS 4
@@ -152,12 +152,12 @@ constexpr int kBwdNarrowRouteMinGroups = 512;
 // The routes of C <= 32 give bitwise the same results. When a token group is shorter than one
 // sub-tile of the full CTA (small S: the group would leave strips idle), with 32 lanes half the
 // threads (WideShort: 2 strips), or on a grid of at most CAKE_BWD_SMALL_GRID_WARPS warps the full
-// CTA with strips of half the length (WideHalf), and with 16 lanes always the latter (MidHalf; such
-// grids have at most 1024 groups). With 64-token strips a 4 M-element backward had ~4 warps per SM:
-// graph-replayed 1024x4096 17.3 -> 14.4 us, 65536x64 19.3 -> 15.9, 1024x8192 22.3 -> 21.2, and at
-// 2048 warps 4096x4096 35.0 -> 37.8 (tune.py, H200, 2026-12-03). Threads per SM stay 4 *
-// CAKE_BWD_THREADS on every route of the stateless kernels (the stateful ones' shared memory fits
-// fewer of the 32-thread CTAs: 19 792 bytes each, 11 per SM).
+// CTA with strips of half the length (WideHalf), and with 16 lanes always the latter (MidHalf; with
+// the plan's item_tokens such grids have at most 1024 groups). With 64-token strips a 4 M-element
+// backward had ~4 warps per SM: graph-replayed 1024x4096 17.3 -> 14.4 us, 65536x64 19.3 -> 15.9,
+// 1024x8192 22.3 -> 21.2, and at 2048 warps 4096x4096 35.0 -> 37.8 (tune.py, H200, 2026-12-03).
+// Threads per SM stay 4 * CAKE_BWD_THREADS on every route of the stateless kernels (the stateful
+// ones' shared memory fits fewer of the 32-thread CTAs: 19 792 bytes each, 11 per SM).
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_t stream) {
   if (p.groups == 0) return grads_of_no_tokens<WeightT, BiasT>(p, stream);
