@@ -328,6 +328,38 @@ def test_document_mixes_match_reference(S, C, mix, weight_dtype, bias_dtype, pol
     assert_grads_match_reference(grads, x, w, cu, dy, b, policy)
 
 
+def launched_route(call):
+    """(channel lanes, threads, strip length) of the streaming kernel call() launches, read from the
+    profiler's demangled kernel name (BwdTraits<kVec, kLanesC, kThreads, kStripLen, ...>)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        sync()
+    names = [e.name for e in prof.events() if "causal_conv1d_bwd_kernel" in e.name]
+    assert len(names) == 1, names
+    m = re.search(r"BwdTraits<\s*\d+,\s*(\d+),\s*(\d+),\s*(\d+),", names[0])
+    assert m, names[0]
+    return tuple(int(v) for v in m.groups())
+
+
+@pytest.mark.parametrize("S, C, route", [
+    pytest.param(1024, 4096, (32, 128, 32), id="S1024-C4096-wide-half"),  # 8 groups x 32 tiles: 512 warps
+    pytest.param(2048, 4096, (32, 128, 32), id="S2048-C4096-wide-half"),  # 1024 warps: the threshold
+    pytest.param(2049, 4096, (32, 64, 64), id="S2049-C4096-wide-short"),  # 17 groups: 1088 warps
+    pytest.param(8192, 4096, (32, 128, 64), id="S8192-C4096-wide"),  # groups of 512 tokens
+    pytest.param(65536, 64, (16, 64, 32), id="S65536-C64-mid-half"),  # groups of 128 tokens
+    pytest.param(262144, 64, (16, 64, 64), id="S262144-C64-mid"),  # groups of 256 tokens
+])
+def test_route_rule(S, C, route):
+    """The launcher's rule for short token groups: strips of half the length in the full CTA on a
+    grid of at most 1024 warps of the half CTA (always at 32 < C <= 64), the half CTA above it; the
+    results match the reference either way (test_document_mixes_match_reference)."""
+    x, w, b, dy = make_inputs(S, C, seed=S + C)
+    cu = make_cu(S, [S])
+    assert launched_route(lambda: backward(x, w, cu, dy, b)) == route
+
+
 @pytest.mark.parametrize("C", [24, 48, 136])
 @pytest.mark.parametrize("L", BOUNDARY_LENGTHS)
 def test_tile_boundary_document_lengths(L, C):
