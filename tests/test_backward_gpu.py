@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from doclengths import docs_3000, docs_16_to_64, fill, make_cu, one_doc, split
+from launched import launched_bwd_kernel
 from sanitizer import assert_sanitizer_clean, needs_sanitizer
 from flashinfer_cake import (
     CakeCausalConv1dFunction,
@@ -329,17 +330,11 @@ def test_document_mixes_match_reference(S, C, mix, weight_dtype, bias_dtype, pol
 
 
 def launched_route(call):
-    """(channel lanes, threads, strip length) of the streaming kernel call() launches, read from the
-    profiler's demangled kernel name (BwdTraits<kVec, kLanesC, kThreads, kStripLen, ...>)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        call()
-        sync()
-    names = [e.name for e in prof.events() if "causal_conv1d_bwd_kernel" in e.name]
-    assert len(names) == 1, names
-    m = re.search(r"BwdTraits<\s*\d+,\s*(\d+),\s*(\d+),\s*(\d+),", names[0])
-    assert m, names[0]
+    """(channel lanes, threads, strip length) of the streaming kernel call() launches
+    (BwdTraits<kVec, kLanesC, kThreads, kStripLen, ...>)."""
+    name = launched_bwd_kernel(call)
+    m = re.search(r"BwdTraits<\s*\d+,\s*(\d+),\s*(\d+),\s*(\d+),", name)
+    assert m, name
     return tuple(int(v) for v in m.groups())
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from doclengths import empty_at_ends, docs_16_to_64, fill, make_cu, one_doc, split, tiny_docs
+from launched import launched_bwd_kernel
 from sanitizer import assert_sanitizer_clean, needs_sanitizer
 from flashinfer_cake import cake_causal_conv1d, cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
 from flashinfer_cake.reference import (
@@ -393,18 +394,11 @@ def _item_edge_docs(S, tokens, groups, rng):
 
 
 def launched_item_choice(call):
-    """Whether the streaming kernel call() launches (one; the reduction passes are another kernel)
-    is the item-choice instance: kItemChoice is the kernel template's last argument, read from the
-    profiler's (demangled) kernel name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        call()
-        sync()
-    names = [e.name for e in prof.events() if "causal_conv1d_bwd_kernel" in e.name]
-    assert len(names) == 1, names
-    last = re.search(r"causal_conv1d_bwd_kernel<.*,\s*(true|false)\s*>\s*\(", names[0])
-    assert last, names[0]
+    """Whether the streaming kernel call() launches is the item-choice instance: kItemChoice is the
+    kernel template's last argument."""
+    name = launched_bwd_kernel(call)
+    last = re.search(r"causal_conv1d_bwd_kernel<.*,\s*(true|false)\s*>\s*\(", name)
+    assert last, name
     return last.group(1) == "true"
 
 
