@@ -185,7 +185,7 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                 "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
     if (p.item_tokens >= Wide::kTileTokens) return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT, true>(p, stream);
-    const int64_t tiles_c = ceil_div(p.C / kVec, 32);
+    const int64_t tiles_c = ceil_div(p.C / kVec, WideShort::kLanesC);
     if (int64_t(p.groups) * tiles_c * (WideShort::kThreads / 32) <= kSmallGridWarps) {
       return launch_causal_conv1d_bwd_route<WideHalf, WeightT, BiasT, true>(p, stream);
     }
