@@ -88,9 +88,9 @@ struct KernelEntries {
 // their own: the forward's workspace (its int32 counters), the backward's FP32 partial rows.
 enum BufferKind : int { kFwdWorkspace = 0, kBwdWorkspace = 1 };
 
-// Kept buffers: int32 counters (zeroed when made; every launch leaves them zero) and FP32 scratch
-// of any content; each undefined when its kind has none (the backward has no counters, the
-// forward no scratch).
+// Kept buffers: int32 counters (zeroed when made, except a capture's own while no route reads
+// them; every launch leaves them zero) and FP32 scratch of any content; each undefined when its
+// kind has none (the backward has no counters, the forward no scratch).
 struct KeptBuffers {
   at::Tensor counters, scratch;
 };
@@ -261,8 +261,13 @@ KeptBuffers kept_buffers(const KernelEntries& m, BufferKind kind, int device, in
     return (!ints || b.counters.numel() >= ints) && (!floats || b.scratch.numel() >= floats);
   };
   const auto make = [&] {
-    return KeptBuffers{ints ? at::zeros({ints}, options.dtype(at::kInt)) : at::Tensor(),
-                       floats ? at::empty({floats}, options.dtype(at::kFloat)) : at::Tensor()};
+    KeptBuffers b;
+    if (ints) {  // zeroed, except while capturing when no route reads them (kFwdRoutesUseCounters)
+      const auto opts = options.dtype(at::kInt);
+      b.counters = status && !flashinfer_cake::kFwdRoutesUseCounters ? at::empty({ints}, opts) : at::zeros({ints}, opts);
+    }
+    if (floats) b.scratch = at::empty({floats}, options.dtype(at::kFloat));
+    return b;
   };
   if (status) return make();
   const std::tuple<int, int, intptr_t> key{kind, device, stream};

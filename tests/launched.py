@@ -1,5 +1,5 @@
-"""Which backward kernel a call launched, read from the CUDA profiler's demangled kernel name (the
-routes and kernel choices are not visible otherwise)."""
+"""Which kernels a call launched, read from the CUDA profiler's demangled kernel names (the routes,
+kernel choices and any kernel of torch's are not visible otherwise)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def launched_bwd_kernel(call) -> str:
-    """The name of the one streaming backward kernel call() launches (the reduction passes are
-    another kernel, causal_conv1d_bwd_reduce_kernel)."""
+def launched_kernels(call) -> list[str]:
+    """The names of the CUDA kernels call() launches, one per launch."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if "causal_conv1d_bwd_kernel" in e.name]
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def launched_bwd_kernel(call) -> str:
+    """The name of the one streaming backward kernel call() launches (the reduction passes are
+    another kernel, causal_conv1d_bwd_reduce_kernel)."""
+    names = [n for n in launched_kernels(call) if "causal_conv1d_bwd_kernel" in n]
     assert len(names) == 1, names
     return names[0]
