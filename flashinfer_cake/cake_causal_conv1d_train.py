@@ -141,7 +141,8 @@ def cake_causal_conv1d_train_forward(
             left zero by every launch, so one buffer serves every later call of one stream, CUDA
             Graph replays included; launches that may run at once need one each. When omitted,
             a zeroed buffer kept per (device, current stream) is used, or a buffer of the call's
-            own while the current stream is capturing a CUDA graph.
+            own while the current stream is capturing a CUDA graph (left unfilled while no route
+            reads the counters: a fill would be one more kernel per call in every replay).
 
     Returns:
         BF16 ``y`` of x's shape (``out`` when given). ``S == 0``: the empty output, and the

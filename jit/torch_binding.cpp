@@ -89,8 +89,8 @@ struct KernelEntries {
 enum BufferKind : int { kFwdWorkspace = 0, kBwdWorkspace = 1 };
 
 // Kept buffers: int32 counters (zeroed when made, except a capture's own while no route reads
-// them; every launch leaves them zero) and FP32 scratch of any content; each undefined when its
-// kind has none (the backward has no counters, the forward no scratch).
+// them; every launch leaves them as it found them) and FP32 scratch of any content; each
+// undefined when its kind has none (the backward has no counters, the forward no scratch).
 struct KeptBuffers {
   at::Tensor counters, scratch;
 };

@@ -37,6 +37,8 @@
 
 namespace flashinfer_cake {
 
+// No field for the workspace's counters: no route reads them (a route given them sets
+// kFwdRoutesUseCounters, causal_conv1d_contract.h).
 struct CausalConv1dFwdParams {
   const __nv_bfloat16* x;  // [S, C], rows x_row_stride vectors apart
   __nv_bfloat16* y;        // [S, C], rows y_row_stride vectors apart
