@@ -202,6 +202,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   __shared__ uint32_t s_pos_words[(Traits::kPosTokens + 4) / 4];
   uint8_t* const s_pos = reinterpret_cast<uint8_t*>(s_pos_words);
   __shared__ uint8_t s_flags[kStates ? 1 : Traits::kPosTokens + 2];  // document starts (scan_positions)
+  __shared__ int32_t s_entries[kStates ? 1 : T];  // scan_positions' first round
   // kStates: the tokens' documents, and scan_documents' scratch.
   __shared__ int32_t s_doc[kStates ? Traits::kPosTokens : 1];
   __shared__ int32_t s_first_idx[kStates ? Traits::kPosTokens + 5 : 1], s_last_idx[kStates ? Traits::kPosTokens + 5 : 1];
@@ -301,6 +302,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     }
   };
 
+  // The position scan's first load, ahead of the rows (stateless; unused, so not loaded, with states).
+  const int32_t first_round = detail::load_first_round<T>(p.cu_seqlens, p.num_docs);
   const int first_t0 = item_t0 + strip * L;
   // kWarpFill: the warp walks while its first strip has tokens (a strip past the item's end walks
   // zeros; its lanes fill the others' rings).
@@ -337,7 +340,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       scan(nullptr);
     }
   } else {
-    detail::scan_positions<T>(p.cu_seqlens, p.num_docs, item_t0, p.item_tokens + 3, s_flags, s_pos);
+    detail::scan_positions<T>(p.cu_seqlens, p.num_docs, item_t0, p.item_tokens + 3, s_flags, s_pos, first_round,
+                              s_entries);
   }
   __syncthreads();
 

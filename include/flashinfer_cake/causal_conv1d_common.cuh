@@ -276,19 +276,32 @@ __device__ __forceinline__ void walk_rows(RowFn&& row, int& cur, int& prev, Step
 // The first entry >= first among cu_seqlens[0 .. num_docs], num_docs + 1 when none (for sorted
 // content; for any content a value in [0, num_docs + 1]), by the whole CTA: kThreads pivots per
 // round, every thread must call it (it contains barriers).
+// first_round: this thread's entry of the first round (load_first_round), or null to load it here.
 template <int kThreads>
-__device__ __forceinline__ int64_t search_first_entry(const int32_t* __restrict__ cu, int num_docs, int first) {
+__device__ __forceinline__ int64_t search_first_entry(const int32_t* __restrict__ cu, int num_docs, int first,
+                                                      const int32_t* first_round = nullptr) {
   int64_t lo = 0, hi = int64_t(num_docs) + 1;
   while (hi > lo) {  // uniform: lo and hi come from barrier counts
     const int64_t step = (hi - lo + kThreads - 1) / kThreads;
     const int64_t pivot = lo + threadIdx.x * step;
-    const bool below = pivot < hi && __ldg(cu + pivot) < first;
+    const bool below = pivot < hi && (first_round && lo == 0 ? *first_round : __ldg(cu + pivot)) < first;
     const int c = __syncthreads_count(below);
     if (c == 0) break;  // cu[lo] >= first
     lo += (c - 1) * step + 1;
     hi = min(hi, lo - 1 + step);  // the next pivot, >= first (or past the candidates)
   }
   return lo;
+}
+
+// This thread's pivot of search_first_entry's first round (lo = 0: entry threadIdx.x * ceil((num_docs
+// + 1) / kThreads)), loaded on its own: a kernel loads it before it prefetches its first rows, so
+// that the position scan's first load does not wait behind them (a probe without the scan ran
+// 0.3-1 us faster per call at 4-8 M elements; H200, NOTES_fwd / NOTES_bwd session 29).
+template <int kThreads>
+__device__ __forceinline__ int32_t load_first_round(const int32_t* __restrict__ cu, int num_docs) {
+  const int64_t step = (int64_t(num_docs) + kThreads) / kThreads;
+  const int64_t pivot = threadIdx.x * step;
+  return pivot <= num_docs ? __ldg(cu + pivot) : 0;
 }
 
 // Positions of tokens first_token + j, j = 0 .. count - 1, into out[j], by the whole CTA
@@ -310,23 +323,29 @@ __device__ __forceinline__ int64_t search_first_entry(const int32_t* __restrict_
 // 2) and out[0 .. count), end (a round shrinks the candidates, a pass moves forward), and the
 // positions (in [0, 3]) depend on the content only (every flag write is the same 1), so a call
 // is deterministic.
+// first_round: this thread's load_first_round; entries: kThreads ints of shared memory, which
+// keep the first round's entries (every entry when num_docs < kThreads: the passes then load
+// none, and the scan's only loads are the first round's).
 template <int kThreads>
 __device__ __forceinline__ void scan_positions(const int32_t* __restrict__ cu, int num_docs, int first_token,
-                                               int count, uint8_t* flags, uint8_t* out) {
+                                               int count, uint8_t* flags, uint8_t* out, int32_t first_round,
+                                               int32_t* entries) {
   const int first = first_token - 2;  // >= -2
   const int end = first_token + count;
   for (int i = threadIdx.x; i < count + 2; i += kThreads) flags[i] = 0;  // ordered by the first round's barrier
-  const int64_t lo = search_first_entry<kThreads>(cu, num_docs, first);
+  entries[threadIdx.x] = first_round;  // likewise; entries[0] is cu[0] (thread 0's pivot is entry 0)
+  const int64_t lo = search_first_entry<kThreads>(cu, num_docs, first, &first_round);
+  const bool all_read = num_docs < kThreads;  // the first round read entries 0 .. num_docs
   for (int64_t d0 = lo;; d0 += kThreads) {  // passes over the entries from lo until one >= end
     const int64_t d = d0 + threadIdx.x;
     const bool in = d <= num_docs;
-    const int v = in ? __ldg(cu + d) : end;
+    const int v = in ? (all_read ? entries[d] : __ldg(cu + d)) : end;
     if (v >= first && v < end) flags[v - first] = 1;
     if (!__syncthreads_or(threadIdx.x == kThreads - 1 && v < end)) break;
   }
   // Tokens before every entry (lo == 0: cu[0] >= first; content with cu[0] > 0) have no start
   // at or before them: no history, as a binary search that finds none gives.
-  const int64_t none_below = lo == 0 ? int64_t(__ldg(cu)) : int64_t(INT32_MIN);
+  const int64_t none_below = lo == 0 ? int64_t(entries[0]) : int64_t(INT32_MIN);
   for (int j = threadIdx.x; j < count; j += kThreads) {  // flags[j + 2] is token first_token + j
     out[j] = first_token + j < none_below ? 0 : flags[j + 2] ? 0 : flags[j + 1] ? 1 : flags[j] ? 2 : 3;
   }

@@ -134,6 +134,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   __shared__ __align__(detail::kRingAlign) Row s_ring[R * T];
   __shared__ uint8_t s_pos[TT];  // min(position in document, 3) per tile token; with kStates its code
   __shared__ uint8_t s_flags[kStates ? 1 : TT + 2];  // document starts (scan_positions)
+  __shared__ int32_t s_entries[kStates ? 1 : T];  // scan_positions' first round
   // kStates: the tokens' documents, and scan_documents' scratch.
   __shared__ int32_t s_doc[kStates ? TT : 1];
   __shared__ int32_t s_first_idx[kStates ? TT + 5 : 1], s_last_idx[kStates ? TT + 5 : 1];
@@ -166,6 +167,8 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   // Ring row j (token t0 - 3 + j) is inside [0, S) iff t0 - 3 + j >= 0 and j < lim.
   const uint32_t lim = active ? static_cast<uint32_t>(p.S - t0) + 3u : 0u;
 
+  // The position scan's first load, ahead of the rows (stateless; unused, so not loaded, with states).
+  const int32_t first_round = detail::load_first_round<T>(p.cu_seqlens, p.num_docs);
   // cp.async groups, in order: the taps and bias, then ring rows 0 .. R - 2 of the strip (row i
   // is token t0 - 3 + i, in slot i + 1; rows outside [0, S) and lanes past C read zeros), all
   // streaming while the positions are found.
@@ -198,7 +201,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
           }
         });
   } else {
-    detail::scan_positions<T>(p.cu_seqlens, p.num_docs, tile_t0, tile_len, s_flags, s_pos);
+    detail::scan_positions<T>(p.cu_seqlens, p.num_docs, tile_t0, tile_len, s_flags, s_pos, first_round, s_entries);
   }
   if (has_rows) {
     detail::cp_async_wait<R - 1>();  // my part of the taps and bias has landed
@@ -406,6 +409,7 @@ causal_conv1d_fwd_token_lane_kernel(const CausalConv1dFwdParams p) {
   __shared__ __align__(16) uint8_t s_w[Traits::kMaxLanesC * WBlocks::kStride * 16];
   constexpr int kBiasSmem = detail::kHasBias<BiasT> ? Traits::kMaxLanesC * BBlocks::kStride * 16 : 16;
   __shared__ __align__(16) uint8_t s_b[kBiasSmem];
+  __shared__ int32_t s_entries[kStates ? 1 : T];  // scan_positions' first round
 
   const int lg = p.lanes_log2;  // Traits::lanes_log2_for(C): up to kMaxLanesC lanes (s_w, s_b)
   const int lanes = 1 << lg;
@@ -446,6 +450,8 @@ causal_conv1d_fwd_token_lane_kernel(const CausalConv1dFwdParams p) {
     const uint32_t off = valid ? static_cast<uint32_t>(seg0 + u_off) * xs + vec : 0u;
     detail::cp_async_row(ring + ((b + 1) & (RB - 1)) * 32 + lane, xv + off, valid);
   };
+  // The position scan's first load, ahead of the rows (stateless; unused, so not loaded, with states).
+  const int32_t first_round = detail::load_first_round<T>(p.cu_seqlens, p.num_docs);
   // cp.async groups: the taps and bias with block -1, then blocks 0 .. RB - 3, one group each,
   // streaming while the positions are found.
   const int64_t c_tile0 = int64_t(tile_c) * lanes * V;
@@ -475,7 +481,7 @@ causal_conv1d_fwd_token_lane_kernel(const CausalConv1dFwdParams p) {
           }
         });
   } else {
-    detail::scan_positions<T>(p.cu_seqlens, p.num_docs, tile_t0, tile_len, s_flags, s_pos);
+    detail::scan_positions<T>(p.cu_seqlens, p.num_docs, tile_t0, tile_len, s_flags, s_pos, first_round, s_entries);
   }
   detail::cp_async_wait<RB - 2>();  // group 0 (the taps, bias and block -1) has landed
   __syncthreads();
