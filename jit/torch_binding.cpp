@@ -262,9 +262,14 @@ KeptBuffers kept_buffers(const KernelEntries& m, BufferKind kind, int device, in
   };
   const auto make = [&] {
     KeptBuffers b;
-    if (ints) {  // zeroed, except while capturing when no route reads them (kFwdRoutesUseCounters)
-      const auto opts = options.dtype(at::kInt);
-      b.counters = status && !flashinfer_cake::kFwdRoutesUseCounters ? at::empty({ints}, opts) : at::zeros({ints}, opts);
+    if (status && ints && !flashinfer_cake::kFwdRoutesUseCounters) {
+      // Unfilled while capturing, as no route reads them; not at::empty, which fills new memory under
+      // torch.use_deterministic_algorithms (a kernel in every replay again).
+      const c10::DeviceGuard guard(options.device());
+      b.counters = at::detail::empty_generic({ints}, at::detail::getCUDAHooks().getCUDADeviceAllocator(),
+                                             c10::DispatchKeySet(c10::DispatchKey::CUDA), at::kInt, std::nullopt);
+    } else if (ints) {
+      b.counters = at::zeros({ints}, options.dtype(at::kInt));
     }
     if (floats) b.scratch = at::empty({floats}, options.dtype(at::kFloat));
     return b;
