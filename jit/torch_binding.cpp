@@ -260,13 +260,20 @@ KeptBuffers kept_buffers(const KernelEntries& m, BufferKind kind, int device, in
   const auto enough = [&](const KeptBuffers& b) {
     return (!ints || b.counters.numel() >= ints) && (!floats || b.scratch.numel() >= floats);
   };
+  // Memory nothing reads before it is written: not at::empty, which fills new memory under
+  // torch.use_deterministic_algorithms (while capturing, a kernel in every replay).
+  const auto unfilled = [&](int64_t n, at::ScalarType dtype) {
+    const c10::DeviceGuard guard(options.device());
+    return at::detail::empty_generic({n}, at::detail::getCUDAHooks().getCUDADeviceAllocator(),
+                                     c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype, std::nullopt);
+  };
   const auto make = [&] {
     KeptBuffers b;
     if (ints) {  // zeroed, except while capturing when no route reads them (kFwdRoutesUseCounters)
-      const auto opts = options.dtype(at::kInt);
-      b.counters = status && !flashinfer_cake::kFwdRoutesUseCounters ? at::empty({ints}, opts) : at::zeros({ints}, opts);
+      b.counters = status && !flashinfer_cake::kFwdRoutesUseCounters ? unfilled(ints, at::kInt)
+                                                                     : at::zeros({ints}, options.dtype(at::kInt));
     }
-    if (floats) b.scratch = at::empty({floats}, options.dtype(at::kFloat));
+    if (floats) b.scratch = unfilled(floats, at::kFloat);
     return b;
   };
   if (status) return make();

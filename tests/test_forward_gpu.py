@@ -328,12 +328,18 @@ def test_cuda_graph_replay_with_new_data(explicit_workspace, pass_out):
             assert ws.count_nonzero().item() == 0
 
 
-def test_cuda_graph_of_default_calls_holds_only_their_kernels():
+@pytest.mark.parametrize("C", [4096, 64], ids=["strip-kernel", "token-lane-kernel"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default-mode", "deterministic-mode"])
+def test_cuda_graph_of_default_calls_holds_only_their_kernels(C, deterministic, request):
     """Forwards captured without a workspace (the raw call; cake_causal_conv1d without and with
     grad) put one kernel each in the graph: their private default workspaces are not filled while
     no route reads the counters (a zero fill was one more kernel per call in every replay: a graph
-    of forwards at 1024x4096, 7.1 -> 8.3 us per call on an H200)."""
-    S, C = 1024, 4096
+    of forwards at 1024x4096, 7.1 -> 8.3 us per call on an H200), also not by torch's fill of new
+    memory under use_deterministic_algorithms."""
+    was = torch.are_deterministic_algorithms_enabled()
+    request.addfinalizer(lambda: torch.use_deterministic_algorithms(was))
+    torch.use_deterministic_algorithms(deterministic)
+    S = 1024
     x, w, b = make_inputs(S, C, seed=31)
     cu = make_cu(S, [100, S - 100])
     x_leaf = x.clone().requires_grad_()
