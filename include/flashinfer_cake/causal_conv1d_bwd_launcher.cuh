@@ -79,10 +79,15 @@ cudaError_t launch_bwd_reduce(const CausalConv1dBwdParams& p, cudaStream_t strea
   }
 }
 
+// A route's channel tiles: kLanesC row vectors each.
+template <class Traits>
+int64_t bwd_channel_tiles(int64_t C) {
+  return ceil_div(C / Traits::kVec, int64_t(Traits::kLanesC));
+}
+
 template <class Traits, class WeightT, class BiasT, bool kMayChooseItems = false>
 cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t stream) {
-  const int64_t vecs_per_row = p.C / Traits::kVec;
-  const int64_t tiles_c = (vecs_per_row + Traits::kLanesC - 1) / Traits::kLanesC;
+  const int64_t tiles_c = bwd_channel_tiles<Traits>(p.C);
   const int64_t blocks = int64_t(p.groups) * tiles_c;
   const int64_t rows_span = int64_t(p.S) * std::max({p.x_row_stride, p.dy_row_stride, p.dx_row_stride});  // vectors
   if (blocks > INT32_MAX || rows_span >= (int64_t(1) << 32)) {  // 32-bit offsets
@@ -185,8 +190,7 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                 "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
     if (p.item_tokens >= Wide::kTileTokens) return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT, true>(p, stream);
-    const int64_t tiles_c = ceil_div(p.C / kVec, WideShort::kLanesC);
-    if (int64_t(p.groups) * tiles_c * (WideShort::kThreads / 32) <= kSmallGridWarps) {
+    if (int64_t(p.groups) * bwd_channel_tiles<WideShort>(p.C) * (WideShort::kThreads / 32) <= kSmallGridWarps) {
       return launch_causal_conv1d_bwd_route<WideHalf, WeightT, BiasT, true>(p, stream);
     }
     return launch_causal_conv1d_bwd_route<WideShort, WeightT, BiasT, true>(p, stream);
