@@ -510,6 +510,23 @@ __device__ __forceinline__ bool scan_documents(const int32_t* __restrict__ cu, i
   return true;
 }
 
+// Programmatic dependent launch (sm_90 and later; the modules are built for sm_90a): a grid launched
+// after this one with the programmatic-serialization attribute (launch_after_prerequisite) may
+// start once every CTA of this grid has run this or ended.
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Waits until the grid this one was launched after has ended and its writes are visible (a no-op
+// without the attribute: stream order already guarantees it).
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 }  // namespace detail
 
 }  // namespace flashinfer_cake

@@ -60,6 +60,29 @@ inline cudaError_t copy_or_zero_states(void* dst, const void* src, int64_t num_d
   return cudaSuccess;
 }
 
+// kernel<<<grid, threads, smem, stream>>>(args...) with programmatic stream serialization: the
+// grid may be scheduled once every CTA of the stream's previous grid has triggered
+// (launch_dependents) or ended, so its launch overlaps that grid's last CTAs; its kernels call
+// wait_for_prerequisite_grid before their first global access. Kernels that never trigger (any
+// kernel not built with it) end before this grid starts, as without the attribute.
+template <class... Params, class... Args>
+cudaError_t launch_after_prerequisite(void (*kernel)(Params...), int64_t grid, int threads, int smem,
+                                      cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, args...);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // reported here, not left to the caller's next check
+  return e;
+}
+
 // 1 while `stream` captures a CUDA graph (the torch binding then gives the call a workspace of its
 // own), 0 when it does not, -1 when the query fails (message in last_error_buffer()).
 inline int stream_is_capturing(cudaStream_t stream) {
