@@ -21,8 +21,8 @@
 // g*x and g over its strips' own tokens in registers; at the end of the item the CTA adds its
 // strips in strip order and writes one partial row per channel to the workspace:
 // partials[item's token group][5][C]. A second kernel (causal_conv1d_bwd_reduce_kernel, launched
-// with programmatic dependent launch, so it is resident and waiting when the streaming kernel
-// ends) adds them up a fixed tree (8 groups per node, 8 nodes per node of the level above, up to
+// with programmatic dependent launch like the stream kernel, so it is resident and waiting when
+// the streaming kernel ends) adds them up a fixed tree (8 groups per node, 8 nodes per node of the level above, up to
 // one root) into dweight and dbias: bitwise identical run to run (no float atomics anywhere), and
 // the last CTAs of the stream no longer pay the tree's dependent round trips.
 // Every row is written before it is read, so the workspace may hold anything on entry.
@@ -153,8 +153,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // Launched after the stream's previous grid (launch_after_prerequisite): nothing is read or
   // written before that grid has ended.
   detail::wait_for_prerequisite_grid();
-  // The reduce kernel may be scheduled once every CTA of this grid has started (it waits for the
-  // whole grid's end before reading the partial rows).
+  // The reduce kernel may be scheduled once every CTA of this grid has passed its wait (it waits
+  // for the whole grid's end before reading the partial rows).
   detail::launch_dependents();
   constexpr int L = Traits::kStripLen;
   constexpr int R = Traits::kRing;

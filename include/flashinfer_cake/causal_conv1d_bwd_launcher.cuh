@@ -51,7 +51,8 @@ auto bwd_kernel_for(const CausalConv1dBwdParams& p) {
 // The reduction of the groups' partial rows into dweight / dbias: one pass per two levels of the
 // tree (a single pass up to 64 groups, two up to 4096, ...), each launched with programmatic
 // dependent launch after the grid before it (causal_conv1d_bwd_reduce_kernel). Stream order is
-// kept: a later launch without the attribute waits for the last pass as for any kernel. The
+// kept: a later launch without the attribute waits for the last pass as for any kernel; one with it
+// (the next call's kernel) may be scheduled early and waits before its first global access. The
 // largest pass grid, quad blocks x ceil(groups / 64), stays below 2^18 CTAs within the C entry's
 // limits (S * C < 2^34, groups of >= 64 tokens; one group: C < 2^28, below 2^24).
 template <class WeightT, class BiasT>

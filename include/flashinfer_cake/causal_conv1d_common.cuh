@@ -1,5 +1,6 @@
 // Device helpers shared by the forward and backward kernels: BF16 packing, cp.async, loading
-// taps and bias as FP32, row vectors of 4 or 8 channels, and the document-position search.
+// taps and bias as FP32, row vectors of 4 or 8 channels, the document-position search, and the
+// programmatic-dependent-launch wait and trigger.
 #pragma once
 
 #include <cuda_bf16.h>

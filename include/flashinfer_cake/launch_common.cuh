@@ -1,5 +1,6 @@
 // Host helpers shared by the launchers: the error message of the last failed call, argument
-// addresses, pointer alignment, and launching on a given device.
+// addresses, pointer alignment, launching after the stream's previous grid (programmatic dependent
+// launch), and launching on a given device.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -62,9 +63,12 @@ inline cudaError_t copy_or_zero_states(void* dst, const void* src, int64_t num_d
 
 // kernel<<<grid, threads, smem, stream>>>(args...) with programmatic stream serialization: the
 // grid may be scheduled once every CTA of the stream's previous grid has triggered
-// (launch_dependents) or ended, so its launch overlaps that grid's last CTAs; its kernels call
-// wait_for_prerequisite_grid before their first global access. Kernels that never trigger (any
-// kernel not built with it) end before this grid starts, as without the attribute.
+// (launch_dependents) or ended, so its launch overlaps that grid's last CTAs. Only kernels whose
+// first statement is detail::wait_for_prerequisite_grid may be launched so (the forward, the
+// backward's stream and reduce kernels; the CP kernels are not). A previous kernel that never
+// triggers (torch's, anyone's not built for it) ends before this grid starts, as without the
+// attribute; a later kernel launched with the attribute by someone else may start while ours run
+// and must wait (griddepcontrol.wait) before reading what ours write.
 template <class... Params, class... Args>
 cudaError_t launch_after_prerequisite(void (*kernel)(Params...), int64_t grid, int threads, int smem,
                                       cudaStream_t stream, Args... args) {
@@ -79,7 +83,7 @@ cudaError_t launch_after_prerequisite(void (*kernel)(Params...), int64_t grid, i
   config.attrs = attr;
   config.numAttrs = 1;
   const cudaError_t e = cudaLaunchKernelEx(&config, kernel, args...);
-  if (e != cudaSuccess) (void)cudaGetLastError();  // reported here, not left to the caller's next check
+  if (e != cudaSuccess) (void)cudaGetLastError();  // this launch's error: reported by the caller
   return e;
 }
 
