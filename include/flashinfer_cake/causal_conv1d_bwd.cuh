@@ -21,8 +21,8 @@
 // g*x and g over its strips' own tokens in registers; at the end of the item the CTA adds its
 // strips in strip order and writes one partial row per channel to the workspace:
 // partials[item's token group][5][C]. A second kernel (causal_conv1d_bwd_reduce_kernel, launched
-// with programmatic dependent launch, so it is resident and waiting when the streaming kernel
-// ends) adds them up a fixed tree (8 groups per node, 8 nodes per node of the level above, up to
+// with programmatic dependent launch like the stream kernel, so it is resident and waiting when
+// the streaming kernel ends) adds them up a fixed tree (8 groups per node, 8 nodes per node of the level above, up to
 // one root) into dweight and dbias: bitwise identical run to run (no float atomics anywhere), and
 // the last CTAs of the stream no longer pay the tree's dependent round trips.
 // Every row is written before it is read, so the workspace may hold anything on entry.
@@ -139,23 +139,6 @@ __device__ __forceinline__ void store_param<__nv_bfloat16>(void* base, int i, fl
   static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(v);
 }
 
-// Programmatic dependent launch (sm_90 and later; the modules are built for sm_90a): a grid launched
-// after this one with the programmatic-serialization attribute may start once every CTA of this
-// grid has run this.
-__device__ __forceinline__ void launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-// Waits until the grid this one was launched after has ended and its writes are visible (a no-op
-// without the attribute: stream order already guarantees it).
-__device__ __forceinline__ void wait_for_prerequisite_grid() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 }  // namespace detail
 
 // kRoundPreact: p.round_preact as a template argument (a branch per row otherwise). kStates:
@@ -167,8 +150,11 @@ template <class Traits, class WeightT, class BiasT, bool kRoundPreact, bool kSta
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinCtasPerSm)
 causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   static_assert(kStates || !kItemChoice, "the item choice is a choice between state events and none");
-  // The reduce kernel may be scheduled once every CTA of this grid has started (it waits for the
-  // whole grid's end before reading the partial rows).
+  // Launched after the stream's previous grid (launch_after_prerequisite): nothing is read or
+  // written before that grid has ended.
+  detail::wait_for_prerequisite_grid();
+  // The reduce kernel may be scheduled once every CTA of this grid has passed its wait (it waits
+  // for the whole grid's end before reading the partial rows).
   detail::launch_dependents();
   constexpr int L = Traits::kStripLen;
   constexpr int R = Traits::kRing;
@@ -669,7 +655,7 @@ __global__ void __launch_bounds__(kBwdReduceThreads)
 causal_conv1d_bwd_reduce_kernel(const CausalConv1dBwdParams p, int nodes, int64_t span, bool last) {
   static_assert(kBwdReduceThreads == kBwdChunk * kBwdReduceQuads, "a warp per child of the CTA's node");
   detail::wait_for_prerequisite_grid();
-  if (!last) detail::launch_dependents();  // the next pass may become resident
+  detail::launch_dependents();  // the next pass, or the next call's kernel, may become resident
   __shared__ float4 s_mid[kBwdChunk][kBwdReduceQuads];
   const int quads = kBwdPartialRows * p.C / 4;  // C % 8 == 0: a quad never straddles two rows
   const int mid_nodes = (nodes + kBwdChunk - 1) / kBwdChunk;

@@ -51,7 +51,8 @@ auto bwd_kernel_for(const CausalConv1dBwdParams& p) {
 // The reduction of the groups' partial rows into dweight / dbias: one pass per two levels of the
 // tree (a single pass up to 64 groups, two up to 4096, ...), each launched with programmatic
 // dependent launch after the grid before it (causal_conv1d_bwd_reduce_kernel). Stream order is
-// kept: a later launch without the attribute waits for the last pass as for any kernel. The
+// kept: a later launch without the attribute waits for the last pass as for any kernel; one with it
+// (the next call's kernel) may be scheduled early and waits before its first global access. The
 // largest pass grid, quad blocks x ceil(groups / 64), stays below 2^18 CTAs within the C entry's
 // limits (S * C < 2^34, groups of >= 64 tokens; one group: C < 2^28, below 2^24).
 template <class WeightT, class BiasT>
@@ -61,17 +62,9 @@ cudaError_t launch_bwd_reduce(const CausalConv1dBwdParams& p, cudaStream_t strea
   for (;;) {
     const int64_t top_nodes = ceil_div(ceil_div(nodes, kBwdChunk), kBwdChunk);
     const bool last = top_nodes == 1;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(static_cast<unsigned>(quad_blocks * top_nodes));
-    config.blockDim = dim3(kBwdReduceThreads);
-    config.stream = stream;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    const cudaError_t e = cudaLaunchKernelEx(&config, causal_conv1d_bwd_reduce_kernel<WeightT, BiasT>, p,
-                                             static_cast<int>(nodes), span, last);
+    const cudaError_t e = launch_after_prerequisite(causal_conv1d_bwd_reduce_kernel<WeightT, BiasT>,
+                                                    quad_blocks * top_nodes, kBwdReduceThreads, 0, stream, p,
+                                                    static_cast<int>(nodes), span, last);
     if (e != cudaSuccess) return fail(e, "backward reduce kernel launch failed: %s", cudaGetErrorString(e));
     if (last) return cudaSuccess;
     nodes = top_nodes;
@@ -95,10 +88,8 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
                 (long long)rows_span * Traits::kVec, 32 + (Traits::kVec == 8 ? 3 : 2));
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
-  (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
   const auto kernel = bwd_kernel_for<Traits, WeightT, BiasT, kMayChooseItems>(p);
-  kernel<<<static_cast<int>(blocks), Traits::kThreads, 0, stream>>>(p);
-  const cudaError_t e = cudaGetLastError();
+  const cudaError_t e = launch_after_prerequisite(kernel, blocks, Traits::kThreads, 0, stream, p);
   if (e != cudaSuccess) return fail(e, "backward kernel launch failed: %s", cudaGetErrorString(e));
   return launch_bwd_reduce<WeightT, BiasT>(p, stream);
 }

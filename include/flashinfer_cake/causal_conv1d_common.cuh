@@ -1,5 +1,6 @@
 // Device helpers shared by the forward and backward kernels: BF16 packing, cp.async, loading
-// taps and bias as FP32, row vectors of 4 or 8 channels, and the document-position search.
+// taps and bias as FP32, row vectors of 4 or 8 channels, the document-position search, and the
+// programmatic-dependent-launch wait and trigger.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -508,6 +509,23 @@ __device__ __forceinline__ bool scan_documents(const int32_t* __restrict__ cu, i
     }
   }
   return true;
+}
+
+// Programmatic dependent launch (sm_90 and later; the modules are built for sm_90a): a grid launched
+// after this one with the programmatic-serialization attribute (launch_after_prerequisite) may
+// start once every CTA of this grid has run this or ended.
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Waits until the grid this one was launched after has ended and its writes are visible (a no-op
+// without the attribute: stream order already guarantees it).
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 }  // namespace detail

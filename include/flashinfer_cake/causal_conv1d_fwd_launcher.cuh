@@ -24,9 +24,7 @@ cudaError_t launch_fwd_tiles(KernelFn kernel, CausalConv1dFwdParams p, int64_t t
                 (long long)rows_span * kVec, (long long)kFwdMaxElements);
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
-  (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
-  kernel<<<static_cast<int>(blocks), threads, smem, stream>>>(p);
-  const cudaError_t e = cudaGetLastError();
+  const cudaError_t e = launch_after_prerequisite(kernel, blocks, threads, smem, stream, p);
   if (e != cudaSuccess) return fail(e, "kernel launch failed: %s", cudaGetErrorString(e));
   return cudaSuccess;
 }

@@ -1,5 +1,6 @@
 // Host helpers shared by the launchers: the error message of the last failed call, argument
-// addresses, pointer alignment, and launching on a given device.
+// addresses, pointer alignment, launching after the stream's previous grid (programmatic dependent
+// launch), and launching on a given device.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -58,6 +59,32 @@ inline cudaError_t copy_or_zero_states(void* dst, const void* src, int64_t num_d
   const cudaError_t e = src ? cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream) : cudaMemsetAsync(dst, 0, bytes, stream);
   if (e != cudaSuccess) return fail(e, "writing %s failed: %s", name, cudaGetErrorString(e));
   return cudaSuccess;
+}
+
+// kernel<<<grid, threads, smem, stream>>>(args...) with programmatic stream serialization: the
+// grid may be scheduled once every CTA of the stream's previous grid has triggered
+// (launch_dependents) or ended, so its launch overlaps that grid's last CTAs. Only kernels whose
+// first statement is detail::wait_for_prerequisite_grid may be launched so (the forward, the
+// backward's stream and reduce kernels; the CP kernels are not). A previous kernel that never
+// triggers (torch's, anyone's not built for it) ends before this grid starts, as without the
+// attribute; a later kernel launched with the attribute by someone else may start while ours run
+// and must wait (griddepcontrol.wait) before reading what ours write.
+template <class... Params, class... Args>
+cudaError_t launch_after_prerequisite(void (*kernel)(Params...), int64_t grid, int threads, int smem,
+                                      cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(grid));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, args...);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // this launch's error: reported by the caller
+  return e;
 }
 
 // 1 while `stream` captures a CUDA graph (the torch binding then gives the call a workspace of its
