@@ -5,7 +5,9 @@ Each config overrides the launcher's CAKE_FWD_* / CAKE_BWD_* defaults (threads, 
 ring rows (backward: of the routes above 4 channel lanes; NARROW_RING=N sets the warp-filled
 2- and 4-lane routes'), min CTAs per SM, optionally the channels per thread (backward: 4 or 8; the forward
 takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME macro; backward: ITEM_TOKENS=N
-launches with token groups of N tokens instead of the plan's, at most bwd_groups_bound of them) for one
+launches with token groups of N tokens instead of the plan's (64 or more); INC=NAME compiles the
+headers of --inc NAME=DIR instead of this checkout's, e.g. an older commit's for an A/B in one run:
+their C entries must take this checkout's arguments) for one
 variant (default fp32 taps + fp32 bias); all are built in parallel, then timed against a device
 copy of the same DRAM bytes on each shape (forward: read x, write y; backward: read x and dy,
 write dx): eager CUDA-event medians over rotated inputs, and for shapes up to --graph-max-elems the
@@ -26,6 +28,8 @@ initial_states and dfinal_states, giving dinitial_states), timed beside its stat
     python scripts/tune.py --op bwd --configs 128/64/8/4/4,128/64/8/4/8
     python scripts/tune.py --op bwd --states --configs 128/64/8/4 [--shapes 8192x4096x1,8192x4096x1024]
     python scripts/tune.py --op bwd --configs 128/64/8/4,128/64/8/4/ITEM_TOKENS=512 --shapes 8192x4096x1
+    git archive main include | tar -x -C /tmp/main
+    python scripts/tune.py --op fwd --inc main=/tmp/main/include --configs 128/16/8/4/INC=main,128/16/8/4
 """
 
 from __future__ import annotations
@@ -46,14 +50,16 @@ SHAPES = [(16384, 8192, 16), (65536, 2048, 32), (32768, 4096, 1024), (32768, 409
           (131072, 4096, 32), (1024, 8192, 4), (4096, 4096, 1), (8192, 2048, 512)]
 
 
-def config_spec(op: str, cfg: str, variant: str) -> jit.JitSpec:
-    """The variant's kernel module with the config's -D overrides (its own uri and digest)."""
+def config_spec(op: str, cfg: str, variant: str, incs: dict[str, str]) -> jit.JitSpec:
+    """The variant's kernel module with the config's -D overrides and include tree (its own uri and
+    digest)."""
     threads, strip, ring, min_ctas, *rest = cfg.split("/")
     m = f"-DCAKE_{op.upper()}_"
-    extra = [f"{m}{kv}" for kv in rest if "=" in kv]
+    inc = [f"-I{incs[kv[4:]]}" for kv in rest if kv.startswith("INC=")]  # before the package's -I
+    extra = [f"{m}{kv}" for kv in rest if "=" in kv and not kv.startswith("INC=")]
     vec = [f"{m}VEC={v}" for v in rest if "=" not in v]
     spec = jit.variant_spec(*variant.split("/"), "sm_90a")
-    defines = (f"{m}THREADS={threads}", f"{m}STRIP_LEN={strip}", f"{m}RING={ring}", f"{m}MIN_CTAS={min_ctas}", *vec, *extra)
+    defines = (*inc, f"{m}THREADS={threads}", f"{m}STRIP_LEN={strip}", f"{m}RING={ring}", f"{m}MIN_CTAS={min_ctas}", *vec, *extra)
     return dataclasses.replace(spec, uri=f"tune_{op}_{re.sub(r'[^0-9A-Za-z]+', '_', cfg)}", cflags=spec.cflags + defines)
 
 
@@ -84,7 +90,12 @@ def graph_ms(fn, k: int) -> float:
 def build(args) -> dict:
     """Every config's kernel module, built in one parallel ninja run; prints their registers."""
     out = Path(tempfile.mkdtemp())
-    specs = {c: config_spec(args.op, c, args.variant) for c in args.configs.split(",")}
+    incs = dict(kv.split("=", 1) for kv in args.inc)
+    for c in args.configs.split(","):
+        for kv in c.split("/"):
+            if kv.startswith("INC=") and kv[4:] not in incs:
+                raise SystemExit(f"{c}: {kv} names no --inc (given: {', '.join(incs) or 'none'})")
+    specs = {c: config_spec(args.op, c, args.variant, incs) for c in args.configs.split(",")}
     built = jit.prebuild(list(specs.values()), out, progress=print)
     log = (out / "build" / "prebuild" / "build.log").read_text()
     for c, spec in specs.items():
@@ -104,7 +115,7 @@ def buffers(S: int, C: int, docs: int, args) -> argparse.Namespace:
     b.ys = [torch.empty_like(b.xs[0]) for _ in range(k)]
     b.dys = [torch.randn_like(b.xs[0]) for _ in range(k)] if args.op == "bwd" else None
     b.dw, b.db = torch.empty(C, 4, device="cuda"), torch.empty(C, device="cuda")
-    b.pws = torch.empty(_plan.workspace_bytes(S, C) // 4 + 1, device="cuda")  # any content
+    b.pws = torch.empty(-(-S // 64) * _plan.PARTIAL_ROWS * C + 1, device="cuda")  # any content; 64-token groups
     wdt, bdt = (torch.bfloat16 if d == "bf16" else torch.float32 for d in args.variant.split("/"))
     b.w, b.b = torch.randn(C, 4, device="cuda", dtype=wdt), torch.randn(C, device="cuda", dtype=bdt)  # b: unused by "none"
     cuts = torch.randperm(S - 1, device="cuda")[: docs - 1] + 1
@@ -122,11 +133,11 @@ def buffers(S: int, C: int, docs: int, args) -> argparse.Namespace:
 
 
 def item_tokens(cfg: str, b: argparse.Namespace) -> int:
-    """The config's ITEM_TOKENS, else the plan's (no more groups than bwd_groups_bound: the workspace
-    is sized for those)."""
+    """The config's ITEM_TOKENS, else the plan's (at least 64: the workspace is sized for 64-token
+    groups)."""
     n = int(dict(kv.split("=") for kv in cfg.split("/") if "=" in kv).get("ITEM_TOKENS", b.item_tokens))
-    if -(-b.S // n) > _plan.groups_bound(b.S, b.C):
-        raise SystemExit(f"{cfg}: ITEM_TOKENS={n} makes more than {_plan.groups_bound(b.S, b.C)} groups for {b.S}x{b.C}")
+    if n < 64:
+        raise SystemExit(f"{cfg}: ITEM_TOKENS must be at least 64, got {n}")
     return n
 
 
@@ -214,9 +225,14 @@ def main() -> None:
     parser.add_argument("--shapes", help="SxCxDOCS,... (default: the tuning set)")
     parser.add_argument("--graph-max-elems", type=int, default=16 * 2**20,
                         help="also time shapes of S*C up to this many elements from replayed CUDA graphs (default 16M)")
+    parser.add_argument("--inc", action="append", default=[], metavar="NAME=DIR",
+                        help="an include tree a config compiles instead of this checkout's when it says INC=NAME")
     parser.add_argument("--json")
+    parser.add_argument("--build-only", action="store_true", help="build the configs' modules, time nothing")
     args = parser.parse_args()
     mods = build(args)
+    if args.build_only:
+        return
     results, differs = [], []
     shapes = [tuple(int(v) for v in t.split("x")) for t in args.shapes.split(",")] if args.shapes else SHAPES
     for S, C, docs in shapes:
