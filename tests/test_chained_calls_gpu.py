@@ -8,7 +8,9 @@ kernels between some of them, must give bitwise what the same chain gives with t
 synchronized after every call; eagerly and replayed from a CUDA graph, on one-wave and multi-wave
 grids of every kernel (the strip and token-lane forwards, the wide and narrow backward routes and
 the reduce passes). Outputs are NaN-poisoned, so a read before the write lands fails. The first
-backward's dy is the last forward's y: a backward that did not wait would read it unwritten.
+backward's dy is the last forward's y, and a last forward takes the last backward's dweight and
+dbias as its weight and bias (as a forward reads what an optimizer step just wrote): a kernel that
+did not wait would read them unwritten.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def make_case(S, C, seed):
 
 class Chain:
     """STEPS forwards (y -> next x, final states -> next initial states) then STEPS backwards
-    (the last y as the first dy, then dx -> next dy), into buffers made up front (poisoned before
-    each run); with `sync`, the device is synchronized after every call. Between steps: a
+    (the last y as the first dy, then dx -> next dy), then a forward of the last dx with the last
+    dweight and dbias as weight and bias, into buffers made up front (poisoned before each run);
+    with `sync`, the device is synchronized after every call. Between steps: a
     device-to-device copy, a fill and a torch kernel, so our kernels also follow ones that are not
     ours."""
 
@@ -57,11 +60,12 @@ class Chain:
         self.dxs = [torch.empty_like(x) for _ in range(STEPS)]
         self.dws = [torch.empty_like(w) for _ in range(STEPS)]
         self.dbs = [torch.empty_like(b) for _ in range(STEPS)]
+        self.y_last = torch.empty_like(x)
         self.copy = torch.empty_like(x)
         self.scratch = torch.empty_like(x)
 
     def outputs(self):
-        return self.ys + self.finals + self.dxs + self.dws + self.dbs + [self.copy]
+        return self.ys + self.finals + self.dxs + self.dws + self.dbs + [self.y_last, self.copy]
 
     def poison(self):
         for t in self.outputs():
@@ -93,6 +97,8 @@ class Chain:
             if i == 2:
                 self.scratch.mul_(2.0)
                 step()
+        fwd(d, self.dws[-1], self.cu, bias=self.dbs[-1], out=self.y_last)  # right after the reduce's last pass
+        step()
 
 
 # The strip forward and wide backward on one wave and many; the token-lane forward with the 128-
