@@ -248,6 +248,17 @@ intptr_t current_stream(int device) {
   return reinterpret_cast<intptr_t>(c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(cuda).native_handle());
 }
 
+// Uninitialized memory of torch's CUDA caching allocator (at::empty's, or a pluggable one set by
+// torch.cuda.memory.change_current_allocator; graph pools and memory statistics as usual) on
+// `device`, without the dispatcher: ~0.3-0.5 us less per tensor than at::empty, and no fill under
+// torch.use_deterministic_algorithms (while capturing, that fill is a kernel in every replay).
+// Only for memory the kernels write before anything reads it.
+at::Tensor unfilled(c10::Device device, c10::IntArrayRef sizes, at::ScalarType dtype) {
+  const c10::DeviceGuard guard(device);  // the allocator allocates on the current device
+  return at::detail::empty_generic(sizes, at::detail::getCUDAHooks().getCUDADeviceAllocator(),
+                                   c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype, std::nullopt);
+}
+
 // The kept buffers of `kind` with at least `ints` counters and `floats` scratch elements: kept per
 // (kind, device, stream), both replaced when a call needs more of either; buffers of the call's
 // own while the stream captures a CUDA graph (the graph replays with them: never shared with eager
@@ -260,20 +271,13 @@ KeptBuffers kept_buffers(const KernelEntries& m, BufferKind kind, int device, in
   const auto enough = [&](const KeptBuffers& b) {
     return (!ints || b.counters.numel() >= ints) && (!floats || b.scratch.numel() >= floats);
   };
-  // Memory nothing reads before it is written: not at::empty, which fills new memory under
-  // torch.use_deterministic_algorithms (while capturing, a kernel in every replay).
-  const auto unfilled = [&](int64_t n, at::ScalarType dtype) {
-    const c10::DeviceGuard guard(options.device());
-    return at::detail::empty_generic({n}, at::detail::getCUDAHooks().getCUDADeviceAllocator(),
-                                     c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype, std::nullopt);
-  };
   const auto make = [&] {
     KeptBuffers b;
     if (ints) {  // zeroed, except while capturing when no route reads them (kFwdRoutesUseCounters)
-      b.counters = status && !flashinfer_cake::kFwdRoutesUseCounters ? unfilled(ints, at::kInt)
+      b.counters = status && !flashinfer_cake::kFwdRoutesUseCounters ? unfilled(options.device(), {ints}, at::kInt)
                                                                      : at::zeros({ints}, options.dtype(at::kInt));
     }
-    if (floats) b.scratch = unfilled(floats, at::kFloat);
+    if (floats) b.scratch = unfilled(options.device(), {floats}, at::kFloat);  // the kernels write what they read
     return b;
   };
   if (status) return make();
@@ -293,25 +297,19 @@ KeptBuffers kept_buffers(const KernelEntries& m, BufferKind kind, int device, in
   return fresh;
 }
 
-// New outputs on one device, which the kernel writes in full: uninitialized memory of torch's CUDA
-// caching allocator (graph pools and memory statistics as usual) without the dispatcher, ~0.3-0.5
-// us less per tensor than at::empty, and no NaN fill under torch.use_deterministic_algorithms (no
-// element is left unwritten for it to expose; the one exception, the CP backward's dinit rows of
-// fragments without a halo, is discarded unread). The device is current while it lives (the
-// allocator allocates on the current device; the launch then needs no device switch).
+// New outputs on one device, which the kernel writes in full (unfilled: no element is left
+// unwritten for a fill to expose; the one exception, the CP backward's dinit rows of fragments
+// without a halo, is discarded unread). The device is current while it lives (the allocator
+// allocates on the current device; the launch then needs no device switch).
 class Outputs {
  public:
-  explicit Outputs(c10::Device device)
-      : guard_(device), allocator_(at::detail::getCUDAHooks().getCUDADeviceAllocator()) {}  // at::empty's allocator
+  explicit Outputs(c10::Device device) : device_(device), guard_(device) {}
 
-  at::Tensor like(const at::Tensor& t) const {
-    return at::detail::empty_generic(t.sizes(), allocator_, c10::DispatchKeySet(c10::DispatchKey::CUDA),
-                                     t.scalar_type(), std::nullopt);
-  }
+  at::Tensor like(const at::Tensor& t) const { return unfilled(device_, t.sizes(), t.scalar_type()); }
 
  private:
+  const c10::Device device_;
   const c10::DeviceGuard guard_;
-  c10::Allocator* const allocator_;  // a pluggable one when set by torch.cuda.memory.change_current_allocator
 };
 
 // A caller's tensor the kernel writes: its version moves, as with an in-place op, so autograd

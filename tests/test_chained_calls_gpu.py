@@ -6,7 +6,11 @@ its first global access. A chain of calls, each reading the previous call's outp
 x, final states as the next initial states, dx as the next dy), with copies, fills and torch
 kernels between some of them, must give bitwise what the same chain gives with the device
 synchronized after every call; eagerly and replayed from a CUDA graph, on one-wave and multi-wave
-grids. Outputs are NaN-poisoned, so a read before the write lands fails.
+grids of every kernel (the strip and token-lane forwards, the wide and narrow backward routes and
+the reduce passes). Outputs are NaN-poisoned, so a read before the write lands fails. The first
+backward's dy is the last forward's y, and a last forward takes the last backward's dweight and
+dbias as its weight and bias (as a forward reads what an optimizer step just wrote): a kernel that
+did not wait would read them unwritten.
 """
 
 from __future__ import annotations
@@ -33,33 +37,35 @@ def make_case(S, C, seed):
     g = torch.Generator(device=DEV)
     g.manual_seed(seed)
     x = torch.randn(S, C, device=DEV, generator=g).to(BF16)
-    dy = torch.randn(S, C, device=DEV, generator=g).to(BF16)
     w = 0.5 * torch.randn(C, 4, device=DEV, generator=g)
     b = 0.5 * torch.randn(C, device=DEV, generator=g)
     cuts = torch.randperm(S - 1, generator=torch.Generator().manual_seed(seed))[:7] + 1
     cu = torch.cat([torch.tensor([0, S]), cuts]).sort().values.to(torch.int32).to(DEV)
     h0 = torch.randn(cu.numel() - 1, 3, C, device=DEV, generator=g).to(BF16)
-    return x, dy, w, b, cu, h0
+    return x, w, b, cu, h0
 
 
 class Chain:
     """STEPS forwards (y -> next x, final states -> next initial states) then STEPS backwards
-    (dx -> next dy), into buffers made up front (poisoned before each run); with `sync`, the device
-    is synchronized after every call. Between steps: a device-to-device copy, a fill and a torch
-    kernel, so our kernels also follow ones that are not ours."""
+    (the last y as the first dy, then dx -> next dy), then a forward of the last dx with the last
+    dweight and dbias as weight and bias, into buffers made up front (poisoned before each run);
+    with `sync`, the device is synchronized after every call. Between steps: a
+    device-to-device copy, a fill and a torch kernel, so our kernels also follow ones that are not
+    ours."""
 
-    def __init__(self, x, dy, w, b, cu, h0):
-        self.x, self.dy, self.w, self.b, self.cu, self.h0 = x, dy, w, b, cu, h0
+    def __init__(self, x, w, b, cu, h0):
+        self.x, self.w, self.b, self.cu, self.h0 = x, w, b, cu, h0
         self.ys = [torch.empty_like(x) for _ in range(STEPS)]
         self.finals = [torch.empty_like(h0) for _ in range(STEPS)]
         self.dxs = [torch.empty_like(x) for _ in range(STEPS)]
         self.dws = [torch.empty_like(w) for _ in range(STEPS)]
         self.dbs = [torch.empty_like(b) for _ in range(STEPS)]
+        self.y_last = torch.empty_like(x)
         self.copy = torch.empty_like(x)
         self.scratch = torch.empty_like(x)
 
     def outputs(self):
-        return self.ys + self.finals + self.dxs + self.dws + self.dbs + [self.copy]
+        return self.ys + self.finals + self.dxs + self.dws + self.dbs + [self.y_last, self.copy]
 
     def poison(self):
         for t in self.outputs():
@@ -82,18 +88,23 @@ class Chain:
             if i == 2:  # a torch kernel between two forwards, writing memory our next call does not read
                 self.scratch.fill_(1.0)
                 step()
-        d = self.dy
+        d = self.ys[-1]  # written by the call just before
         for i in range(STEPS):
-            xi = self.x if i == 0 else self.ys[i - 1]
+            xi = self.ys[-2] if i == 0 else self.ys[i - 1]
             bwd(xi, self.w, self.cu, d, bias=self.b, dx=self.dxs[i], dweight=self.dws[i], dbias=self.dbs[i])
             step()
             d = self.dxs[i]
             if i == 2:
                 self.scratch.mul_(2.0)
                 step()
+        fwd(d, self.dws[-1], self.cu, bias=self.dbs[-1], out=self.y_last)  # right after the reduce's last pass
+        step()
 
 
-@pytest.mark.parametrize("S, C", [(1024, 4096), (40000, 2048)], ids=["one_wave", "multi_wave"])
+# The strip forward and wide backward on one wave and many; the token-lane forward with the 128-
+# and 64-channel backward routes; the token-lane forward at C = 16 with the warp-filled backward.
+@pytest.mark.parametrize("S, C", [(1024, 4096), (40000, 2048), (65536, 128), (131072, 64), (262144, 16)],
+                         ids=["one_wave", "multi_wave", "c128", "c64", "c16"])
 def test_chained_calls_read_what_the_call_before_wrote(S, C):
     case = make_case(S, C, seed=S + C)
     want = Chain(*case)

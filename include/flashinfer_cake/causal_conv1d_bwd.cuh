@@ -22,9 +22,10 @@
 // strips in strip order and writes one partial row per channel to the workspace:
 // partials[item's token group][5][C]. A second kernel (causal_conv1d_bwd_reduce_kernel, launched
 // with programmatic dependent launch like the stream kernel, so it is resident and waiting when
-// the streaming kernel ends) adds them up a fixed tree (8 groups per node, 8 nodes per node of the level above, up to
-// one root) into dweight and dbias: bitwise identical run to run (no float atomics anywhere), and
-// the last CTAs of the stream no longer pay the tree's dependent round trips.
+// the streaming kernel ends) adds them up a fixed tree (8 groups per node, 8 nodes per node of
+// the level above, up to one root) into dweight and dbias: bitwise identical run to run (no float
+// atomics anywhere), and the last CTAs of the stream no longer pay the tree's dependent round
+// trips.
 // Every row is written before it is read, so the workspace may hold anything on entry.
 //
 // Document positions: min(position in document, 3) of the item's tokens and the 3 after it, one

@@ -74,7 +74,7 @@ cudaError_t causal_conv1d_cp_entry(const CpArgs& a) {
   return on_device(static_cast<int>(a.device), [&] {
     cudaStream_t stream = as_ptr<CUstream_st>(a.stream);
     (void)cudaGetLastError();  // clear a stale error of an earlier runtime call on this thread
-    // Plain launches: the CP kernels do not wait for a prerequisite grid (launch_after_prerequisite).
+    // Plain launches, not launch_after_prerequisite: the CP kernels have no griddepcontrol.wait.
     const bool round = p.round_preact != 0;
     switch (static_cast<int>(a.pass)) {
       case kCpFwdHeads:

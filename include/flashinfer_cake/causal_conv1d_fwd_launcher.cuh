@@ -25,7 +25,7 @@ cudaError_t launch_fwd_tiles(KernelFn kernel, CausalConv1dFwdParams p, int64_t t
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
   const cudaError_t e = launch_after_prerequisite(kernel, blocks, threads, smem, stream, p);
-  if (e != cudaSuccess) return fail(e, "kernel launch failed: %s", cudaGetErrorString(e));
+  if (e != cudaSuccess) return fail(e, "forward kernel launch failed: %s", cudaGetErrorString(e));
   return cudaSuccess;
 }
 
