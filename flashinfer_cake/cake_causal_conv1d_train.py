@@ -202,9 +202,10 @@ def cake_causal_conv1d_train_backward(
     dweight and dbias are summed in FP32 in a fixed order (per-token-group partial sums in the
     workspace, added by a fixed tree in a second kernel launched right after the first, with
     programmatic dependent launch like the forward and streaming kernels: each node adds its up to
-    8 children in order, level after level up to one root; no float atomics), so they are bitwise identical run to run for a given (S, C,
-    weight dtype, bias dtype, policy). Every part of ``workspace`` the call reads it wrote first:
-    no workspace content can change a result. No host synchronization; CUDA-graph capturable.
+    8 children in order, level after level up to one root; no float atomics), so they are bitwise
+    identical run to run for a given (S, C, weight dtype, bias dtype, policy). Every part of
+    ``workspace`` the call reads it wrote first: no workspace content can change a result. No
+    host synchronization; CUDA-graph capturable.
 
     Args:
         x, weight, cu_seqlens, bias: the forward's arguments, with the forward's requirements,

@@ -5,7 +5,7 @@ Each config overrides the launcher's CAKE_FWD_* / CAKE_BWD_* defaults (threads, 
 ring rows (backward: of the routes above 4 channel lanes; NARROW_RING=N sets the warp-filled
 2- and 4-lane routes'), min CTAs per SM, optionally the channels per thread (backward: 4 or 8; the forward
 takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME macro; backward: ITEM_TOKENS=N
-launches with token groups of N tokens instead of the plan's (64 or more); INC=NAME compiles the
+launches with token groups of N tokens instead of the plan's (a whole number of strips); INC=NAME compiles the
 headers of --inc NAME=DIR instead of this checkout's, e.g. an older commit's for an A/B in one run:
 their C entries must take this checkout's arguments) for one
 variant (default fp32 taps + fp32 bias); all are built in parallel, then timed against a device
@@ -115,7 +115,7 @@ def buffers(S: int, C: int, docs: int, args) -> argparse.Namespace:
     b.ys = [torch.empty_like(b.xs[0]) for _ in range(k)]
     b.dys = [torch.randn_like(b.xs[0]) for _ in range(k)] if args.op == "bwd" else None
     b.dw, b.db = torch.empty(C, 4, device="cuda"), torch.empty(C, device="cuda")
-    b.pws = torch.empty(-(-S // 64) * _plan.PARTIAL_ROWS * C + 1, device="cuda")  # any content; 64-token groups
+    b.pws = torch.empty(-(-S // _plan.STRIP_LEN) * _plan.PARTIAL_ROWS * C + 1, device="cuda")  # any content; one-strip groups
     wdt, bdt = (torch.bfloat16 if d == "bf16" else torch.float32 for d in args.variant.split("/"))
     b.w, b.b = torch.randn(C, 4, device="cuda", dtype=wdt), torch.randn(C, device="cuda", dtype=bdt)  # b: unused by "none"
     cuts = torch.randperm(S - 1, device="cuda")[: docs - 1] + 1
@@ -133,11 +133,11 @@ def buffers(S: int, C: int, docs: int, args) -> argparse.Namespace:
 
 
 def item_tokens(cfg: str, b: argparse.Namespace) -> int:
-    """The config's ITEM_TOKENS, else the plan's (at least 64: the workspace is sized for 64-token
-    groups)."""
+    """The config's ITEM_TOKENS, else the plan's (at least one strip, _plan.STRIP_LEN tokens: the
+    workspace is sized for one-strip groups)."""
     n = int(dict(kv.split("=") for kv in cfg.split("/") if "=" in kv).get("ITEM_TOKENS", b.item_tokens))
-    if n < 64:
-        raise SystemExit(f"{cfg}: ITEM_TOKENS must be at least 64, got {n}")
+    if n < _plan.STRIP_LEN:
+        raise SystemExit(f"{cfg}: ITEM_TOKENS must be at least {_plan.STRIP_LEN}, got {n}")
     return n
 
 
