@@ -28,6 +28,8 @@ initial_states and dfinal_states, giving dinitial_states), timed beside its stat
     python scripts/tune.py --op bwd --configs 128/64/8/4/4,128/64/8/4/8
     python scripts/tune.py --op bwd --states --configs 128/64/8/4 [--shapes 8192x4096x1,8192x4096x1024]
     python scripts/tune.py --op bwd --configs 128/64/8/4,128/64/8/4/ITEM_TOKENS=512 --shapes 8192x4096x1
+    python scripts/tune.py --op fwd --configs 128/16/8/4 --shapes 524288x64x1,524288x64x1x128
+        (a fourth field PAD: x, y / dx, dy as column slices of [S, C + PAD] buffers, row stride C + PAD)
     git archive main include | tar -x -C /tmp/main
     python scripts/tune.py --op fwd --inc main=/tmp/main/include --configs 128/16/8/4/INC=main,128/16/8/4
 """
@@ -106,14 +108,20 @@ def build(args) -> dict:
     return {c: jit.core.open_artifact(spec, built[spec]) for c, spec in specs.items()}
 
 
-def buffers(S: int, C: int, docs: int, args) -> argparse.Namespace:
+def buffers(S: int, C: int, docs: int, pad: int, args) -> argparse.Namespace:
     """Rotated inputs and outputs of one shape (k sets: 400 MB or more in all), the parameters, a
-    random document mix, states, and a copy of the op's DRAM bytes (4 S C forward, 6 S C backward)."""
+    random document mix, states, and a copy of the op's DRAM bytes (4 S C forward, 6 S C backward).
+    pad > 0: x, y / dx and dy are column slices at column pad / 2 of [S, C + pad] buffers (row
+    stride C + pad); the copy stays contiguous."""
     k = max(1, int(4e8 // (4 * S * C)) + 1)
-    b = argparse.Namespace(S=S, C=C, docs=docs, k=k, item_tokens=_plan.item_tokens(S, C))
-    b.xs = [torch.randn(S, C, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
-    b.ys = [torch.empty_like(b.xs[0]) for _ in range(k)]
-    b.dys = [torch.randn_like(b.xs[0]) for _ in range(k)] if args.op == "bwd" else None
+    b = argparse.Namespace(S=S, C=C, docs=docs, pad=pad, k=k, item_tokens=_plan.item_tokens(S, C))
+
+    def rows(fill):
+        t = fill(S, C + pad, device="cuda", dtype=torch.bfloat16)
+        return t[:, pad // 2:pad // 2 + C] if pad else t
+    b.xs = [rows(torch.randn) for _ in range(k)]
+    b.ys = [rows(torch.empty) for _ in range(k)]
+    b.dys = [rows(torch.randn) for _ in range(k)] if args.op == "bwd" else None
     b.dw, b.db = torch.empty(C, 4, device="cuda"), torch.empty(C, device="cuda")
     b.pws = torch.empty(-(-S // _plan.STRIP_LEN) * _plan.PARTIAL_ROWS * C + 1, device="cuda")  # any content; one-strip groups
     wdt, bdt = (torch.bfloat16 if d == "bf16" else torch.float32 for d in args.variant.split("/"))
@@ -124,7 +132,9 @@ def buffers(S: int, C: int, docs: int, args) -> argparse.Namespace:
     b.init, b.fin = (torch.randn(docs, 3, C, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     b.fin_out = torch.empty_like(b.init)  # forward: final_states_out; backward: dinitial_states
     if args.op == "fwd":
-        b.copy = lambda i: b.ys[i % k].copy_(b.xs[i % k])
+        src = [torch.empty(S * C, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
+        dst = [torch.empty_like(t) for t in src]
+        b.copy = lambda i: dst[i % k].copy_(src[i % k])
     else:
         src = [torch.empty(3 * S * C // 2, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
         dst = [torch.empty_like(t) for t in src]
@@ -152,15 +162,15 @@ def launcher(m, b: argparse.Namespace, op: str, cfg: str):
         if op == "fwd":
             rc = m.causal_conv1d_fwd(x=b.xs[i % k].data_ptr(), y=b.ys[i % k].data_ptr(), weight=b.w.data_ptr(),
                                      bias=b.b.data_ptr(), cu_seqlens=b.cu.data_ptr(), workspace=b.ws.data_ptr(),
-                                     initial_states=st(b.init), final_states=st(b.fin_out), S=S, C=C, x_row_stride=C,
-                                     y_row_stride=C, num_docs=b.docs, device=dev, stream=stream)
+                                     initial_states=st(b.init), final_states=st(b.fin_out), S=S, C=C, x_row_stride=C + b.pad,
+                                     y_row_stride=C + b.pad, num_docs=b.docs, device=dev, stream=stream)
         else:
             rc = m.causal_conv1d_bwd(x=b.xs[i % k].data_ptr(), dy=b.dys[i % k].data_ptr(), dx=b.ys[i % k].data_ptr(),
                                      weight=b.w.data_ptr(), bias=b.b.data_ptr(), cu_seqlens=b.cu.data_ptr(),
                                      initial_states=st(b.init), dfinal_states=st(b.fin), dinitial_states=st(b.fin_out),
                                      frag_info=0, workspace=b.pws.data_ptr(), workspace_bytes=b.pws.shape[0] * 4,
-                                     dweight=b.dw.data_ptr(), dbias=b.db.data_ptr(), S=S, C=C, x_row_stride=C,
-                                     dy_row_stride=C, dx_row_stride=C, num_docs=b.docs, item_tokens=tokens,
+                                     dweight=b.dw.data_ptr(), dbias=b.db.data_ptr(), S=S, C=C, x_row_stride=C + b.pad,
+                                     dy_row_stride=C + b.pad, dx_row_stride=C + b.pad, num_docs=b.docs, item_tokens=tokens,
                                      round_preact=1, device=dev, stream=stream)
         assert rc == 0, m.last_error_message()
     return call
@@ -180,7 +190,7 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
     result is not bitwise the first config's (dweight and dbias: the first config of the same
     summation order's) is listed in differs."""
     small = b.S * b.C <= args.graph_max_elems
-    row = {"S": b.S, "C": b.C, "docs": b.docs, "copy": median_ms(b.copy, b.k)}
+    row = {"S": b.S, "C": b.C, "docs": b.docs, "pad": b.pad, "copy": median_ms(b.copy, b.k)}
     if small:
         row["copy_graph"] = graph_ms(b.copy, b.k)
     refs = {}
@@ -213,7 +223,7 @@ def row_text(row: dict, configs: list, op: str) -> str:
         g = " graph" if configs[0] + " states graph" in row else ""  # states against stateless, graph-replayed if timed so
         text += f" | states{g} " + " ".join(
             f"{c}:{row[c + ' states' + g] * 1e3:.1f}us({row[c + ' states' + g] / row[c + g]:.3f}x)" for c in configs)
-    return f"{row['S']}x{row['C']} d{row['docs']} copy {row['copy'] * 1e3:.1f}us {gb / row['copy']:.0f}GB/s | {text}"
+    return f"{row['S']}x{row['C']} d{row['docs']}{' pad' + str(row['pad']) if row['pad'] else ''} copy {row['copy'] * 1e3:.1f}us {gb / row['copy']:.0f}GB/s | {text}"
 
 
 def main() -> None:
@@ -222,7 +232,7 @@ def main() -> None:
     parser.add_argument("--configs", required=True, help="threads/strip/ring/min_ctas[/vec][/NAME=VALUE...],...")
     parser.add_argument("--variant", default="fp32/fp32", help="weight/bias dtypes, e.g. bf16/none")
     parser.add_argument("--states", action="store_true", help="also time each config with per-document states")
-    parser.add_argument("--shapes", help="SxCxDOCS,... (default: the tuning set)")
+    parser.add_argument("--shapes", help="SxCxDOCS[xPAD],... (default: the tuning set; PAD: row-strided, see buffers)")
     parser.add_argument("--graph-max-elems", type=int, default=16 * 2**20,
                         help="also time shapes of S*C up to this many elements from replayed CUDA graphs (default 16M)")
     parser.add_argument("--inc", action="append", default=[], metavar="NAME=DIR",
@@ -235,8 +245,8 @@ def main() -> None:
         return
     results, differs = [], []
     shapes = [tuple(int(v) for v in t.split("x")) for t in args.shapes.split(",")] if args.shapes else SHAPES
-    for S, C, docs in shapes:
-        row = time_shape(mods, buffers(S, C, docs, args), args, differs)
+    for S, C, docs, *pad in shapes:
+        row = time_shape(mods, buffers(S, C, docs, pad[0] if pad else 0, args), args, differs)
         results.append(row)
         print(row_text(row, list(mods), args.op), flush=True)
     if args.json:
