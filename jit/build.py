@@ -88,24 +88,38 @@ def write_if_different(path: Path, content: str) -> None:
     os.replace(tmp, path)
 
 
+def unit_files(item: BuildItem) -> list[tuple[str, str]]:
+    """(file name, source) of each translation unit of ``item``, the main one first."""
+    spec = item.spec
+    return [(f"{item.name}{spec.suffix}", spec.source),
+            *((f"{item.name}.unit{k}{spec.suffix}", u) for k, u in enumerate(spec.units))]
+
+
 def _ninja_file(items: list[BuildItem]) -> str:
-    """One ninja file for any mix of CUDA and C++ specs: one edge per artifact (its translation
-    unit compiled and linked by one call of its compiler, nvcc or the C++ compiler alike), so
-    ninja reports each artifact as it is done."""
+    """One ninja file for any mix of CUDA and C++ specs: each translation unit compiled by its own
+    edge (so a module's units, and the modules, compile in parallel), then one link edge per
+    artifact (ninja reports each artifact as it is linked)."""
     lines = [
         "ninja_required_version = 1.3",
-        "rule shared",
-        "  command = $compiler $cflags -shared -MD -MF $out.d $in -o $out $ldflags",
+        "rule compile",
+        "  command = $compiler $cflags -c -MD -MF $out.d $in -o $out",
         "  depfile = $out.d",
         "  deps = gcc",
+        "  description = compile $out",
+        "rule link",
+        "  command = $compiler $cflags -shared $in -o $out $ldflags",
         "  description = build $out",
     ]
     for item in items:
         spec = item.spec
         includes = [str(env.include_dir()), *spec.include_dirs]
-        lines += [f"build {item.name}.so: shared {item.name}{spec.suffix}",
-                  f"  compiler = {shlex.quote(str(item.compiler))}",
-                  f"  cflags = {' '.join(map(shlex.quote, [*spec.cflags, *(f'-I{d}' for d in includes)]))}",
+        flags = [f"  compiler = {shlex.quote(str(item.compiler))}",
+                 f"  cflags = {' '.join(map(shlex.quote, [*spec.cflags, *(f'-I{d}' for d in includes)]))}"]
+        objects = []
+        for file, _ in unit_files(item):
+            objects.append(f"{file}.o")
+            lines += [f"build {file}.o: compile {file}", *flags]
+        lines += [f"build {item.name}.so: link {' '.join(objects)}", *flags,
                   f"  ldflags = {' '.join(map(shlex.quote, spec.ldflags))}"]
     return "\n".join(lines) + "\n"
 
@@ -152,7 +166,8 @@ def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs:
     build_dir.mkdir(parents=True, exist_ok=True)
     for item in items:
         remove_stale_temporaries(out_dir, item.name)
-        write_if_different(build_dir / f"{item.name}{item.spec.suffix}", item.spec.source)
+        for file, source in unit_files(item):
+            write_if_different(build_dir / file, source)
     write_if_different(build_dir / "build.ninja", _ninja_file(items))
     uris = {item.name: item.spec.uri for item in items}
     seconds = run_ninja(build_dir, ", ".join(uris.values()), jobs=jobs, progress=progress and (

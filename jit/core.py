@@ -1,8 +1,8 @@
 """The one build pipeline of the package's compiled artifacts.
 
-A :class:`JitSpec` describes one shared library: a single translation unit (a kernel module's
-generated ``.cu``, or the torch binding's ``.cpp``), its flags, and everything else its binary
-depends on. Its published file name carries a digest of all of that plus the compiler's identity,
+A :class:`JitSpec` describes one shared library: its translation units (a kernel module's
+generated ``.cu`` files, or the torch binding's ``.cpp``), its flags, and everything else its
+binary depends on. Its published file name carries a digest of all of that plus the compiler's identity,
 so a stale build is never loaded (:mod:`.build` has the directory layout).
 
 Contract of :func:`load`: returns the loaded artifact (a :class:`~.module.KernelModule`, or the
@@ -43,7 +43,8 @@ logger = logging.getLogger("flashinfer_cake.jit")
 
 @dataclasses.dataclass(frozen=True)
 class JitSpec:
-    """One artifact. ``source`` is its only translation unit; ``language`` picks the compiler
+    """One artifact. ``source`` is its main translation unit, ``units`` any further ones
+    (compiled in parallel, then linked with it into one library); ``language`` picks the compiler
     ("cuda": nvcc, "c++": the C++ compiler); ``include_dirs`` come after the package's templates
     (paths: what they hold belongs in ``identity``); ``identity`` lists whatever else the binary
     depends on (e.g. the torch and Python a binding is built for); ``python_extension``: imported
@@ -51,6 +52,7 @@ class JitSpec:
 
     uri: str
     source: str = dataclasses.field(repr=False)
+    units: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     language: str = "cuda"
     cflags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
@@ -70,8 +72,8 @@ class JitSpec:
     def digest(self) -> str:
         """Hash of every input of the binary but the compiler: templates, source, flags, identity."""
         h = hashlib.sha256()
-        for part in (templates_digest(), self.language, self.source, *self.cflags, "\0ld", *self.ldflags,
-                     "\0id", *self.identity):
+        for part in (templates_digest(), self.language, self.source, "\0units", *self.units, "\0cflags", *self.cflags,
+                     "\0ld", *self.ldflags, "\0id", *self.identity):
             h.update(part.encode() + b"\0")
         return h.hexdigest()
 

@@ -60,7 +60,7 @@ def config_spec(op: str, cfg: str, variant: str, incs: dict[str, str]) -> jit.Ji
     inc = [f"-I{incs[kv[4:]]}" for kv in rest if kv.startswith("INC=")]  # before the package's -I
     extra = [f"{m}{kv}" for kv in rest if "=" in kv and not kv.startswith("INC=")]
     vec = [f"{m}VEC={v}" for v in rest if "=" not in v]
-    spec = jit.variant_spec(*variant.split("/"), "sm_90a")
+    spec = jit.variant_spec(*variant.split("/"), "sm_90a", split=not inc)  # an older tree may lack the route list
     defines = (*inc, f"{m}THREADS={threads}", f"{m}STRIP_LEN={strip}", f"{m}RING={ring}", f"{m}MIN_CTAS={min_ctas}", *vec, *extra)
     return dataclasses.replace(spec, uri=f"tune_{op}_{re.sub(r'[^0-9A-Za-z]+', '_', cfg)}", cflags=spec.cflags + defines)
 

@@ -261,6 +261,7 @@ def test_binding_and_variants_share_one_pipeline():
     assert torch.__version__ in binding.identity
     assert not SPEC.python_extension and SPEC.identity == ()
     assert dataclasses.replace(SPEC, cflags=SPEC.cflags + ("-DX",)).digest != SPEC.digest
+    assert dataclasses.replace(SPEC, units=SPEC.units + ("// another unit",)).digest != SPEC.digest
     assert dataclasses.replace(binding, identity=("other torch",)).digest != binding.digest
 
 
@@ -276,6 +277,21 @@ def test_generated_source(weight, bias):
     assert f"using WeightT = {CXX[weight]};" in src
     assert f"using BiasT = {CXX[bias]};" in src
     assert f'return "{spec.uri}";' in src
+    # Each backward route is instantiated in a unit of its own and only declared in the main one.
+    assert len(spec.units) == len(jit.variant.BWD_ROUTES)
+    for route, unit in zip(jit.variant.BWD_ROUTES, spec.units):
+        inst = (f"template cudaError_t flashinfer_cake::launch_causal_conv1d_bwd_route<flashinfer_cake::bwd_routes::{route}, "
+                f"{CXX[weight]}, {CXX[bias]}>(flashinfer_cake::CausalConv1dBwdParams, cudaStream_t);")
+        assert f"\nextern {inst}" in src and f"\n{inst}" in unit and "extern" not in unit, route
+    one = jit.variant_spec(weight, bias, "sm_90a", split=False)
+    assert one.units == () and "extern template" not in one.source and one.uri != spec.uri
+
+
+def test_bwd_routes_are_the_launchers():
+    """The generator's route list is the launcher's (a route missing from it would not link, one
+    it invents would not compile: this says which)."""
+    header = (env.include_dir() / "flashinfer_cake" / "causal_conv1d_bwd_launcher.cuh").read_text()
+    assert tuple(re.findall(r"^using (\w+) = BwdRoute<", header, re.M)) == jit.variant.BWD_ROUTES
 
 
 def test_nvcc_flags():
@@ -289,6 +305,10 @@ def test_build_used_generated_source_and_flags(built_cache, name):
     build_dir = built_cache / "build" / name
     assert (build_dir / f"{name}.cu").read_text() == SPEC.source
     ninja = (build_dir / "build.ninja").read_text()
+    for k, unit in enumerate(SPEC.units):  # compiled on their own, linked into the one library
+        assert (build_dir / f"{name}.unit{k}.cu").read_text() == unit
+        assert f"build {name}.unit{k}.cu.o: compile {name}.unit{k}.cu" in ninja
+    assert re.search(rf"^build {name}\.so: link {name}\.cu\.o( {name}\.unit\d\.cu\.o){{{len(SPEC.units)}}}$", ninja, re.M)
     assert f"  cflags = {' '.join(SPEC.cflags)} -I{env.include_dir()}" in ninja
     assert "-gencode=arch=compute_90a,code=sm_90a" in ninja and "fast_math" not in ninja
 

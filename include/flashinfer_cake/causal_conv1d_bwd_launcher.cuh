@@ -29,9 +29,7 @@
 namespace flashinfer_cake {
 
 // The backward's kernel for the launch's round_preact and states; kMayChooseItems: the route has a
-// kernel with the item choice (the full-width routes; at C = 16, where the stateful kernel's shared
-// memory also lowers its CTAs per SM, 1048576x16 with 1 document went 1.070 -> 1.057x and with 64
-// 1.091 -> 1.106x: not worth a kernel per narrow route).
+// kernel with the item choice (BwdRoute).
 template <class Traits, class WeightT, class BiasT, bool kMayChooseItems>
 auto bwd_kernel_for(const CausalConv1dBwdParams& p) {
   const bool states = p.initial_states || p.dfinal_states;
@@ -78,8 +76,12 @@ int64_t bwd_channel_tiles(int64_t C) {
   return ceil_div(C / Traits::kVec, int64_t(Traits::kLanesC));
 }
 
-template <class Traits, class WeightT, class BiasT, bool kMayChooseItems = false>
+// One route of the backward (launch_causal_conv1d_bwd picks it): its streaming kernels (by
+// bwd_kernel_for) and the reduction passes. Each route is instantiated in a translation unit of
+// its own (jit/variant.py), so a variant's routes compile in parallel.
+template <class Route, class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t stream) {
+  using Traits = typename Route::Traits;
   const int64_t tiles_c = bwd_channel_tiles<Traits>(p.C);
   const int64_t blocks = int64_t(p.groups) * tiles_c;
   const int64_t rows_span = int64_t(p.S) * std::max({p.x_row_stride, p.dy_row_stride, p.dx_row_stride});  // vectors
@@ -88,7 +90,7 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
                 (long long)rows_span * Traits::kVec, 32 + (Traits::kVec == 8 ? 3 : 2));
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
-  const auto kernel = bwd_kernel_for<Traits, WeightT, BiasT, kMayChooseItems>(p);
+  const auto kernel = bwd_kernel_for<Traits, WeightT, BiasT, Route::kMayChooseItems>(p);
   const cudaError_t e = launch_after_prerequisite(kernel, blocks, Traits::kThreads, 0, stream, p);
   if (e != cudaSuccess) return fail(e, "backward kernel launch failed: %s", cudaGetErrorString(e));
   return launch_bwd_reduce<WeightT, BiasT>(p, stream);
@@ -128,6 +130,28 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 // Token groups (the item_tokens argument) must be a multiple of this.
 constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
 
+// A route: a tile geometry, and whether it has a kernel with the item choice (the full-width
+// routes; at C = 16, where the stateful kernel's shared memory also lowers its CTAs per SM,
+// 1048576x16 with 1 document went 1.070 -> 1.057x and with 64 1.091 -> 1.106x: not worth a kernel
+// per narrow route).
+template <class Traits_, bool kMayChooseItems_ = false>
+struct BwdRoute {
+  using Traits = Traits_;
+  static constexpr bool kMayChooseItems = kMayChooseItems_;
+};
+namespace bwd_routes {  // launch_causal_conv1d_bwd says which shapes take which
+constexpr int kVec = CAKE_BWD_VEC, kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BWD_STRIP_LEN, kRing = CAKE_BWD_RING,
+              kMinCtas = CAKE_BWD_MIN_CTAS, kNarrowRing = CAKE_BWD_NARROW_RING;
+using Wide = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>, true>;
+using WideShort = BwdRoute<BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>, true>;
+using WideHalf = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip / 2, kRing, kMinCtas>, true>;
+using Mid = BwdRoute<BwdTraits<kVec, 16, kThreads / 2, kStrip, kRing, 2 * kMinCtas>>;
+using MidHalf = BwdRoute<BwdTraits<kVec, 16, kThreads / 2, kStrip / 2, kRing, 2 * kMinCtas>>;
+using Narrow8 = BwdRoute<BwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>>;
+using Narrow4 = BwdRoute<BwdTraits<kVec, 4, kThreads / 2, kStrip, kNarrowRing, 2 * kMinCtas>>;
+using Narrow2 = BwdRoute<BwdTraits<kVec, 2, kThreads / 4, kStrip, kNarrowRing, 4 * kMinCtas>>;
+}  // namespace bwd_routes
+
 // The 4- and 2-lane routes' smallest grid: ~4 CTAs per SM on 132 SMs.
 constexpr int kBwdNarrowRouteMinGroups = 512;
 
@@ -157,37 +181,29 @@ constexpr int kBwdNarrowRouteMinGroups = 512;
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_t stream) {
   if (p.groups == 0) return grads_of_no_tokens<WeightT, BiasT>(p, stream);
-  constexpr int kVec = CAKE_BWD_VEC, kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BWD_STRIP_LEN,
-                kRing = CAKE_BWD_RING, kMinCtas = CAKE_BWD_MIN_CTAS;
-  using Wide = BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>;
-  using WideShort = BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
-  using Mid = BwdTraits<kVec, 16, kThreads / 2, kStrip, kRing, 2 * kMinCtas>;
-  using WideHalf = BwdTraits<kVec, 32, kThreads, kStrip / 2, kRing, kMinCtas>;
-  using MidHalf = BwdTraits<kVec, 16, kThreads / 2, kStrip / 2, kRing, 2 * kMinCtas>;
-  static_assert(WideHalf::kTileTokens == WideShort::kTileTokens && 2 * MidHalf::kTileTokens == Mid::kTileTokens,
+  using namespace bwd_routes;
+  using WideT = Wide::Traits;
+  static_assert(WideHalf::Traits::kTileTokens == WideShort::Traits::kTileTokens &&
+                    2 * MidHalf::Traits::kTileTokens == Mid::Traits::kTileTokens,
                 "the half-length routes walk the sub-tile of a half CTA");
   constexpr int64_t kSmallGridWarps = CAKE_BWD_SMALL_GRID_WARPS;
-  constexpr int kNarrowRing = CAKE_BWD_NARROW_RING;
-  using Narrow8 = BwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>;
-  using Narrow4 = BwdTraits<kVec, 4, kThreads / 2, kStrip, kNarrowRing, 2 * kMinCtas>;
-  using Narrow2 = BwdTraits<kVec, 2, kThreads / 4, kStrip, kNarrowRing, 4 * kMinCtas>;
   // The plan (causal_conv1d_bwd_plan.h) gives longer token groups to the full-width routes and
   // groups of a whole sub-tile to the narrow ones; its thresholds are the shipped geometry's
   // (tune.py may build others).
   static_assert(!(kVec == 4 && kThreads == 128 && kStrip == 64) ||
-                    (16 * kVec == kBwdPlanWideMinC && Wide::kTileTokens == kBwdPlanFullTileTokens &&
-                     8 * kVec == kBwdPlanNarrowMaxC && Narrow8::kTileTokens == kBwdMaxItemTokens &&
-                     Narrow4::kTileTokens == kBwdMaxItemTokens && Narrow2::kTileTokens == kBwdMaxItemTokens),
+                    (16 * kVec == kBwdPlanWideMinC && WideT::kTileTokens == kBwdPlanFullTileTokens &&
+                     8 * kVec == kBwdPlanNarrowMaxC && Narrow8::Traits::kTileTokens == kBwdMaxItemTokens &&
+                     Narrow4::Traits::kTileTokens == kBwdMaxItemTokens && Narrow2::Traits::kTileTokens == kBwdMaxItemTokens),
                 "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
-    if (p.item_tokens >= Wide::kTileTokens) return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT, true>(p, stream);
-    if (int64_t(p.groups) * bwd_channel_tiles<WideShort>(p.C) * (WideShort::kThreads / 32) <= kSmallGridWarps) {
-      return launch_causal_conv1d_bwd_route<WideHalf, WeightT, BiasT, true>(p, stream);
+    if (p.item_tokens >= WideT::kTileTokens) return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT>(p, stream);
+    if (int64_t(p.groups) * bwd_channel_tiles<WideShort::Traits>(p.C) * (WideShort::Traits::kThreads / 32) <= kSmallGridWarps) {
+      return launch_causal_conv1d_bwd_route<WideHalf, WeightT, BiasT>(p, stream);
     }
-    return launch_causal_conv1d_bwd_route<WideShort, WeightT, BiasT, true>(p, stream);
+    return launch_causal_conv1d_bwd_route<WideShort, WeightT, BiasT>(p, stream);
   }
   if (p.C > 8 * kVec) {
-    if (p.item_tokens >= Mid::kTileTokens) return launch_causal_conv1d_bwd_route<Mid, WeightT, BiasT>(p, stream);
+    if (p.item_tokens >= Mid::Traits::kTileTokens) return launch_causal_conv1d_bwd_route<Mid, WeightT, BiasT>(p, stream);
     return launch_causal_conv1d_bwd_route<MidHalf, WeightT, BiasT>(p, stream);
   }
   if (p.groups >= kBwdNarrowRouteMinGroups) {
