@@ -188,7 +188,7 @@ def run_ninja(build_dir: Path, what: str, *, jobs: int | None = None,
               progress: Callable[[str, int, float], None] | None = None) -> float:
     """Run ninja in ``build_dir`` (its build.ninja written); the seconds it took. Keeps the whole
     output in build.log, calls ``progress(stem, artifacts done so far, start time)`` as each
-    artifact is compiled, and raises RuntimeError with the compiler's output when the build fails."""
+    artifact is linked, and raises RuntimeError with the compiler's output when the build fails."""
     (build_dir / "build.log").unlink(missing_ok=True)  # present again only once ninja has ended
     start = time.perf_counter()
     cmd = [env.ninja_path(), "-C", str(build_dir), "-j", str(jobs or env.max_jobs())]

@@ -52,7 +52,7 @@ class JitSpec:
 
     uri: str
     source: str = dataclasses.field(repr=False)
-    units: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    units: tuple[str, ...] = dataclasses.field(default=(), repr=False, kw_only=True)
     language: str = "cuda"
     cflags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
@@ -63,6 +63,8 @@ class JitSpec:
     def __post_init__(self):
         if self.language not in ("cuda", "c++"):
             raise ValueError(f"JitSpec {self.uri}: language must be 'cuda' or 'c++', got {self.language!r}")
+        if not isinstance(self.units, tuple) or not all(isinstance(u, str) for u in self.units):
+            raise TypeError(f"JitSpec {self.uri}: units must be a tuple of source strings, got {type(self.units).__name__}")
 
     @property
     def suffix(self) -> str:
@@ -70,7 +72,7 @@ class JitSpec:
 
     @functools.cached_property
     def digest(self) -> str:
-        """Hash of every input of the binary but the compiler: templates, source, flags, identity."""
+        """Hash of every input of the binary but the compiler: templates, sources, flags, identity."""
         h = hashlib.sha256()
         for part in (templates_digest(), self.language, self.source, "\0units", *self.units, "\0cflags", *self.cflags,
                      "\0ld", *self.ldflags, "\0id", *self.identity):

@@ -1,6 +1,6 @@
 """CPU tests of the JIT (no GPU needed; a real nvcc builds real modules).
 
-Real compiles are few: the session fixture `concurrent_build` (8 processes, one compile) fills the
+Real compiles are few: the session fixture `concurrent_build` (8 processes, one build) fills the
 cache that most tests read or copy (the AOT test copies its module); the killed-build test starts
 one compile and kills it. A copy of the built cache carries ninja's build directory, so a
 "rebuild" from it (corrupt module, log test) republishes without recompiling. Every cache and AOT
@@ -277,21 +277,30 @@ def test_generated_source(weight, bias):
     assert f"using WeightT = {CXX[weight]};" in src
     assert f"using BiasT = {CXX[bias]};" in src
     assert f'return "{spec.uri}";' in src
-    # Each backward route is instantiated in a unit of its own and only declared in the main one.
-    assert len(spec.units) == len(jit.variant.BWD_ROUTES)
-    for route, unit in zip(jit.variant.BWD_ROUTES, spec.units):
-        inst = (f"template cudaError_t flashinfer_cake::launch_causal_conv1d_bwd_route<flashinfer_cake::bwd_routes::{route}, "
-                f"{CXX[weight]}, {CXX[bias]}>(flashinfer_cake::CausalConv1dBwdParams, cudaStream_t);")
-        assert f"\nextern {inst}" in src and f"\n{inst}" in unit and "extern" not in unit, route
+    # Each backward route is instantiated in exactly one unit and only declared in the main one.
+    assert len(spec.units) == len(jit.variant.BWD_ROUTE_UNITS)
+    for routes, unit in zip(jit.variant.BWD_ROUTE_UNITS, spec.units):
+        assert "extern" not in unit
+        for route in routes:
+            inst = (f"template cudaError_t flashinfer_cake::launch_causal_conv1d_bwd_route<flashinfer_cake::bwd_routes::{route}, "
+                    f"{CXX[weight]}, {CXX[bias]}>(flashinfer_cake::CausalConv1dBwdParams, cudaStream_t);")
+            assert src.count(f"\nextern {inst}") == 1 and f"\n{inst}" in unit, route
+            assert sum(inst in u for u in spec.units) == 1, route
     one = jit.variant_spec(weight, bias, "sm_90a", split=False)
     assert one.units == () and "extern template" not in one.source and one.uri != spec.uri
 
 
 def test_bwd_routes_are_the_launchers():
-    """The generator's route list is the launcher's (a route missing from it would not link, one
-    it invents would not compile: this says which)."""
+    """The generator's route list is the launcher's: a route missing from it would be instantiated
+    in the main unit (built serially), one it invents would not compile."""
     header = (env.include_dir() / "flashinfer_cake" / "causal_conv1d_bwd_launcher.cuh").read_text()
     assert tuple(re.findall(r"^using (\w+) = BwdRoute<", header, re.M)) == jit.variant.BWD_ROUTES
+    assert len(set(jit.variant.BWD_ROUTES)) == len(jit.variant.BWD_ROUTES)
+
+
+def test_spec_units_must_be_sources():
+    with pytest.raises(TypeError, match="units must be a tuple of source strings"):
+        dataclasses.replace(SPEC, units="// one unit")
 
 
 def test_nvcc_flags():
@@ -309,8 +318,24 @@ def test_build_used_generated_source_and_flags(built_cache, name):
         assert (build_dir / f"{name}.unit{k}.cu").read_text() == unit
         assert f"build {name}.unit{k}.cu.o: compile {name}.unit{k}.cu" in ninja
     assert re.search(rf"^build {name}\.so: link {name}\.cu\.o( {name}\.unit\d\.cu\.o){{{len(SPEC.units)}}}$", ninja, re.M)
-    assert f"  cflags = {' '.join(SPEC.cflags)} -I{env.include_dir()}" in ninja
+    # the same flags on every edge: each unit's compile, the main one's and the link
+    assert ninja.count(f"  cflags = {' '.join(SPEC.cflags)} -I{env.include_dir()}\n") == len(SPEC.units) + 2
     assert "-gencode=arch=compute_90a,code=sm_90a" in ninja and "fast_math" not in ninja
+
+
+def test_main_unit_compiles_no_backward_route(built_cache, name):
+    """The routes are compiled in their units only: the main unit's object references them."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm on this machine")
+    build_dir = built_cache / "build" / name
+    symbols = lambda obj: subprocess.run([nm, "-C", str(build_dir / obj)], capture_output=True, text=True,  # noqa: E731
+                                         check=True).stdout.splitlines()
+    main = symbols(f"{name}.cu.o")
+    assert len([s for s in main if " U " in s and "launch_causal_conv1d_bwd_route<" in s]) == len(jit.variant.BWD_ROUTES)
+    assert not [s for s in main if "causal_conv1d_bwd_kernel<" in s]
+    for k in range(len(SPEC.units)):
+        assert [s for s in symbols(f"{name}.unit{k}.cu.o") if "causal_conv1d_bwd_kernel<" in s], k
 
 
 # ---------------------------------------------------------------------------------- env surface
@@ -470,7 +495,7 @@ def test_concurrent_first_load_compiles_once(concurrent_build, name):
                          r"sm_90a \(lock .*\.lock\)$", stderr, re.M)
     assert 1 <= len(waiting) <= 7, stderr
     ninja_log = (cache / "build" / name / ".ninja_log").read_text()
-    assert len(re.findall(rf"\t{name}\.so\t", ninja_log)) == 1, ninja_log  # nvcc ran once
+    assert len(re.findall(rf"\t{name}\.so\t", ninja_log)) == 1, ninja_log  # linked once: one build
     assert build.verified_module(cache / f"{name}.so")
 
 

@@ -139,6 +139,8 @@ struct BwdRoute {
   using Traits = Traits_;
   static constexpr bool kMayChooseItems = kMayChooseItems_;
 };
+// A new route goes into jit/variant.py's BWD_ROUTE_UNITS too (tests/test_jit.py compares the two), which
+// also spells launch_causal_conv1d_bwd_route's signature for its instantiations.
 namespace bwd_routes {  // launch_causal_conv1d_bwd says which shapes take which
 constexpr int kVec = CAKE_BWD_VEC, kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BWD_STRIP_LEN, kRing = CAKE_BWD_RING,
               kMinCtas = CAKE_BWD_MIN_CTAS, kNarrowRing = CAKE_BWD_NARROW_RING;
