@@ -70,9 +70,9 @@ CAKE_EXPORT int cake_causal_conv1d_cp(const flashinfer_cake::CpArgs* args) {{
 # The backward's routes (bwd_routes in causal_conv1d_bwd_launcher.cuh), in the translation units
 # that compile them. Their kernels are most of a variant's compile time (2026-12-03, nvcc 13.0, one
 # job each: the forward's 7 s, the CP's 4 s, the backward's 78 s), so the build compiles them in
-# parallel, the main unit declaring them (extern template). Units of 8-15 s: the three full-width
-# routes alone, the others grouped (each unit costs ~2.5 s of CPU to parse the headers). A fixed
-# grouping, not one by core count: a module's digest must not depend on the machine.
+# parallel, the main unit declaring them (extern template). Units of 9-20 s on a 2-core machine: the
+# three full-width routes alone, the others grouped (each unit costs ~2.5 s of CPU to parse the
+# headers). A fixed grouping, not one by core count: a module's digest must not depend on the machine.
 BWD_ROUTE_UNITS = (("Wide",), ("WideShort",), ("WideHalf",), ("Mid", "MidHalf"), ("Narrow8", "Narrow4", "Narrow2"))
 BWD_ROUTES = tuple(r for unit in BWD_ROUTE_UNITS for r in unit)
 
@@ -106,14 +106,16 @@ def variant_spec(weight: str, bias: str, arch: str, *, split: bool = True) -> Ji
     uri = variant_uri(weight, bias, arch) + ("" if split else "_one_unit")
     digits = arch.removeprefix("sm_")
     types = dict(uri=uri, weight_t=_CXX_TYPE[weight], bias_t=_CXX_TYPE[bias])
-    routes = ("\n// The backward's routes, compiled in units of their own (jit/variant.py's BWD_ROUTE_UNITS).\n" +
-              "".join("extern " + _ROUTE.format(route=r, **types) for r in BWD_ROUTES)) if split else ""
-    units = tuple(_ROUTE_UNIT.format(routes=", ".join(unit), **types) + "".join(_ROUTE.format(route=r, **types) for r in unit)
-                  for unit in BWD_ROUTE_UNITS)
+    routes, units = "", ()
+    if split:
+        routes = ("\n// The backward's routes, compiled in units of their own (jit/variant.py's BWD_ROUTE_UNITS).\n" +
+                  "".join("extern " + _ROUTE.format(route=r, **types) for r in BWD_ROUTES))
+        units = tuple(_ROUTE_UNIT.format(routes=", ".join(unit), **types) + "".join(_ROUTE.format(route=r, **types) for r in unit)
+                      for unit in BWD_ROUTE_UNITS)
     return JitSpec(
         uri=uri,
         source=_SOURCE.format(routes=routes, **types),
-        units=units if split else (),
+        units=units,
         language="cuda",
         cflags=(*_FLAGS, f"-gencode=arch=compute_{digits},code=sm_{digits}"),
         ldflags=_LDFLAGS,

@@ -77,8 +77,8 @@ int64_t bwd_channel_tiles(int64_t C) {
 }
 
 // One route of the backward (launch_causal_conv1d_bwd picks it): its streaming kernels (by
-// bwd_kernel_for) and the reduction passes. Each route is instantiated in a translation unit of
-// its own (jit/variant.py), so a variant's routes compile in parallel.
+// bwd_kernel_for) and the reduction passes. Each route is instantiated in one translation unit
+// (jit/variant.py's BWD_ROUTE_UNITS), so a variant's routes compile in parallel.
 template <class Route, class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t stream) {
   using Traits = typename Route::Traits;
