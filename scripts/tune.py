@@ -10,8 +10,10 @@ headers of --inc NAME=DIR instead of this checkout's, e.g. an older commit's for
 their C entries must take this checkout's arguments) for one
 variant (default fp32 taps + fp32 bias); all are built in parallel, then timed against a device
 copy of the same DRAM bytes on each shape (forward: read x, write y; backward: read x and dy,
-write dx): eager CUDA-event medians over rotated inputs, and for shapes up to --graph-max-elems the
-kernel time from a replayed CUDA graph (the eager figure of a kernel shorter than the ctypes launch
+write dx), and against torch ops moving the op's bytes in its own pattern (buffers' floors: the
+backward's x + dy, the forward's copy between row-strided slices): eager CUDA-event medians
+over rotated inputs, and for shapes up to --graph-max-elems the kernel time from a replayed CUDA
+graph (the eager figure of a kernel shorter than the ctypes launch
 is the launch's). Every config must give bitwise the same result as the first (the exit code
 says if not: an experiment may time a config that computes something else): y, or dx, and with
 states the final states or dinitial_states; dweight and dbias too where the config sums the same
@@ -40,7 +42,9 @@ import argparse
 import dataclasses
 import json
 import re
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -89,6 +93,19 @@ def graph_ms(fn, k: int) -> float:
     return measure_graph(DEV, fn, k, TIMING)[0]["ms"]
 
 
+def settle(fn, k: int, ms: float) -> None:
+    """Run fn back to back for ms of wall time before it is timed: the sustained figure, under the
+    power cap the kernel itself brings about (H200, r122: timed right after the copy the backward
+    read 232 µs, right after another backward 240-246 µs, the copy 191.5 µs either way; r123,
+    settled 300 ms: 242-273 µs, the SM clock 1515-1980 MHz at ~690 W, throttled by the power cap)."""
+    t, i = time.perf_counter(), 0
+    while (time.perf_counter() - t) * 1e3 < ms:
+        for _ in range(8):
+            fn(i % k)
+            i += 1
+        torch.cuda.synchronize()
+
+
 def build(args) -> dict:
     """Every config's kernel module, built in one parallel ninja run; prints their registers."""
     out = Path(tempfile.mkdtemp())
@@ -112,7 +129,11 @@ def buffers(S: int, C: int, docs: int, pad: int, args) -> argparse.Namespace:
     """Rotated inputs and outputs of one shape (k sets: 400 MB or more in all), the parameters, a
     random document mix, states, and a copy of the op's DRAM bytes (4 S C forward, 6 S C backward).
     pad > 0: x, y / dx and dy are column slices at column pad / 2 of [S, C + pad] buffers (row
-    stride C + pad); the copy stays contiguous."""
+    stride C + pad); the copy stays contiguous.
+    floors: torch ops on the op's own tensors that move its bytes in its pattern, each config timed
+    against them too. Backward: add, dx = x + dy (two reads for each write, where the copy has one;
+    DRAM's rate depends on the mix). Forward with pad: copy-str, y = x between the slices as 16-byte
+    elements (one per row vector)."""
     k = max(1, int(4e8 // (4 * S * C)) + 1)
     b = argparse.Namespace(S=S, C=C, docs=docs, pad=pad, k=k, item_tokens=_plan.item_tokens(S, C))
 
@@ -135,10 +156,13 @@ def buffers(S: int, C: int, docs: int, pad: int, args) -> argparse.Namespace:
         src = [torch.empty(S * C, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
         dst = [torch.empty_like(t) for t in src]
         b.copy = lambda i: dst[i % k].copy_(src[i % k])
+        v16 = lambda t: t.view(torch.complex128)  # noqa: E731
+        b.floors = {"copy-str": lambda i: v16(b.ys[i % k]).copy_(v16(b.xs[i % k]))} if pad else {}
     else:
         src = [torch.empty(3 * S * C // 2, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
         dst = [torch.empty_like(t) for t in src]
         b.copy = lambda i: dst[i % k].copy_(src[i % k])
+        b.floors = {"add": lambda i: torch.add(b.xs[i % k], b.dys[i % k], out=b.ys[i % k])}
     return b
 
 
@@ -186,13 +210,15 @@ def summation_order(cfg: str) -> tuple:
 
 
 def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
-    """The copy and every config on one shape (with states too when asked); a config whose
-    result is not bitwise the first config's (dweight and dbias: the first config of the same
-    summation order's) is listed in differs."""
+    """The copy, the floors and every config on one shape (with states too when asked); a config
+    whose result is not bitwise the first config's (dweight and dbias: the first config of the same
+    summation order's) is listed in differs. Timed in args.rounds rounds, every other one in reverse
+    order, each figure the median of its rounds (each timing after args.settle_ms of its own calls,
+    settle): timed once in order, a config's time depended on what ran before it (H200, r120-r122:
+    the same build timed first and last read up to 3 % apart at 64 M elements and 9 % at 512 M; the
+    backward slows with the power-capped SM clock, the copy does not)."""
     small = b.S * b.C <= args.graph_max_elems
-    row = {"S": b.S, "C": b.C, "docs": b.docs, "pad": b.pad, "copy": median_ms(b.copy, b.k)}
-    if small:
-        row["copy_graph"] = graph_ms(b.copy, b.k)
+    timers = {"copy": b.copy, **b.floors}
     refs = {}
     for c, m in mods.items():
         call = launcher(m, b, args.op, c)
@@ -205,20 +231,32 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
                 ref += refs.setdefault((states, summation_order(c)), got)[2:]
             if not all(r is None or torch.equal(r, g) for r, g in zip(ref, got)):
                 differs.append(f"{b.S}x{b.C} d{b.docs}: {c}{' with states' if states else ''} differs from the first")
-            name = c + (" states" if states else "")
-            row[name] = median_ms(lambda i: call(i, states=states), b.k)
+            timers[c + (" states" if states else "")] = lambda i, call=call, states=states: call(i, states=states)
+    runs = {}
+    for r in range(args.rounds):
+        for name in list(timers) if r % 2 == 0 else list(reversed(timers)):
+            settle(timers[name], b.k, args.settle_ms)
+            runs.setdefault(name, []).append(median_ms(timers[name], b.k))
             if small:  # the kernel's time alone: tune's ctypes launch can take longer than a small kernel
-                row[name + " graph"] = graph_ms(lambda i: call(i, states=states), b.k)
+                runs.setdefault(name + " graph", []).append(graph_ms(timers[name], b.k))
+    row = {"S": b.S, "C": b.C, "docs": b.docs, "pad": b.pad, "runs": runs}
+    row.update({name: statistics.median(v) for name, v in runs.items()})
     return row
 
 
 def row_text(row: dict, configs: list, op: str) -> str:
     gb = (4 if op == "fwd" else 6) * row["S"] * row["C"] / 1e6
     text = " ".join(f"{c}:{row[c] * 1e3:.1f}us({row['copy'] / row[c] * 100:.0f}%)" for c in configs)
-    if "copy_graph" in row:
+    if "copy graph" in row:
         text += " | graph " + " ".join(
-            f"{c}:{row[c + ' graph'] * 1e3:.1f}us({row['copy_graph'] / row[c + ' graph'] * 100:.0f}%)" for c in configs)
-        text += f" copy graph {row['copy_graph'] * 1e3:.1f}us"
+            f"{c}:{row[c + ' graph'] * 1e3:.1f}us({row['copy graph'] / row[c + ' graph'] * 100:.0f}%)" for c in configs)
+        text += f" copy graph {row['copy graph'] * 1e3:.1f}us"
+    for name in ("add", "copy-str"):  # the floors (buffers): each config's time over theirs
+        if name in row:
+            g = " graph" if name + " graph" in row else ""
+            floor, copy = row[name + g], row["copy" + g]
+            text += f" | {name}{g} {floor * 1e3:.1f}us ({copy / floor * 100:.0f}% of copy's rate) " + " ".join(
+                f"{c}:{row[c + g] / floor:.3f}x" for c in configs)
     if configs[0] + " states" in row:
         g = " graph" if configs[0] + " states graph" in row else ""  # states against stateless, graph-replayed if timed so
         text += f" | states{g} " + " ".join(
@@ -237,6 +275,10 @@ def main() -> None:
                         help="also time shapes of S*C up to this many elements from replayed CUDA graphs (default 16M)")
     parser.add_argument("--inc", action="append", default=[], metavar="NAME=DIR",
                         help="an include tree a config compiles instead of this checkout's when it says INC=NAME")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="time every shape in this many rounds, every other one in reverse order (default 2)")
+    parser.add_argument("--settle-ms", type=float, default=0.0,
+                        help="run each call this long before timing it: sustained figures (default 0; see settle)")
     parser.add_argument("--json")
     parser.add_argument("--build-only", action="store_true", help="build the configs' modules, time nothing")
     args = parser.parse_args()
