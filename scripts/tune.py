@@ -94,10 +94,11 @@ def graph_ms(fn, k: int) -> float:
 
 
 def settle(fn, k: int, ms: float) -> None:
-    """Run fn back to back for ms of wall time before it is timed: the sustained figure, under the
-    power cap the kernel itself brings about (H200, r122: timed right after the copy the backward
-    read 232 µs, right after another backward 240-246 µs, the copy 191.5 µs either way; r123,
-    settled 300 ms: 242-273 µs, the SM clock 1515-1980 MHz at ~690 W, throttled by the power cap)."""
+    """Run fn back to back for ms of wall time before it is timed: a sustained figure, under the
+    power cap the kernel itself may bring about (H200, r122: timed right after the copy the backward
+    read 232 µs, right after another backward 240-246 µs, the copy 191.5 µs in every round; r123,
+    settled 300 ms: 243-273 µs, with the power cap engaged at up to ~700 W and the SM clock at
+    1515-1980 MHz)."""
     t, i = time.perf_counter(), 0
     while (time.perf_counter() - t) * 1e3 < ms:
         for _ in range(8):
@@ -132,8 +133,9 @@ def buffers(S: int, C: int, docs: int, pad: int, args) -> argparse.Namespace:
     stride C + pad); the copy stays contiguous.
     floors: torch ops on the op's own tensors that move its bytes in its pattern, each config timed
     against them too. Backward: add, dx = x + dy (two reads for each write, where the copy has one;
-    DRAM's rate depends on the mix). Forward with pad: copy-str, y = x between the slices as 16-byte
-    elements (one per row vector)."""
+    DRAM's rate depends on the mix). Forward with pad (a multiple of 16): copy-str, y = x between the
+    slices as 16-byte elements (one per row vector; torch's strided copy kernel, where the contiguous
+    copy is its plain one)."""
     k = max(1, int(4e8 // (4 * S * C)) + 1)
     b = argparse.Namespace(S=S, C=C, docs=docs, pad=pad, k=k, item_tokens=_plan.item_tokens(S, C))
 
@@ -157,7 +159,8 @@ def buffers(S: int, C: int, docs: int, pad: int, args) -> argparse.Namespace:
         dst = [torch.empty_like(t) for t in src]
         b.copy = lambda i: dst[i % k].copy_(src[i % k])
         v16 = lambda t: t.view(torch.complex128)  # noqa: E731
-        b.floors = {"copy-str": lambda i: v16(b.ys[i % k]).copy_(v16(b.xs[i % k]))} if pad else {}
+        aligned = pad and (pad // 2) % 8 == 0 and C % 8 == 0  # 16-byte elements need 16-byte slices
+        b.floors = {"copy-str": lambda i: v16(b.ys[i % k]).copy_(v16(b.xs[i % k]))} if aligned else {}
     else:
         src = [torch.empty(3 * S * C // 2, device="cuda", dtype=torch.bfloat16) for _ in range(k)]
         dst = [torch.empty_like(t) for t in src]
@@ -212,11 +215,13 @@ def summation_order(cfg: str) -> tuple:
 def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
     """The copy, the floors and every config on one shape (with states too when asked); a config
     whose result is not bitwise the first config's (dweight and dbias: the first config of the same
-    summation order's) is listed in differs. Timed in args.rounds rounds, every other one in reverse
-    order, each figure the median of its rounds (each timing after args.settle_ms of its own calls,
-    settle): timed once in order, a config's time depended on what ran before it (H200, r120-r122:
-    the same build timed first and last read up to 3 % apart at 64 M elements and 9 % at 512 M; the
-    backward slows with the power-capped SM clock, the copy does not)."""
+    summation order's) is listed in differs. Timed in args.rounds rounds, each round's order the
+    previous one's rotated by one, each figure the median of its rounds (each timing after
+    args.settle_ms of its own calls, settle): timed once in order, a config's time depended on what
+    ran before it (H200, r120-r122: the same build read up to 3 % apart at 128 M elements and 9 % at
+    512 M as the first and the last config, and 4-16 % apart between rounds right after the copy
+    and right after another backward; the copy's time did not move). With reversed rounds the last
+    timer ran twice back to back and the first always after the copy (r122-r124)."""
     small = b.S * b.C <= args.graph_max_elems
     timers = {"copy": b.copy, **b.floors}
     refs = {}
@@ -233,8 +238,9 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
                 differs.append(f"{b.S}x{b.C} d{b.docs}: {c}{' with states' if states else ''} differs from the first")
             timers[c + (" states" if states else "")] = lambda i, call=call, states=states: call(i, states=states)
     runs = {}
+    names = list(timers)
     for r in range(args.rounds):
-        for name in list(timers) if r % 2 == 0 else list(reversed(timers)):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             settle(timers[name], b.k, args.settle_ms)
             runs.setdefault(name, []).append(median_ms(timers[name], b.k))
             if small:  # the kernel's time alone: tune's ctypes launch can take longer than a small kernel
@@ -275,13 +281,15 @@ def main() -> None:
                         help="also time shapes of S*C up to this many elements from replayed CUDA graphs (default 16M)")
     parser.add_argument("--inc", action="append", default=[], metavar="NAME=DIR",
                         help="an include tree a config compiles instead of this checkout's when it says INC=NAME")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="time every shape in this many rounds, every other one in reverse order (default 2)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="time every shape in this many rounds, each in the order of the last rotated by one (default 3)")
     parser.add_argument("--settle-ms", type=float, default=0.0,
                         help="run each call this long before timing it: sustained figures (default 0; see settle)")
     parser.add_argument("--json")
     parser.add_argument("--build-only", action="store_true", help="build the configs' modules, time nothing")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     mods = build(args)
     if args.build_only:
         return
