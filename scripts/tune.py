@@ -234,8 +234,10 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
             if args.op == "bwd":
                 got += (b.dw.clone(), b.db.clone())
                 ref += refs.setdefault((states, summation_order(c)), got)[2:]
-            if not all(r is None or torch.equal(r, g) for r, g in zip(ref, got)):
-                differs.append(f"{b.S}x{b.C} d{b.docs}: {c}{' with states' if states else ''} differs from the first")
+            names = ("y", "final_states") if args.op == "fwd" else ("dx", "dinitial_states", "dweight", "dbias")
+            bad = [n for n, r, g in zip(names, ref, got) if r is not None and not torch.equal(r, g)]
+            if bad:
+                differs.append(f"{b.S}x{b.C} d{b.docs}: {c}{' with states' if states else ''}: {', '.join(bad)} differ from the first")
             timers[c + (" states" if states else "")] = lambda i, call=call, states=states: call(i, states=states)
     runs = {}
     names = list(timers)
