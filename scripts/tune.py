@@ -13,8 +13,7 @@ copy of the same DRAM bytes on each shape (forward: read x, write y; backward: r
 write dx), and against torch ops moving the op's bytes in its own pattern (buffers' floors: the
 backward's x + dy, the forward's copy between row-strided slices): eager CUDA-event medians
 over rotated inputs, and for shapes up to --graph-max-elems the kernel time from a replayed CUDA
-graph (the eager figure of a kernel shorter than the ctypes launch
-is the launch's). Every config must give bitwise the same result as the first (the exit code
+graph (the eager figure of a kernel shorter than the ctypes launch is the launch's). Every config must give bitwise the same result as the first (the exit code
 says if not: an experiment may time a config that computes something else): y, or dx, and with
 states the final states or dinitial_states; dweight and dbias too where the config sums the same
 partial rows (the same threads, strip length, channels per thread, ITEM_TOKENS and
@@ -133,7 +132,7 @@ def buffers(S: int, C: int, docs: int, pad: int, args) -> argparse.Namespace:
     stride C + pad); the copy stays contiguous.
     floors: torch ops on the op's own tensors that move its bytes in its pattern, each config timed
     against them too. Backward: add, dx = x + dy (two reads for each write, where the copy has one;
-    DRAM's rate depends on the mix). Forward with pad (a multiple of 16): copy-str, y = x between the
+    r120: 101-104 % of the copy's rate). Forward with pad (a multiple of 16): copy-str, y = x between the
     slices as 16-byte elements (one per row vector; torch's strided copy kernel, where the contiguous
     copy is its plain one)."""
     k = max(1, int(4e8 // (4 * S * C)) + 1)
@@ -224,6 +223,7 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
     timer ran twice back to back and the first always after the copy (r122-r124)."""
     small = b.S * b.C <= args.graph_max_elems
     timers = {"copy": b.copy, **b.floors}
+    tensors = ("y", "final_states") if args.op == "fwd" else ("dx", "dinitial_states", "dweight", "dbias")
     refs = {}
     for c, m in mods.items():
         call = launcher(m, b, args.op, c)
@@ -234,8 +234,7 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
             if args.op == "bwd":
                 got += (b.dw.clone(), b.db.clone())
                 ref += refs.setdefault((states, summation_order(c)), got)[2:]
-            names = ("y", "final_states") if args.op == "fwd" else ("dx", "dinitial_states", "dweight", "dbias")
-            bad = [n for n, r, g in zip(names, ref, got) if r is not None and not torch.equal(r, g)]
+            bad = [n for n, r, g in zip(tensors, ref, got) if r is not None and not torch.equal(r, g)]
             if bad:
                 differs.append(f"{b.S}x{b.C} d{b.docs}: {c}{' with states' if states else ''}: {', '.join(bad)} differ from the first")
             timers[c + (" states" if states else "")] = lambda i, call=call, states=states: call(i, states=states)
@@ -247,7 +246,7 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
             runs.setdefault(name, []).append(median_ms(timers[name], b.k))
             if small:  # the kernel's time alone: tune's ctypes launch can take longer than a small kernel
                 runs.setdefault(name + " graph", []).append(graph_ms(timers[name], b.k))
-    row = {"S": b.S, "C": b.C, "docs": b.docs, "pad": b.pad, "runs": runs}
+    row = {"S": b.S, "C": b.C, "docs": b.docs, "pad": b.pad, "floors": list(b.floors), "runs": runs}
     row.update({name: statistics.median(v) for name, v in runs.items()})
     return row
 
@@ -259,12 +258,11 @@ def row_text(row: dict, configs: list, op: str) -> str:
         text += " | graph " + " ".join(
             f"{c}:{row[c + ' graph'] * 1e3:.1f}us({row['copy graph'] / row[c + ' graph'] * 100:.0f}%)" for c in configs)
         text += f" copy graph {row['copy graph'] * 1e3:.1f}us"
-    for name in ("add", "copy-str"):  # the floors (buffers): each config's time over theirs
-        if name in row:
-            g = " graph" if name + " graph" in row else ""
-            floor, copy = row[name + g], row["copy" + g]
-            text += f" | {name}{g} {floor * 1e3:.1f}us ({copy / floor * 100:.0f}% of copy's rate) " + " ".join(
-                f"{c}:{row[c + g] / floor:.3f}x" for c in configs)
+    for name in row["floors"]:  # each config's time over the floor's (buffers)
+        g = " graph" if name + " graph" in row else ""
+        floor, copy = row[name + g], row["copy" + g]
+        text += f" | {name}{g} {floor * 1e3:.1f}us ({copy / floor * 100:.0f}% of copy's rate) " + " ".join(
+            f"{c}:{row[c + g] / floor:.3f}x" for c in configs)
     if configs[0] + " states" in row:
         g = " graph" if configs[0] + " states graph" in row else ""  # states against stateless, graph-replayed if timed so
         text += f" | states{g} " + " ".join(
