@@ -20,6 +20,9 @@ partial rows (the same threads, strip length, channels per thread, ITEM_TOKENS a
 SMALL_GRID_WARPS: another geometry adds in another fixed order). With --states each config also
 runs with per-document states (forward: initial_states and final_states_out; backward:
 initial_states and dfinal_states, giving dinitial_states), timed beside its stateless run.
+Timing: --rounds rounds in varied orders (round_order), each timing after --rest-ms of idle GPU
+(default 500: the state the previous timings left the board in moved the backward by up to 13.5 %;
+rested, a build and its repeat read within 0.2 % at 32 M elements and more, r127 and r128), and optionally --settle-ms of its own calls.
 
     python scripts/tune.py --op fwd --configs 128/16/8/4,128/16/12/4 [--variant bf16/none] [--json out.json]
     python scripts/tune.py --op fwd --states --configs 128/16/8/4,128/16/8/4/TL_MAX_C=32 --shapes 1048576x64x1
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import statistics
 import tempfile
@@ -108,7 +112,7 @@ def settle(fn, k: int, ms: float) -> None:
 
 def build(args) -> dict:
     """Every config's kernel module, built in one parallel ninja run; prints their registers."""
-    out = Path(tempfile.mkdtemp())
+    out = Path(args.build_dir) if args.build_dir else Path(tempfile.mkdtemp())
     incs = dict(kv.split("=", 1) for kv in args.inc)
     for c in args.configs.split(","):
         for kv in c.split("/"):
@@ -116,7 +120,8 @@ def build(args) -> dict:
                 raise SystemExit(f"{c}: {kv} names no --inc (given: {', '.join(incs) or 'none'})")
     specs = {c: config_spec(args.op, c, args.variant, incs) for c in args.configs.split(",")}
     built = jit.prebuild(list(specs.values()), out, progress=print)
-    log = (out / "build" / "prebuild" / "build.log").read_text()
+    log_path = out / "build" / "prebuild" / "build.log"  # the last build's: modules built before it print none
+    log = log_path.read_text() if log_path.exists() else ""
     for c, spec in specs.items():
         regs = resource_lines(log, spec.uri)
         used = sorted({r.split("Used ")[1].split(",")[0] for r in regs if "Used" in r})
@@ -211,16 +216,31 @@ def summation_order(cfg: str) -> tuple:
     return threads, strip, tuple(vec), tuple(order)
 
 
+def round_order(names: list, r: int) -> list:
+    """The timers' order in round r: names read from index r with a stride coprime with their
+    count, 1 in round 0, then the others from the largest down (n - 1: reversed, n - 2, ...), so
+    that from round to round a timer changes its place and the timer before it (over 3 rounds
+    every timer follows at least 2 different ones, for 2 to 9 timers). Rotated rounds (one stride) kept every
+    timer's predecessor: r126's second build of the plan, always timed right after another
+    backward, read 11 % slower than the first at 512 M elements (by median) and 8 % settled at
+    128 M (the first always after the copy or `add`); reversed rounds ran the last timer twice
+    back to back and the first always after the copy (r122-r124). Varied orders alone did not
+    remove that (r127: 3-5 % apart); the rest before each timing (--rest-ms) did."""
+    n = len(names)
+    strides = [s for s in range(1, n) if math.gcd(s, n) == 1] or [1]
+    s = strides[-r % len(strides)]
+    return [names[(r + j * s) % n] for j in range(n)]
+
+
 def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
     """The copy, the floors and every config on one shape (with states too when asked); a config
     whose result is not bitwise the first config's (dweight and dbias: the first config of the same
     summation order's) is listed in differs. Timed in args.rounds rounds, each round's order the
-    previous one's rotated by one, each figure the median of its rounds (each timing after
+    round_order's, each figure the median of its rounds (each timing after args.rest_ms idle and
     args.settle_ms of its own calls, settle): timed once in order, a config's time depended on what
     ran before it (H200, r120-r122: the same build read up to 3 % apart at 128 M elements and 9 % at
     512 M as the first and the last config, and 4-16 % apart between rounds right after the copy
-    and right after another backward; the copy's time did not move). With reversed rounds the last
-    timer ran twice back to back and the first always after the copy (r122-r124)."""
+    and right after another backward; the copy's time did not move)."""
     small = b.S * b.C <= args.graph_max_elems
     timers = {"copy": b.copy, **b.floors}
     tensors = ("y", "final_states") if args.op == "fwd" else ("dx", "dinitial_states", "dweight", "dbias")
@@ -239,9 +259,11 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
                 differs.append(f"{b.S}x{b.C} d{b.docs}: {c}{' with states' if states else ''}: {', '.join(bad)} differ from the first")
             timers[c + (" states" if states else "")] = lambda i, call=call, states=states: call(i, states=states)
     runs = {}
-    names = list(timers)
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in round_order(list(timers), r):
+            if args.rest_ms > 0:  # every timing from the same idle state, whatever ran before it
+                torch.cuda.synchronize()
+                time.sleep(args.rest_ms / 1e3)
             settle(timers[name], b.k, args.settle_ms)
             runs.setdefault(name, []).append(median_ms(timers[name], b.k))
             if small:  # the kernel's time alone: tune's ctypes launch can take longer than a small kernel
@@ -282,14 +304,21 @@ def main() -> None:
     parser.add_argument("--inc", action="append", default=[], metavar="NAME=DIR",
                         help="an include tree a config compiles instead of this checkout's when it says INC=NAME")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="time every shape in this many rounds, each in the order of the last rotated by one (default 3)")
+                        help="time every shape in this many rounds, each in another order (round_order; default 3)")
+    parser.add_argument("--rest-ms", type=float, default=500.0,
+                        help="leave the GPU idle this long before each timing: every figure from the same idle state "
+                        "(default %(default)s; 0: back to back, each timing under the power state the previous left)")
     parser.add_argument("--settle-ms", type=float, default=0.0,
                         help="run each call this long before timing it: sustained figures (default 0; see settle)")
     parser.add_argument("--json")
     parser.add_argument("--build-only", action="store_true", help="build the configs' modules, time nothing")
+    parser.add_argument("--build-dir", help="build the configs' modules here, reusing those already built there "
+                        "(default: a new temporary directory), e.g. to time one build in bursts and settled")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds: expected at least 1, got {args.rounds}")
+    if args.rest_ms < 0 or args.settle_ms < 0:
+        parser.error(f"--rest-ms / --settle-ms: expected >= 0, got {args.rest_ms} / {args.settle_ms}")
     mods = build(args)
     if args.build_only:
         return

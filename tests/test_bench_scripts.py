@@ -3,6 +3,7 @@ shapes, host timers, the reference standing in for our kernels) and must end wit
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
@@ -45,3 +46,25 @@ def test_help_lists_the_ci_options(script):
     assert proc.returncode == 0, proc.stderr
     for option in ("--quick", "--no-peers", "--json", "--md", "--shapes", "--mixes", "--variants", "--peers"):
         assert option in proc.stdout
+
+
+def test_tune_rounds_vary_each_timers_place_and_predecessor(monkeypatch):
+    # tune.py times its configs in rounds; a timer's figure depended on what ran right before it
+    # (r126), so each round must take every timer once, and over 3 rounds each must follow at least
+    # two different timers (the first round's order, merely rotated, kept every predecessor).
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    tune = importlib.import_module("tune")
+    for n in range(1, 10):
+        names = [f"t{i}" for i in range(n)]
+        rounds = [tune.round_order(names, r) for r in range(3)]
+        assert all(sorted(order) == names for order in rounds), rounds
+        for name in names if n > 1 else ():
+            before = {order[order.index(name) - 1] if order.index(name) else None for order in rounds}
+            assert len(before) >= 2, (n, name, rounds)
+
+
+@pytest.mark.parametrize("flag", ["--rounds=0", "--rest-ms=-1", "--settle-ms=-5"])
+def test_tune_rejects_bad_timing_options(flag):
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "tune.py"), "--op", "bwd", "--configs", "128/64/8/4", flag],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and flag.split("=")[0] in proc.stderr, proc.stderr
