@@ -20,9 +20,10 @@ partial rows (the same threads, strip length, channels per thread, ITEM_TOKENS a
 SMALL_GRID_WARPS: another geometry adds in another fixed order). With --states each config also
 runs with per-document states (forward: initial_states and final_states_out; backward:
 initial_states and dfinal_states, giving dinitial_states), timed beside its stateless run.
-Timing: --rounds rounds in varied orders (round_order), each timing after --rest-ms of idle GPU
-(default 500: the state the previous timings left the board in moved the backward by up to 13.5 %;
-rested, a build and its repeat read within 0.2 % at 32 M elements and more, r127 and r128), and optionally --settle-ms of its own calls.
+Timing: --rounds rounds in varied orders (round_orders), each timing after --rest-ms of idle GPU
+(default 500: back to back, what ran before moved the backward by up to 15 %; rested, a build and
+its repeat read within 0.25 % at 32 M elements and more, r127 and r128), and optionally
+--settle-ms of its own calls.
 
     python scripts/tune.py --op fwd --configs 128/16/8/4,128/16/12/4 [--variant bf16/none] [--json out.json]
     python scripts/tune.py --op fwd --states --configs 128/16/8/4,128/16/8/4/TL_MAX_C=32 --shapes 1048576x64x1
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import re
@@ -64,7 +66,9 @@ def config_spec(op: str, cfg: str, variant: str, incs: dict[str, str]) -> jit.Ji
     digest)."""
     threads, strip, ring, min_ctas, *rest = cfg.split("/")
     m = f"-DCAKE_{op.upper()}_"
-    inc = [f"-I{incs[kv[4:]]}" for kv in rest if kv.startswith("INC=")]  # before the package's -I
+    # before the package's -I; the tree's digest as a define, so that a module built from another
+    # content of the same directory is not reused (--build-dir)
+    inc = [f for kv in rest if kv.startswith("INC=") for f in (f"-I{incs[kv[4:]]}", f"-DCAKE_TUNE_INC_DIGEST={tree_digest(incs[kv[4:]])}")]
     extra = [f"{m}{kv}" for kv in rest if "=" in kv and not kv.startswith("INC=")]
     vec = [f"{m}VEC={v}" for v in rest if "=" not in v]
     spec = jit.variant_spec(*variant.split("/"), "sm_90a", split=not inc)  # an older tree may lack the route list
@@ -72,12 +76,21 @@ def config_spec(op: str, cfg: str, variant: str, incs: dict[str, str]) -> jit.Ji
     return dataclasses.replace(spec, uri=f"tune_{op}_{re.sub(r'[^0-9A-Za-z]+', '_', cfg)}", cflags=spec.cflags + defines)
 
 
-def resource_lines(build_log: str, uri: str) -> list[str]:
-    """ptxas's register / spill lines of one config's module, from the prebuild's log."""
+def tree_digest(root: str) -> str:
+    """A digest of every file's path and content under root (an --inc tree)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in Path(root).rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def resource_lines(build_log: str, spec: jit.JitSpec) -> list[str]:
+    """ptxas's register / spill lines of one config's module, from the prebuild's log (its file
+    names start with the module's prefix: uri and digest, so no other config's lines match)."""
     lines, mine = [], False
     for line in build_log.splitlines():
         if line.startswith("["):
-            mine = f" {uri}_" in line
+            mine = f" {spec.module_prefix()}" in line
         elif mine and ("Used" in line or "spill" in line):
             lines.append(line)
     return lines
@@ -101,7 +114,8 @@ def settle(fn, k: int, ms: float) -> None:
     power cap the kernel itself may bring about (H200, r122: timed right after the copy the backward
     read 232 µs, right after another backward 240-246 µs, the copy 191.5 µs in every round; r123,
     settled 300 ms: 243-273 µs, with the power cap engaged at up to ~700 W and the SM clock at
-    1515-1980 MHz)."""
+    1515-1980 MHz). After the rest (--rest-ms) the cap needs a longer settle: r130, 2000 ms, read
+    16384x8192 at 254.8 µs and its repeat 255.8, at up to 720 W and 1380-1980 MHz)."""
     t, i = time.perf_counter(), 0
     while (time.perf_counter() - t) * 1e3 < ms:
         for _ in range(8):
@@ -113,17 +127,25 @@ def settle(fn, k: int, ms: float) -> None:
 def build(args) -> dict:
     """Every config's kernel module, built in one parallel ninja run; prints their registers."""
     out = Path(args.build_dir) if args.build_dir else Path(tempfile.mkdtemp())
-    incs = dict(kv.split("=", 1) for kv in args.inc)
+    # absolute: the compiler runs in the build directory, where a relative -I finds nothing and
+    # the package's own headers would be compiled instead, silently
+    incs = {name: str(Path(d).resolve()) for name, d in (kv.split("=", 1) for kv in args.inc)}
+    for name, d in incs.items():
+        if not (Path(d) / "flashinfer_cake").is_dir():
+            raise SystemExit(f"--inc {name}={d}: expected an include tree holding flashinfer_cake/, found none")
     for c in args.configs.split(","):
         for kv in c.split("/"):
             if kv.startswith("INC=") and kv[4:] not in incs:
                 raise SystemExit(f"{c}: {kv} names no --inc (given: {', '.join(incs) or 'none'})")
     specs = {c: config_spec(args.op, c, args.variant, incs) for c in args.configs.split(",")}
     built = jit.prebuild(list(specs.values()), out, progress=print)
-    log_path = out / "build" / "prebuild" / "build.log"  # the last build's: modules built before it print none
+    log_path = out / "build" / "prebuild" / "build.log"  # the last build's there
     log = log_path.read_text() if log_path.exists() else ""
     for c, spec in specs.items():
-        regs = resource_lines(log, spec.uri)
+        regs = resource_lines(log, spec)
+        if not regs:
+            print(c, "reused from", out, "(its registers are in the log of the build that made it)")
+            continue
         used = sorted({r.split("Used ")[1].split(",")[0] for r in regs if "Used" in r})
         spills = sorted({r.strip() for r in regs if "spill" in r and " 0 bytes spill stores" not in r})
         print(c, used, "spills:", spills or "none")
@@ -216,31 +238,48 @@ def summation_order(cfg: str) -> tuple:
     return threads, strip, tuple(vec), tuple(order)
 
 
-def round_order(names: list, r: int) -> list:
-    """The timers' order in round r: names read from index r with a stride coprime with their
-    count, 1 in round 0, then the others from the largest down (n - 1: reversed, n - 2, ...), so
-    that from round to round a timer changes its place and the timer before it (over 3 rounds
-    every timer follows at least 2 different ones, for 2 to 9 timers). Rotated rounds (one stride) kept every
-    timer's predecessor: r126's second build of the plan, always timed right after another
-    backward, read 11 % slower than the first at 512 M elements (by median) and 8 % settled at
-    128 M (the first always after the copy or `add`); reversed rounds ran the last timer twice
-    back to back and the first always after the copy (r122-r124). Varied orders alone did not
-    remove that (r127: 3-5 % apart); the rest before each timing (--rest-ms) did."""
+def round_orders(names: list, rounds: int) -> list[list]:
+    """The timers' order in each round. Timed back to back, a timer's figure depended on the timer
+    right before it (r126: the plan's second build, always after another backward, read 11 %
+    slower than the first at 512 M elements by median, 8-10 % settled at 128 M; in r127 a
+    backward read up to 15 % slower right after another backward than rested). Round 0 is the
+    given order; each later round is, among the orders that read the names with a stride coprime
+    with their count from some start, the one whose first timer is not the last one's (no timer
+    twice in a row), then that makes the most (timer before, timer) pairs not timed yet (the pair
+    across the rounds' boundary included), then that puts the most timers in a place not yet
+    theirs. Deterministic. The rest before each timing (--rest-ms) is what removed the effect
+    (r127); the orders keep it from favouring one config when the rest is short or off."""
     n = len(names)
-    strides = [s for s in range(1, n) if math.gcd(s, n) == 1] or [1]
-    s = strides[-r % len(strides)]
-    return [names[(r + j * s) % n] for j in range(n)]
+    if n < 2:
+        return [list(names) for _ in range(rounds)]
+    strides = [s for s in range(1, n) if math.gcd(s, n) == 1]
+    candidates = [[(start + j * s) % n for j in range(n)] for s in strides for start in range(n)]
+    orders = [list(range(n))]
+    pairs = set(zip(orders[0], orders[0][1:]))
+    places = [{i} for i in range(n)]
+    while len(orders) < rounds:
+        last = orders[-1][-1]
+
+        def score(order):
+            new_pairs = len({(last, order[0]), *zip(order, order[1:])} - pairs)
+            return (order[0] != last, new_pairs, sum(j not in places[t] for j, t in enumerate(order)))
+
+        best = max(candidates, key=score)  # max keeps the first of equal scores: deterministic
+        pairs |= {(last, best[0]), *zip(best, best[1:])}
+        for j, t in enumerate(best):
+            places[t].add(j)
+        orders.append(best)
+    return [[names[i] for i in order] for order in orders]
 
 
 def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
     """The copy, the floors and every config on one shape (with states too when asked); a config
     whose result is not bitwise the first config's (dweight and dbias: the first config of the same
-    summation order's) is listed in differs. Timed in args.rounds rounds, each round's order the
-    round_order's, each figure the median of its rounds (each timing after args.rest_ms idle and
-    args.settle_ms of its own calls, settle): timed once in order, a config's time depended on what
-    ran before it (H200, r120-r122: the same build read up to 3 % apart at 128 M elements and 9 % at
-    512 M as the first and the last config, and 4-16 % apart between rounds right after the copy
-    and right after another backward; the copy's time did not move)."""
+    summation order's) is listed in differs. Timed by time_rounds, each figure the median of its
+    rounds: timed once in order, a config's time depended on what ran before it (H200, r120-r122:
+    the same build read up to 3 % apart at 128 M elements and 9 % at 512 M as the first and the
+    last config, and 4-16 % apart between rounds right after the copy and right after another
+    backward; the copy's time did not move)."""
     small = b.S * b.C <= args.graph_max_elems
     timers = {"copy": b.copy, **b.floors}
     tensors = ("y", "final_states") if args.op == "fwd" else ("dx", "dinitial_states", "dweight", "dbias")
@@ -258,19 +297,27 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
             if bad:
                 differs.append(f"{b.S}x{b.C} d{b.docs}: {c}{' with states' if states else ''}: {', '.join(bad)} differ from the first")
             timers[c + (" states" if states else "")] = lambda i, call=call, states=states: call(i, states=states)
-    runs = {}
-    for r in range(args.rounds):
-        for name in round_order(list(timers), r):
-            if args.rest_ms > 0:  # every timing from the same idle state, whatever ran before it
-                torch.cuda.synchronize()
-                time.sleep(args.rest_ms / 1e3)
-            settle(timers[name], b.k, args.settle_ms)
-            runs.setdefault(name, []).append(median_ms(timers[name], b.k))
-            if small:  # the kernel's time alone: tune's ctypes launch can take longer than a small kernel
-                runs.setdefault(name + " graph", []).append(graph_ms(timers[name], b.k))
+    runs = time_rounds(timers, b.k, small, args)
     row = {"S": b.S, "C": b.C, "docs": b.docs, "pad": b.pad, "floors": list(b.floors), "runs": runs}
     row.update({name: statistics.median(v) for name, v in runs.items()})
     return row
+
+
+def time_rounds(timers: dict, k: int, small: bool, args) -> dict:
+    """Every timer's figure in each of args.rounds rounds (round_orders), as {name: [ms, ...]}:
+    after args.rest_ms of idle GPU (torch.cuda.synchronize, then sleep) and args.settle_ms of
+    its own calls, the eager median, then (small shapes) its graph-replayed time right after."""
+    runs = {}
+    for order in round_orders(list(timers), args.rounds):
+        for name in order:
+            if args.rest_ms > 0:  # every timing from the same idle state, whatever ran before it
+                torch.cuda.synchronize()
+                time.sleep(args.rest_ms / 1e3)
+            settle(timers[name], k, args.settle_ms)
+            runs.setdefault(name, []).append(median_ms(timers[name], k))
+            if small:  # the kernel's time alone: tune's ctypes launch can take longer than a small kernel
+                runs.setdefault(name + " graph", []).append(graph_ms(timers[name], k))
+    return runs
 
 
 def row_text(row: dict, configs: list, op: str) -> str:
@@ -292,7 +339,7 @@ def row_text(row: dict, configs: list, op: str) -> str:
     return f"{row['S']}x{row['C']} d{row['docs']}{' pad' + str(row['pad']) if row['pad'] else ''} copy {row['copy'] * 1e3:.1f}us {gb / row['copy']:.0f}GB/s | {text}"
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--op", choices=("fwd", "bwd"), default="fwd")
     parser.add_argument("--configs", required=True, help="threads/strip/ring/min_ctas[/vec][/NAME=VALUE...],...")
@@ -304,21 +351,30 @@ def main() -> None:
     parser.add_argument("--inc", action="append", default=[], metavar="NAME=DIR",
                         help="an include tree a config compiles instead of this checkout's when it says INC=NAME")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="time every shape in this many rounds, each in another order (round_order; default 3)")
+                        help="time every shape in this many rounds, each in another order (round_orders; default 3)")
     parser.add_argument("--rest-ms", type=float, default=500.0,
                         help="leave the GPU idle this long before each timing: every figure from the same idle state "
-                        "(default %(default)s; 0: back to back, each timing under the power state the previous left)")
+                        "(default %(default)s; 0: back to back, each timing under the power state the previous left; "
+                        "keep it short: ~2 s after a run's last kernel the H200's SM clock fell to idle, r127)")
     parser.add_argument("--settle-ms", type=float, default=0.0,
-                        help="run each call this long before timing it: sustained figures (default 0; see settle)")
+                        help="run each call this long before timing it, after the rest: sustained figures (default 0; "
+                        "see settle; after a 500 ms rest 300 ms stayed under the H200's power cap, 2000 ms reached it: "
+                        "r129, r130)")
     parser.add_argument("--json")
     parser.add_argument("--build-only", action="store_true", help="build the configs' modules, time nothing")
     parser.add_argument("--build-dir", help="build the configs' modules here, reusing those already built there "
                         "(default: a new temporary directory), e.g. to time one build in bursts and settled")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds: expected at least 1, got {args.rounds}")
-    if args.rest_ms < 0 or args.settle_ms < 0:
-        parser.error(f"--rest-ms / --settle-ms: expected >= 0, got {args.rest_ms} / {args.settle_ms}")
+    for name in ("rest_ms", "settle_ms"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')}: expected at least 0, got {getattr(args, name)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     mods = build(args)
     if args.build_only:
         return

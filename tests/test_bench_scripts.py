@@ -48,23 +48,51 @@ def test_help_lists_the_ci_options(script):
         assert option in proc.stdout
 
 
-def test_tune_rounds_vary_each_timers_place_and_predecessor(monkeypatch):
-    # tune.py times its configs in rounds; a timer's figure depended on what ran right before it
-    # (r126), so each round must take every timer once, and over 3 rounds each must follow at least
-    # two different timers (the first round's order, merely rotated, kept every predecessor).
+def _tune(monkeypatch):
     monkeypatch.syspath_prepend(str(SCRIPTS))
-    tune = importlib.import_module("tune")
-    for n in range(1, 10):
+    return importlib.import_module("tune")
+
+
+def test_tune_rounds_vary_what_runs_before_each_timer(monkeypatch):
+    # Timed back to back, a timer's figure depended on the timer right before it (r126): each round
+    # takes every timer once, no timer runs twice in a row (across the rounds' boundaries too), and
+    # over 3 rounds each follows at least two different timers.
+    tune = _tune(monkeypatch)
+    for n in range(2, 10):
         names = [f"t{i}" for i in range(n)]
-        rounds = [tune.round_order(names, r) for r in range(3)]
-        assert all(sorted(order) == names for order in rounds), rounds
-        for name in names if n > 1 else ():
-            before = {order[order.index(name) - 1] if order.index(name) else None for order in rounds}
-            assert len(before) >= 2, (n, name, rounds)
+        rounds = tune.round_orders(names, 3)
+        assert len(rounds) == 3 and all(sorted(order) == sorted(names) for order in rounds), rounds
+        chain = [name for order in rounds for name in order]
+        assert all(a != b for a, b in zip(chain, chain[1:])), rounds
+        before = {name: {a for a, b in zip(chain, chain[1:]) if b == name} for name in names}
+        assert n == 2 or min(map(len, before.values())) >= 2, (n, rounds)
+        assert tune.round_orders(names, 3) == rounds  # deterministic
+
+
+def test_tune_rests_before_every_timing(monkeypatch):
+    tune = _tune(monkeypatch)
+    events = []
+    monkeypatch.setattr(tune.torch.cuda, "synchronize", lambda: events.append("sync"))
+    monkeypatch.setattr(tune.time, "sleep", lambda s: events.append(("sleep", s)))
+    monkeypatch.setattr(tune, "settle", lambda fn, k, ms: events.append(("settle", ms)))
+    monkeypatch.setattr(tune, "median_ms", lambda fn, k: events.append(("time", fn())) or 1.0)
+    monkeypatch.setattr(tune, "graph_ms", lambda fn, k: events.append(("graph", fn())) or 0.5)
+    timers = {name: (lambda name=name: name) for name in ("copy", "a", "b")}
+    args = tune.parse_args(["--configs", "x", "--rounds", "2", "--rest-ms", "250", "--settle-ms", "7"])
+    runs = tune.time_rounds(timers, 1, True, args)
+    assert runs == {name: [1.0, 1.0] for name in timers} | {f"{name} graph": [0.5, 0.5] for name in timers}
+    per_timing = [events[i:i + 5] for i in range(0, len(events), 5)]
+    assert len(per_timing) == 6 and all(
+        e[:3] == ["sync", ("sleep", 0.25), ("settle", 7.0)] and e[3][0] == "time" and e[4] == ("graph", e[3][1])
+        for e in per_timing), events
+    events.clear()
+    tune.time_rounds(timers, 1, False, tune.parse_args(["--configs", "x", "--rest-ms", "0"]))
+    assert events and all(e[0] in ("settle", "time") for e in events), events  # no rest asked: none taken
 
 
 @pytest.mark.parametrize("flag", ["--rounds=0", "--rest-ms=-1", "--settle-ms=-5"])
-def test_tune_rejects_bad_timing_options(flag):
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "tune.py"), "--op", "bwd", "--configs", "128/64/8/4", flag],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and flag.split("=")[0] in proc.stderr, proc.stderr
+def test_tune_rejects_bad_timing_options(monkeypatch, capsys, flag):
+    tune = _tune(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        tune.parse_args(["--configs", "128/64/8/4", flag])
+    assert e.value.code == 2 and f"{flag.split('=')[0]}: expected at least" in capsys.readouterr().err
