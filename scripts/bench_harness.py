@@ -169,6 +169,8 @@ def add_common_arguments(p: argparse.ArgumentParser, bench) -> None:
     arg("--max-reps", type=int, default=bench.MAX_REPS, help="(default %(default)s)")
     arg("--rot-mb", type=float, default=200.0, help="rotate over k input/output sets of together >= this many MB "
         "(default %(default)s; L2 is ~60 MB on an H200)")
+    arg("--rest-ms", type=float, default=0.0, help="leave the GPU idle this long before each measurement, so that "
+        "none runs under the power state the previous one left (default %(default)s: back to back; tune.py rests 500)")
     arg("--graph-max-elems", type=int, default=1 << 24, help="CUDA-graph timings for S*C <= this (default 16M: "
         "1024x8192, 4096x4096, 8192x2048)")
     arg("--graph-calls", type=int, default=20, help="calls per captured graph (default %(default)s)")
@@ -200,6 +202,8 @@ def parse_args(bench, argv=None) -> argparse.Namespace:
     labels = {variant_label(*v): v for v in FULL_VARIANTS}
     a.variants = [labels[v] for v in a.variants] if a.variants else QUICK_VARIANTS if a.quick else FULL_VARIANTS
     a.peers = () if a.no_peers else a.peers
+    if a.rest_ms < 0:
+        p.error(f"--rest-ms: expected at least 0, got {a.rest_ms}")
     for S, C in a.shapes:
         if S < 1 or C < 8 or C % 8:
             p.error(f"shape {S}x{C}: need S >= 1 and C a positive multiple of 8")
@@ -220,6 +224,15 @@ class Dev:
     def sync(self):
         if self.cuda:
             torch.cuda.synchronize()
+
+    def rest(self, ms: float) -> None:
+        """Leave the GPU idle for ms once its work is done, so that a timing starts from the same
+        idle state whatever ran before it (H200, tune.py r126-r127: back to back, the backward read
+        up to 15 % slower right after another backward than after a rest; rested, a build and its
+        repeat read within 0.25 %)."""
+        if ms > 0:
+            self.sync()
+            time.sleep(ms / 1e3)
 
     def host_us(self, fn, calls: int, batches: int = 10) -> dict:
         """Host time of one call of fn in µs (median, mean, p10 over every call), free of GPU
@@ -301,8 +314,10 @@ class Dev:
 
 
 def measure(dev: Dev, fn, nrot: int, args, *, warm: int = 3, reps: int | None = None, start: int = 0) -> dict:
-    """Warm up (the first call may compile or autotune: timed apart), then the median of many
-    reps, as many as fit args.target_ms (within min_reps..max_reps)."""
+    """After args.rest_ms of idle GPU (if the namespace has it, Dev.rest), warm up (the first call
+    may compile or autotune: timed apart), then the median of many reps, as many as fit
+    args.target_ms (within min_reps..max_reps)."""
+    dev.rest(getattr(args, "rest_ms", 0.0))
     t = time.perf_counter()
     fn(start % nrot)
     dev.sync()

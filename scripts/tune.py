@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
+import os
 import re
 import statistics
 import tempfile
@@ -76,11 +78,15 @@ def config_spec(op: str, cfg: str, variant: str, incs: dict[str, str]) -> jit.Ji
     return dataclasses.replace(spec, uri=f"tune_{op}_{re.sub(r'[^0-9A-Za-z]+', '_', cfg)}", cflags=spec.cflags + defines)
 
 
+@functools.lru_cache(maxsize=None)
 def tree_digest(root: str) -> str:
-    """A digest of every file's path and content under root (an --inc tree)."""
+    """A digest of every file's path, size and content under root (an --inc tree), through
+    symbolic links to folders as the compiler follows them."""
     h = hashlib.sha256()
-    for path in sorted(p for p in Path(root).rglob("*") if p.is_file()):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    files = sorted(Path(d, f) for d, _, names in os.walk(root, followlinks=True) for f in names)
+    for path in files:
+        data = path.read_bytes()
+        h.update(os.fsencode(path.relative_to(root)) + b"\0" + str(len(data)).encode() + b"\0" + data)
     return h.hexdigest()[:16]
 
 
@@ -115,13 +121,17 @@ def settle(fn, k: int, ms: float) -> None:
     read 232 µs, right after another backward 240-246 µs, the copy 191.5 µs in every round; r123,
     settled 300 ms: 243-273 µs, with the power cap engaged at up to ~700 W and the SM clock at
     1515-1980 MHz). After the rest (--rest-ms) the cap needs a longer settle: r130, 2000 ms, read
-    16384x8192 at 254.8 µs and its repeat 255.8, at up to 720 W and 1380-1980 MHz)."""
+    16384x8192 at 254.8 µs and its repeat 255.8, at up to 720 W and 1380-1980 MHz."""
     t, i = time.perf_counter(), 0
     while (time.perf_counter() - t) * 1e3 < ms:
         for _ in range(8):
             fn(i % k)
             i += 1
         torch.cuda.synchronize()
+
+
+# A file every kernel module includes: an --inc tree without it would compile this checkout's headers.
+INC_MARKER = "flashinfer_cake/causal_conv1d_bwd_launcher.cuh"
 
 
 def build(args) -> dict:
@@ -131,8 +141,8 @@ def build(args) -> dict:
     # the package's own headers would be compiled instead, silently
     incs = {name: str(Path(d).resolve()) for name, d in (kv.split("=", 1) for kv in args.inc)}
     for name, d in incs.items():
-        if not (Path(d) / "flashinfer_cake").is_dir():
-            raise SystemExit(f"--inc {name}={d}: expected an include tree holding flashinfer_cake/, found none")
+        if not (Path(d) / INC_MARKER).is_file():
+            raise SystemExit(f"--inc {name}={d}: expected an include tree holding {INC_MARKER}, found none")
     for c in args.configs.split(","):
         for kv in c.split("/"):
             if kv.startswith("INC=") and kv[4:] not in incs:
@@ -144,7 +154,7 @@ def build(args) -> dict:
     for c, spec in specs.items():
         regs = resource_lines(log, spec)
         if not regs:
-            print(c, "reused from", out, "(its registers are in the log of the build that made it)")
+            print(c, "in", out, "without ptxas lines in this build's log (compiled by an earlier build there)")
             continue
         used = sorted({r.split("Used ")[1].split(",")[0] for r in regs if "Used" in r})
         spills = sorted({r.strip() for r in regs if "spill" in r and " 0 bytes spill stores" not in r})
@@ -247,15 +257,16 @@ def round_orders(names: list, rounds: int) -> list[list]:
     with their count from some start, the one whose first timer is not the last one's (no timer
     twice in a row), then that makes the most (timer before, timer) pairs not timed yet (the pair
     across the rounds' boundary included), then that puts the most timers in a place not yet
-    theirs. Deterministic. The rest before each timing (--rest-ms) is what removed the effect
-    (r127); the orders keep it from favouring one config when the rest is short or off."""
+    theirs (with a prime count of timers, the first stays first). Deterministic. The rest before
+    each timing (--rest-ms) is what removed the effect (r127); the orders keep it from favouring
+    one config when the rest is short or off. One timer: the same order every round."""
     n = len(names)
     if n < 2:
         return [list(names) for _ in range(rounds)]
     strides = [s for s in range(1, n) if math.gcd(s, n) == 1]
     candidates = [[(start + j * s) % n for j in range(n)] for s in strides for start in range(n)]
-    orders = [list(range(n))]
-    pairs = set(zip(orders[0], orders[0][1:]))
+    orders = [list(range(n))][:rounds]
+    pairs = set(zip(range(n), range(1, n)))
     places = [{i} for i in range(n)]
     while len(orders) < rounds:
         last = orders[-1][-1]
@@ -305,14 +316,12 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
 
 def time_rounds(timers: dict, k: int, small: bool, args) -> dict:
     """Every timer's figure in each of args.rounds rounds (round_orders), as {name: [ms, ...]}:
-    after args.rest_ms of idle GPU (torch.cuda.synchronize, then sleep) and args.settle_ms of
-    its own calls, the eager median, then (small shapes) its graph-replayed time right after."""
+    after args.rest_ms of idle GPU (bench_harness's Dev.rest) and args.settle_ms of its own
+    calls, the eager median, then (small shapes) its graph-replayed time right after."""
     runs = {}
     for order in round_orders(list(timers), args.rounds):
         for name in order:
-            if args.rest_ms > 0:  # every timing from the same idle state, whatever ran before it
-                torch.cuda.synchronize()
-                time.sleep(args.rest_ms / 1e3)
+            DEV.rest(args.rest_ms)  # before the settle (TIMING has no rest_ms: measure does not rest again)
             settle(timers[name], k, args.settle_ms)
             runs.setdefault(name, []).append(median_ms(timers[name], k))
             if small:  # the kernel's time alone: tune's ctypes launch can take longer than a small kernel
@@ -358,7 +367,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "keep it short: ~2 s after a run's last kernel the H200's SM clock fell to idle, r127)")
     parser.add_argument("--settle-ms", type=float, default=0.0,
                         help="run each call this long before timing it, after the rest: sustained figures (default 0; "
-                        "see settle; after a 500 ms rest 300 ms stayed under the H200's power cap, 2000 ms reached it: "
+                        "see settle; after a 500 ms rest, 300 ms did not slow the backward on an H200, 2000 ms did: "
                         "r129, r130)")
     parser.add_argument("--json")
     parser.add_argument("--build-only", action="store_true", help="build the configs' modules, time nothing")
@@ -368,8 +377,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.rounds < 1:
         parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     for name in ("rest_ms", "settle_ms"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')}: expected at least 0, got {getattr(args, name)}")
+        if not 0 <= getattr(args, name) < math.inf:  # nan fails too
+            parser.error(f"--{name.replace('_', '-')}: expected a finite number of at least 0, got {getattr(args, name)}")
     return args
 
 

@@ -3,6 +3,7 @@ shapes, host timers, the reference standing in for our kernels) and must end wit
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import re
@@ -67,6 +68,7 @@ def test_tune_rounds_vary_what_runs_before_each_timer(monkeypatch):
         before = {name: {a for a, b in zip(chain, chain[1:]) if b == name} for name in names}
         assert n == 2 or min(map(len, before.values())) >= 2, (n, rounds)
         assert tune.round_orders(names, 3) == rounds  # deterministic
+        assert len(tune.round_orders(names, 7)) == 7 and tune.round_orders(names, 7)[:3] == rounds
 
 
 def test_tune_rests_before_every_timing(monkeypatch):
@@ -74,25 +76,77 @@ def test_tune_rests_before_every_timing(monkeypatch):
     events = []
     monkeypatch.setattr(tune.torch.cuda, "synchronize", lambda: events.append("sync"))
     monkeypatch.setattr(tune.time, "sleep", lambda s: events.append(("sleep", s)))
-    monkeypatch.setattr(tune, "settle", lambda fn, k, ms: events.append(("settle", ms)))
-    monkeypatch.setattr(tune, "median_ms", lambda fn, k: events.append(("time", fn())) or 1.0)
-    monkeypatch.setattr(tune, "graph_ms", lambda fn, k: events.append(("graph", fn())) or 0.5)
-    timers = {name: (lambda name=name: name) for name in ("copy", "a", "b")}
+    monkeypatch.setattr(tune, "settle", lambda fn, k, ms: events.append(("settle", fn(0), k, ms)))
+    monkeypatch.setattr(tune, "median_ms", lambda fn, k: events.append(("time", fn(0), k)) or 1.0)
+    monkeypatch.setattr(tune, "graph_ms", lambda fn, k: events.append(("graph", fn(0), k)) or 0.5)
+    timers = {name: (lambda i, name=name: name) for name in ("copy", "a", "b", "c")}
     args = tune.parse_args(["--configs", "x", "--rounds", "2", "--rest-ms", "250", "--settle-ms", "7"])
-    runs = tune.time_rounds(timers, 1, True, args)
+    runs = tune.time_rounds(timers, 5, True, args)
     assert runs == {name: [1.0, 1.0] for name in timers} | {f"{name} graph": [0.5, 0.5] for name in timers}
     per_timing = [events[i:i + 5] for i in range(0, len(events), 5)]
-    assert len(per_timing) == 6 and all(
-        e[:3] == ["sync", ("sleep", 0.25), ("settle", 7.0)] and e[3][0] == "time" and e[4] == ("graph", e[3][1])
-        for e in per_timing), events
+    chain = [name for order in tune.round_orders(list(timers), 2) for name in order]
+    assert per_timing == [["sync", ("sleep", 0.25), ("settle", name, 5, 7.0), ("time", name, 5), ("graph", name, 5)]
+                          for name in chain], events
     events.clear()
-    tune.time_rounds(timers, 1, False, tune.parse_args(["--configs", "x", "--rest-ms", "0"]))
+    tune.time_rounds(timers, 5, False, tune.parse_args(["--configs", "x", "--rest-ms", "0"]))
     assert events and all(e[0] in ("settle", "time") for e in events), events  # no rest asked: none taken
 
 
-@pytest.mark.parametrize("flag", ["--rounds=0", "--rest-ms=-1", "--settle-ms=-5"])
+def test_tune_include_trees(monkeypatch, tmp_path):
+    # An --inc tree's content is part of its configs' build flags (a module built from other content
+    # is never reused from --build-dir), links to folders included; a tree without the kernels'
+    # headers is refused (the compiler would silently take this checkout's).
+    tune = _tune(monkeypatch)
+    tree = tmp_path / "inc"
+    (tree / "flashinfer_cake").mkdir(parents=True)
+    (tree / tune.INC_MARKER).write_text("// launcher")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "extra.cuh").write_text("a")
+    (tree / "linked").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    flags = lambda: tune.config_spec("bwd", "128/64/8/4/INC=t", "fp32/fp32", {"t": str(tree)}).cflags  # noqa: E731
+    before = flags()
+    assert f"-I{tree}" in before and any(f.startswith("-DCAKE_TUNE_INC_DIGEST=") for f in before)
+    tune.tree_digest.cache_clear()
+    (tmp_path / "elsewhere" / "extra.cuh").write_text("b")
+    assert flags() != before
+    args = tune.parse_args(["--op", "bwd", "--configs", "128/64/8/4/INC=t", "--inc", f"t={tmp_path}"])
+    with pytest.raises(SystemExit, match="expected an include tree holding"):
+        tune.build(args)
+
+
+def test_tune_register_lines_are_the_configs_own(monkeypatch):
+    tune = _tune(monkeypatch)
+    mine = tune.config_spec("bwd", "128/64/8/4", "fp32/fp32", {})
+    other = tune.config_spec("bwd", "128/64/8/4/REPEAT=1", "fp32/fp32", {})
+    log = "\n".join([f"[1/3] compile {mine.module_prefix()}ab.cu.o", "ptxas info    : Used 110 registers",
+                     f"[2/3] compile {other.module_prefix()}ab.cu.o", "ptxas info    : Used 99 registers",
+                     f"[3/3] build {mine.module_prefix()}ab.so"])
+    assert tune.resource_lines(log, mine) == ["ptxas info    : Used 110 registers"]
+    assert tune.resource_lines(log, other) == ["ptxas info    : Used 99 registers"]
+
+
+@pytest.mark.parametrize("flag", ["--rounds=0", "--rest-ms=-1", "--settle-ms=-5", "--rest-ms=nan", "--settle-ms=inf"])
 def test_tune_rejects_bad_timing_options(monkeypatch, capsys, flag):
     tune = _tune(monkeypatch)
     with pytest.raises(SystemExit) as e:
         tune.parse_args(["--configs", "128/64/8/4", flag])
-    assert e.value.code == 2 and f"{flag.split('=')[0]}: expected at least" in capsys.readouterr().err
+    assert e.value.code == 2 and f"{flag.split('=')[0]}: expected" in capsys.readouterr().err
+
+
+def test_bench_harness_rests_before_a_measurement(monkeypatch):
+    # --rest-ms of the benchmarks (and tune.py's rest, through the same Dev.rest): the idle time
+    # comes before the measurement's first call, once, and not at all when 0.
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    harness = importlib.import_module("bench_harness")
+    events = []
+    monkeypatch.setattr(harness.time, "sleep", lambda s: events.append(("sleep", s)))
+    dev = harness.Dev(smoke_cpu=True)
+    args = argparse.Namespace(rest_ms=3.0, target_ms=0.01, min_reps=2, max_reps=3)
+    res = harness.measure(dev, lambda i: events.append("call"), 1, args)
+    assert events[0] == ("sleep", 0.003) and events.count(("sleep", 0.003)) == 1 and res["reps"] >= 2, events
+    events.clear()
+    harness.measure(dev, lambda i: events.append("call"), 1, argparse.Namespace(rest_ms=0.0, target_ms=0.01,
+                                                                                 min_reps=2, max_reps=3))
+    assert events and set(events) == {"call"}, events
+    with pytest.raises(SystemExit):
+        harness.parse_args(importlib.import_module("bench_bwd").BackwardBench, ["--rest-ms=-1"])
