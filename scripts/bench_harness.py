@@ -141,6 +141,17 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def duration_ms(text: str) -> float:
+    """An argparse type: a finite number of milliseconds, at least 0 (--rest-ms, --settle-ms)."""
+    try:
+        ms = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
+    if not 0 <= ms < math.inf:  # nan fails too
+        raise argparse.ArgumentTypeError(f"expected a finite number of at least 0, got {text}")
+    return ms
+
+
 def comma_list(choices):
     """An argparse type: a comma list of some of `choices`, as a tuple."""
     def parse(text: str) -> tuple:
@@ -169,7 +180,7 @@ def add_common_arguments(p: argparse.ArgumentParser, bench) -> None:
     arg("--max-reps", type=int, default=bench.MAX_REPS, help="(default %(default)s)")
     arg("--rot-mb", type=float, default=200.0, help="rotate over k input/output sets of together >= this many MB "
         "(default %(default)s; L2 is ~60 MB on an H200)")
-    arg("--rest-ms", type=float, default=0.0, help="leave the GPU idle this long before each measurement, so that "
+    arg("--rest-ms", type=duration_ms, default=0.0, help="leave the GPU idle this long before each measurement, so that "
         "none runs under the power state the previous one left (default %(default)s: back to back; tune.py rests 500)")
     arg("--graph-max-elems", type=int, default=1 << 24, help="CUDA-graph timings for S*C <= this (default 16M: "
         "1024x8192, 4096x4096, 8192x2048)")
@@ -202,8 +213,6 @@ def parse_args(bench, argv=None) -> argparse.Namespace:
     labels = {variant_label(*v): v for v in FULL_VARIANTS}
     a.variants = [labels[v] for v in a.variants] if a.variants else QUICK_VARIANTS if a.quick else FULL_VARIANTS
     a.peers = () if a.no_peers else a.peers
-    if a.rest_ms < 0:
-        p.error(f"--rest-ms: expected at least 0, got {a.rest_ms}")
     for S, C in a.shapes:
         if S < 1 or C < 8 or C % 8:
             p.error(f"shape {S}x{C}: need S >= 1 and C a positive multiple of 8")
@@ -227,9 +236,7 @@ class Dev:
 
     def rest(self, ms: float) -> None:
         """Leave the GPU idle for ms once its work is done, so that a timing starts from the same
-        idle state whatever ran before it (H200, tune.py r126-r127: back to back, the backward read
-        up to 15 % slower right after another backward than after a rest; rested, a build and its
-        repeat read within 0.25 %)."""
+        idle state whatever ran before it (the measured effect: scripts/tune.py's docstring)."""
         if ms > 0:
             self.sync()
             time.sleep(ms / 1e3)

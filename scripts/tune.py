@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from bench_harness import Dev, measure, measure_graph
+from bench_harness import Dev, duration_ms, measure, measure_graph
 from flashinfer_cake import _plan, jit
 
 SHAPES = [(16384, 8192, 16), (65536, 2048, 32), (32768, 4096, 1024), (32768, 4096, 8192),
@@ -361,11 +361,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="an include tree a config compiles instead of this checkout's when it says INC=NAME")
     parser.add_argument("--rounds", type=int, default=3,
                         help="time every shape in this many rounds, each in another order (round_orders; default 3)")
-    parser.add_argument("--rest-ms", type=float, default=500.0,
+    parser.add_argument("--rest-ms", type=duration_ms, default=500.0,
                         help="leave the GPU idle this long before each timing: every figure from the same idle state "
                         "(default %(default)s; 0: back to back, each timing under the power state the previous left; "
                         "keep it short: ~2 s after a run's last kernel the H200's SM clock fell to idle, r127)")
-    parser.add_argument("--settle-ms", type=float, default=0.0,
+    parser.add_argument("--settle-ms", type=duration_ms, default=0.0,
                         help="run each call this long before timing it, after the rest: sustained figures (default 0; "
                         "see settle; after a 500 ms rest, 300 ms did not slow the backward on an H200, 2000 ms did: "
                         "r129, r130)")
@@ -376,9 +376,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds: expected at least 1, got {args.rounds}")
-    for name in ("rest_ms", "settle_ms"):
-        if not 0 <= getattr(args, name) < math.inf:  # nan fails too
-            parser.error(f"--{name.replace('_', '-')}: expected a finite number of at least 0, got {getattr(args, name)}")
     return args
 
 
