@@ -330,29 +330,60 @@ def test_document_mixes_match_reference(S, C, mix, weight_dtype, bias_dtype, pol
 
 
 def launched_route(call):
-    """(channel lanes, threads, strip length) of the streaming kernel call() launches
-    (BwdTraits<kVec, kLanesC, kThreads, kStripLen, ...>)."""
+    """(channels per thread, channel lanes, threads, strip length) of the streaming kernel call()
+    launches (BwdTraits<kVec, kLanesC, kThreads, kStripLen, ...>)."""
     name = launched_bwd_kernel(call)
-    m = re.search(r"BwdTraits<\s*\d+,\s*(\d+),\s*(\d+),\s*(\d+),", name)
+    m = re.search(r"BwdTraits<\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),", name)
     assert m, name
     return tuple(int(v) for v in m.groups())
 
 
 @pytest.mark.parametrize("S, C, route", [
-    pytest.param(1024, 4096, (32, 128, 32), id="S1024-C4096-wide-half"),  # 8 groups x 32 tiles: 512 warps
-    pytest.param(2048, 4096, (32, 128, 32), id="S2048-C4096-wide-half"),  # 1024 warps: the threshold
-    pytest.param(2049, 4096, (32, 64, 64), id="S2049-C4096-wide-short"),  # 17 groups: 1088 warps
-    pytest.param(8192, 4096, (32, 128, 64), id="S8192-C4096-wide"),  # groups of 512 tokens
-    pytest.param(65536, 64, (16, 64, 32), id="S65536-C64-mid-half"),  # groups of 128 tokens
-    pytest.param(262144, 64, (16, 64, 64), id="S262144-C64-mid"),  # groups of 256 tokens
+    pytest.param(1024, 4096, (4, 32, 128, 32), id="S1024-C4096-wide-half"),  # 8 groups x 32 tiles: 512 warps
+    pytest.param(2048, 4096, (4, 32, 128, 32), id="S2048-C4096-wide-half"),  # 1024 warps: the threshold
+    pytest.param(2049, 4096, (4, 32, 64, 64), id="S2049-C4096-wide-short"),  # 17 groups: 1088 warps
+    pytest.param(8192, 4096, (8, 32, 128, 64), id="S8192-C4096-wide-vec8"),  # groups of 512 tokens, 16-byte rows
+    pytest.param(131072, 256, (8, 32, 128, 64), id="S131072-C256-wide-vec8"),  # one 256-channel tile
+    pytest.param(262144, 136, (4, 32, 128, 64), id="S262144-C136-wide"),  # C not a multiple of 256: 8-byte rows
+    pytest.param(262144, 128, (4, 32, 128, 64), id="S262144-C128-wide"),
+    pytest.param(65536, 64, (4, 16, 64, 32), id="S65536-C64-mid-half"),  # groups of 128 tokens
+    pytest.param(262144, 64, (4, 16, 64, 64), id="S262144-C64-mid"),  # groups of 256 tokens
 ])
 def test_route_rule(S, C, route):
-    """The launcher's rule for short token groups: strips of half the length in the full CTA on a
-    grid of at most 1024 warps of the half CTA (always at 32 < C <= 64), the half CTA above it; the
-    results match the reference either way (test_document_mixes_match_reference)."""
+    """The launcher's rule: for short token groups strips of half the length in the full CTA on a
+    grid of at most 1024 warps of the half CTA (always at 32 < C <= 64), the half CTA above it; 16-byte
+    rows for groups of 256 tokens or more at C a multiple of 256 (without states). The results match the
+    reference either way (test_document_mixes_match_reference)."""
     x, w, b, dy = make_inputs(S, C, seed=S + C)
     cu = make_cu(S, [S])
     assert launched_route(lambda: backward(x, w, cu, dy, b)) == route
+
+
+@pytest.mark.parametrize("S, C, docs, vec", [
+    pytest.param(8192, 4096, 1, 8, id="S8192-C4096"),
+    pytest.param(4100, 8192, 7, 8, id="S4100-C8192"),  # a last token group part-filled
+    pytest.param(131072, 256, 300, 8, id="S131072-C256"),
+    pytest.param(131072, 200, 40, 4, id="S131072-C200"),  # a last channel tile with idle lanes: the bounded loop
+])
+def test_stateless_wide_route_is_bitwise_the_stateful_kernel(S, C, docs, vec):
+    """Token groups of 256 tokens or more at C a multiple of 256 run, without states, in 16-byte rows
+    (WideVec8: items of 256 channels), with states on the Wide kernels of 8-byte rows (128 channels);
+    without states strips inside [0, S) of tiles without idle lanes walk a loop without bounds tests.
+    They walk the same strips and add in the same order: with zero final-state gradients (no initial
+    states: no tap changes) the stateful call gives the same dweight and dbias bits, and dx but the
+    sign of an exact zero (d + 0)."""
+    x, w, b, dy = make_inputs(S, C, seed=S + C + docs)
+    cu = make_cu(S, split(S, docs, random.Random(S + docs)))
+    zeros = torch.zeros(docs, 3, C, dtype=BF16, device=DEV)
+    for policy in POLICIES:
+        stateless = lambda: backward(x, w, cu, dy, b, policy)  # noqa: E731
+        stateful = lambda: backward(x, w, cu, dy, b, policy, dfinal_states=zeros)  # noqa: E731
+        assert launched_route(stateless) == (vec, 32, 128, 64)
+        assert launched_route(stateful) == (4, 32, 128, 64)
+        (dx0, dw0, db0), (dx1, dw1, db1) = stateless(), stateful()
+        assert same_bits(dw0, dw1) and same_bits(db0, db1), policy
+        assert torch.equal(dx0, dx1) and same_bits(dx0.abs(), dx1.abs()), policy
+        assert_grads_match_reference((dx0, dw0, db0), x, w, cu, dy, b, policy)
 
 
 @pytest.mark.parametrize("C", [24, 48, 136])
@@ -1263,8 +1294,10 @@ import torch
 from flashinfer_cake import cake_causal_conv1d_train_backward as bwd
 PATTERNS = {patterns}
 PATTERNS_WARP_FILLED = {patterns_warp_filled}
-# (2049, 4096): 17 groups of 128 tokens in 64-thread CTAs (WideShort); (1111, 4096) their WideHalf
-for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (2049, 4096), (4100, 8192), (300, 56), (262200, 40)]:
+# (2049, 4096): 17 groups of 128 tokens in 64-thread CTAs (WideShort); (1111, 4096) their WideHalf;
+# (4100, 8192): groups of 576 tokens in 16-byte rows (WideVec8); (100000, 200): groups of 448 tokens,
+# the second channel tile with idle lanes
+for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (2049, 4096), (4100, 8192), (100000, 200), (300, 56), (262200, 40)]:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")

@@ -28,20 +28,24 @@
 
 namespace flashinfer_cake {
 
-// The backward's kernel for the launch's round_preact and states; kMayChooseItems: the route has a
-// kernel with the item choice (BwdRoute).
-template <class Traits, class WeightT, class BiasT, bool kMayChooseItems>
+inline bool bwd_has_states(const CausalConv1dBwdParams& p) { return p.initial_states || p.dfinal_states; }
+
+// The backward's kernel for the launch's round_preact and states (Route: a BwdRoute).
+template <class Route, class WeightT, class BiasT>
 auto bwd_kernel_for(const CausalConv1dBwdParams& p) {
-  const bool states = p.initial_states || p.dfinal_states;
-  const bool choice = kMayChooseItems && states &&
+  using Traits = typename Route::Traits;
+  const bool states = bwd_has_states(p);
+  const bool choice = Route::kMayChooseItems && states &&
                       int64_t(p.groups) >= int64_t(CAKE_BWD_ITEM_CHOICE_GROUPS_PER_DOC) * p.num_docs;
   const auto pick = [&](auto round_preact) {
     constexpr bool kRound = decltype(round_preact)::value;
-    if constexpr (kMayChooseItems) {
+    if constexpr (Route::kMayChooseItems) {
       if (choice) return causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, kRound, true, true>;
     }
-    return states ? causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, kRound, true, false>
-                  : causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, kRound, false, false>;
+    if constexpr (Route::kStates) {
+      if (states) return causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, kRound, true, false>;
+    }
+    return causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, kRound, false, false>;
   };
   return p.round_preact ? pick(std::true_type{}) : pick(std::false_type{});
 }
@@ -82,15 +86,21 @@ int64_t bwd_channel_tiles(int64_t C) {
 template <class Route, class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t stream) {
   using Traits = typename Route::Traits;
+  if (!Route::kStates && bwd_has_states(p)) {  // the route rule never does this
+    return fail(cudaErrorInvalidValue, "internal: states given to a backward route without the stateful kernels");
+  }
   const int64_t tiles_c = bwd_channel_tiles<Traits>(p.C);
   const int64_t blocks = int64_t(p.groups) * tiles_c;
-  const int64_t rows_span = int64_t(p.S) * std::max({p.x_row_stride, p.dy_row_stride, p.dx_row_stride});  // vectors
-  if (blocks > INT32_MAX || rows_span >= (int64_t(1) << 32)) {  // 32-bit offsets
+  const int64_t rows_span = int64_t(p.S) * std::max({p.x_row_elems, p.dy_row_elems, p.dx_row_elems});  // elements
+  if (blocks > INT32_MAX || rows_span / Traits::kVec >= (int64_t(1) << 32)) {  // 32-bit offsets, in vectors
     return fail(cudaErrorInvalidValue, "x: S * row stride = %lld elements is too large for the backward (must be below 2^%d)",
-                (long long)rows_span * Traits::kVec, 32 + (Traits::kVec == 8 ? 3 : 2));
+                (long long)rows_span, 32 + (Traits::kVec == 8 ? 3 : 2));
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
-  const auto kernel = bwd_kernel_for<Traits, WeightT, BiasT, Route::kMayChooseItems>(p);
+  p.x_row_stride = static_cast<uint32_t>(p.x_row_elems / Traits::kVec);  // below 2^32: S * stride checked above
+  p.dy_row_stride = static_cast<uint32_t>(p.dy_row_elems / Traits::kVec);
+  p.dx_row_stride = static_cast<uint32_t>(p.dx_row_elems / Traits::kVec);
+  const auto kernel = bwd_kernel_for<Route, WeightT, BiasT>(p);
   const cudaError_t e = launch_after_prerequisite(kernel, blocks, Traits::kThreads, 0, stream, p);
   if (e != cudaSuccess) return fail(e, "backward kernel launch failed: %s", cudaGetErrorString(e));
   return launch_bwd_reduce<WeightT, BiasT>(p, stream);
@@ -130,14 +140,17 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 // Token groups (the item_tokens argument) must be a multiple of this.
 constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
 
-// A route: a tile geometry, and whether it has a kernel with the item choice (the full-width
+// A route: a tile geometry, whether it has a kernel with the item choice (the full-width
 // routes; at C = 16, where the stateful kernel's shared memory also lowers its CTAs per SM,
 // 1048576x16 with 1 document went 1.070 -> 1.057x and with 64 1.091 -> 1.106x: not worth a kernel
-// per narrow route).
-template <class Traits_, bool kMayChooseItems_ = false>
+// per narrow route), and whether it has the stateful kernels (without them the rule launches it
+// only without states).
+template <class Traits_, bool kMayChooseItems_ = false, bool kStates_ = true>
 struct BwdRoute {
   using Traits = Traits_;
   static constexpr bool kMayChooseItems = kMayChooseItems_;
+  static constexpr bool kStates = kStates_;
+  static_assert(kStates || !kMayChooseItems, "the item choice is a stateful kernel");
 };
 // A new route goes into jit/variant.py's BWD_ROUTE_UNITS too (tests/test_jit.py compares the two), which
 // also spells launch_causal_conv1d_bwd_route's signature for its instantiations.
@@ -145,6 +158,9 @@ namespace bwd_routes {  // launch_causal_conv1d_bwd says which shapes take which
 constexpr int kVec = CAKE_BWD_VEC, kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BWD_STRIP_LEN, kRing = CAKE_BWD_RING,
               kMinCtas = CAKE_BWD_MIN_CTAS, kNarrowRing = CAKE_BWD_NARROW_RING;
 using Wide = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>, true>;
+// Wide's strips without states, in 16-byte rows: items of twice the channels, half the CTAs per SM
+// (launch_causal_conv1d_bwd).
+using WideVec8 = BwdRoute<BwdTraits<8, 32, kThreads, kStrip, kRing, (kMinCtas + 1) / 2>, false, false>;
 using WideShort = BwdRoute<BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>, true>;
 using WideHalf = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip / 2, kRing, kMinCtas>, true>;
 using Mid = BwdRoute<BwdTraits<kVec, 16, kThreads / 2, kStrip, kRing, 2 * kMinCtas>>;
@@ -178,8 +194,23 @@ constexpr int kBwdNarrowRouteMinGroups = 512;
 // the plan's item_tokens such grids have at most 1024 groups). With 64-token strips a 4 M-element
 // backward had ~4 warps per SM: graph-replayed 1024x4096 17.3 -> 14.4 us, 65536x64 19.3 -> 15.9,
 // 1024x8192 22.3 -> 21.2, and at 2048 warps 4096x4096 35.0 -> 37.8 (tune.py, H200, 2026-12-03).
-// Threads per SM stay 4 * CAKE_BWD_THREADS on every route of the stateless kernels (the stateful
-// ones' shared memory fits fewer of the 32-thread CTAs: 19 792 bytes each, 11 per SM).
+// Without states, items of 256 tokens or more at C a multiple of 256 run in 16-byte rows (WideVec8:
+// 8 channels per thread, items of 256 channels, ~210 registers, 2 CTAs of 128 threads per SM;
+// bitwise Wide's results): the bf16 policy's 4-row loop of the inside strips is 946 SASS
+// instructions for 8 channels a row, 29.6 per channel against Wide's 36.4 (583 for 4; nvcc 13.0).
+// tune.py, H200, 2026-12-03, rested, main -> WideVec8 (r135): 16384x8192 229.5 -> 223.1 us,
+// 32768x4096 (1024 documents) 229.2 -> 222.6, 65536x2048 229.6 -> 222.6, 131072x4096 859.8 ->
+// 856.3, 8192x4096 65.1 -> 62.7, 32768x1024 64.8 -> 62.6, 131072x256 66.5 -> 65.2, 65536x512
+// 66.6 -> 64.8; held at the power cap 2 s, 16384x8192 251.8 -> 244.3, 65536x2048 255.1 -> 243.1.
+// Without the inside strips 16-byte rows gained nothing (r133: 16384x8192 230.8 -> 230.9) or lost
+// (131072x4096 862.1 -> 892.7): C not a multiple of 256, whose tiles with idle lanes walk the
+// bounded loop, stays on Wide. In 16 lanes of 64-thread CTAs (Wide's
+// 128-channel items, 4 CTAs per SM) they were 3.8 % faster at 1048576x128 but 3.5 % slower at
+// 16384x8192 and 25 % at 8192x4096 (r134).
+// The stateful kernels keep 4 channels per thread (at 8 they ran at 1.17x the stateless time with 1
+// document, 1.9x with 512; session 16).
+// Threads per SM stay 4 * CAKE_BWD_THREADS on the other routes of the stateless kernels (the
+// stateful ones' shared memory fits fewer of the 32-thread CTAs: 19 792 bytes each, 11 per SM).
 template <class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_t stream) {
   if (p.groups == 0) return grads_of_no_tokens<WeightT, BiasT>(p, stream);
@@ -188,6 +219,10 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
   static_assert(WideHalf::Traits::kTileTokens == WideShort::Traits::kTileTokens &&
                     2 * MidHalf::Traits::kTileTokens == Mid::Traits::kTileTokens,
                 "the half-length routes walk the sub-tile of a half CTA");
+  // Each channel's tokens in the same strips, summed by one lane in the same order, and the strips
+  // added in the same order: WideVec8 gives bitwise Wide's dx, dweight and dbias.
+  static_assert(WideVec8::Traits::kStrips == WideT::kStrips && WideVec8::Traits::kTileTokens == WideT::kTileTokens,
+                "WideVec8 walks Wide's strips");
   constexpr int64_t kSmallGridWarps = CAKE_BWD_SMALL_GRID_WARPS;
   // The plan (causal_conv1d_bwd_plan.h) gives longer token groups to the full-width routes and
   // groups of a whole sub-tile to the narrow ones; its thresholds are the shipped geometry's
@@ -198,7 +233,12 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                      Narrow4::Traits::kTileTokens == kBwdMaxItemTokens && Narrow2::Traits::kTileTokens == kBwdMaxItemTokens),
                 "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
-    if (p.item_tokens >= WideT::kTileTokens) return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT>(p, stream);
+    if (p.item_tokens >= WideT::kTileTokens) {
+      if (p.C % WideVec8::Traits::kTileChannels == 0 && !bwd_has_states(p)) {
+        return launch_causal_conv1d_bwd_route<WideVec8, WeightT, BiasT>(p, stream);
+      }
+      return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT>(p, stream);
+    }
     if (int64_t(p.groups) * bwd_channel_tiles<WideShort::Traits>(p.C) * (WideShort::Traits::kThreads / 32) <= kSmallGridWarps) {
       return launch_causal_conv1d_bwd_route<WideHalf, WeightT, BiasT>(p, stream);
     }
@@ -271,9 +311,9 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
     p.dinitial_states = as_ptr<__nv_bfloat16>(a.dinitial_states);
     p.frag_info = as_ptr<const int32_t>(a.frag_info);
   }
-  p.x_row_stride = static_cast<uint32_t>(x_row_stride / CAKE_BWD_VEC);  // in vectors: below 2^32 (S * stride checked)
-  p.dy_row_stride = static_cast<uint32_t>(dy_row_stride / CAKE_BWD_VEC);
-  p.dx_row_stride = static_cast<uint32_t>(dx_row_stride / CAKE_BWD_VEC);
+  p.x_row_elems = x_row_stride;  // in vectors by the route (launch_causal_conv1d_bwd_route)
+  p.dy_row_elems = dy_row_stride;
+  p.dx_row_elems = dx_row_stride;
   p.partials = as_ptr<float>(a.workspace);
   if (a.S > 0) {
     if (!p.x || !aligned16(p.x)) return fail(cudaErrorInvalidValue, "x: expected a non-null 16-byte aligned pointer");
