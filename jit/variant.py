@@ -71,7 +71,7 @@ CAKE_EXPORT int cake_causal_conv1d_cp(const flashinfer_cake::CpArgs* args) {{
 # that compile them. Their kernels are most of a variant's compile time (2026-12-03, nvcc 13.0, one
 # job each: the forward's 7 s, the CP's 4 s, the backward's 78 s), so the build compiles them in
 # parallel, the main unit declaring them (extern template). Units of 9-20 s on a 2-core machine: the
-# three full-width routes alone, the others grouped (each unit costs ~2.5 s of CPU to parse the
+# four full-width routes alone, the others grouped (each unit costs ~2.5 s of CPU to parse the
 # headers). A fixed grouping, not one by core count: a module's digest must not depend on the machine.
 BWD_ROUTE_UNITS = (("Wide",), ("WideVec8",), ("WideShort",), ("WideHalf",), ("Mid", "MidHalf"), ("Narrow8", "Narrow4", "Narrow2"))
 BWD_ROUTES = tuple(r for unit in BWD_ROUTE_UNITS for r in unit)

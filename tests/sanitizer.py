@@ -6,6 +6,7 @@ not ordered by a barrier) and require a clean report (the script prints
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -23,9 +24,12 @@ def assert_sanitizer_clean(script_text: str, tmp_path, *, tool: str = "memcheck"
     script = tmp_path / f"{tool}_script.py"
     script.write_text(script_text)
     report = ["--racecheck-report", "all"] if tool == "racecheck" else []  # hazards and warnings
+    # Without torch's caching allocator every tensor is a cudaMalloc of its own size: an access
+    # past a tensor's end falls outside the allocation instead of into a cached block's slack.
+    env = {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
     proc = subprocess.run(
         ["compute-sanitizer", "--tool", tool, *report, "--error-exitcode", "99", sys.executable, str(script)],
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True, text=True, timeout=timeout, env=env,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

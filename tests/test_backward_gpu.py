@@ -386,6 +386,26 @@ def test_stateless_wide_route_is_bitwise_the_stateful_kernel(S, C, docs, vec):
         assert_grads_match_reference((dx0, dw0, db0), x, w, cu, dy, b, policy)
 
 
+@pytest.mark.parametrize("S, C", [
+    pytest.param(4100, 8192, id="S4100-C8192"),  # 16-byte rows (WideVec8)
+    pytest.param(131073, 256, id="S131073-C256"),  # 16-byte rows, a last token group of 1 token
+    pytest.param(70001, 64, id="S70001-C64"),  # 32-token strips, 16 lanes (MidHalf)
+    pytest.param(5003, 32, id="S5003-C32"),  # 8 lanes (Narrow8)
+    pytest.param(9000, 200, id="S9000-C200"),  # a last channel tile with idle lanes
+])
+def test_no_dx_row_past_S_is_written(S, C):
+    """dx as the first S rows of a longer buffer: its rows after S keep their NaN. The strips whose
+    walk stays below S (of tiles without idle lanes) run a loop without the rows' bounds tests; the
+    batch's last strips keep them."""
+    x, w, b, dy = make_inputs(S, C, seed=3 * S + C)
+    cu = make_cu(S, split(S, 5, random.Random(S)))
+    rows = poisoned((S + 70, C))
+    dx, dweight, dbias = backward(x, w, cu, dy, b, dx=rows[:S])
+    assert dx.data_ptr() == rows.data_ptr()
+    assert torch.isnan(rows[S:].float()).all(), "a dx row past S was written"
+    assert_grads_match_reference((dx, dweight, dbias), x, w, cu, dy, b)
+
+
 @pytest.mark.parametrize("C", [24, 48, 136])
 @pytest.mark.parametrize("L", BOUNDARY_LENGTHS)
 def test_tile_boundary_document_lengths(L, C):
@@ -1296,8 +1316,9 @@ PATTERNS = {patterns}
 PATTERNS_WARP_FILLED = {patterns_warp_filled}
 # (2049, 4096): 17 groups of 128 tokens in 64-thread CTAs (WideShort); (1111, 4096) their WideHalf;
 # (4100, 8192): groups of 576 tokens in 16-byte rows (WideVec8); (100000, 200): groups of 448 tokens,
-# the second channel tile with idle lanes
-for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (2049, 4096), (4100, 8192), (100000, 200), (300, 56), (262200, 40)]:
+# the second channel tile with idle lanes; (70000, 64), (5000, 32): full tiles of 16 and 8 lanes
+for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (2049, 4096), (4100, 8192), (100000, 200), (300, 56), (262200, 40),
+             (70000, 64), (5000, 32)]:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")

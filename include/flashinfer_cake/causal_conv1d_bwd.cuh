@@ -13,8 +13,8 @@
 // Two kernels. The first streams x and dy once: a CTA owns an item of item_tokens tokens x
 // kTileChannels channels; a thread owns kVec channels (4: an 8-byte row vector, so the windows,
 // taps and sums of the backward fit in ~110-128 registers, 4 CTAs of 128 threads per SM; 8 on the
-// stateless full-width route, 16-byte rows in ~200 registers, 4 CTAs of 64 threads: fewer
-// instructions per channel, the launcher's WideVec8) of one kStripLen-token strip at a time and
+// stateless full-width route at C a multiple of 256, 16-byte rows in ~210 registers, 2 CTAs of 128
+// threads: fewer instructions per channel, the launcher's WideVec8) of one kStripLen-token strip at a time and
 // walks x[t0 - 3, t0 + L + 3) and dy[t0, t0 + L + 3) through a per-thread cp.async ring (at C <= 16
 // filled by the whole warp, 4 rows of several strips per copy: BwdTraits::kWarpFill; at C <= 8
 // without states its dx rows are stored so too, kDxSlots): it recomputes a and g for tokens t0 ..
@@ -69,11 +69,13 @@ struct CausalConv1dBwdParams {
   int32_t groups;       // ceil(S / item_tokens)
   int32_t tiles_c;      // channel tiles per token group
   int32_t round_preact;  // 1: silu' at the pre-activation rounded to BF16; 0: at the FP32 value
-  // Row strides in kVec-channel vectors of the launched route, set by launch_causal_conv1d_bwd_route
-  // from the element strides (host side only; multiples of 8, so of either kVec).
+  // Row strides in kVec-channel vectors of the launched route (launch_causal_conv1d_bwd_route sets
+  // them from the *_row_elems below).
   uint32_t x_row_stride;
   uint32_t dy_row_stride;
   uint32_t dx_row_stride;
+  // Row strides in elements (multiples of 8, so of either kVec), set by the C entry; read on the
+  // host only.
   int64_t x_row_elems;
   int64_t dy_row_elems;
   int64_t dx_row_elems;
@@ -216,7 +218,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const int vec = tile_c * Traits::kLanesC + lane_c;  // my row-vector column
   const uint32_t vecs_per_row = p.C / V;
   const bool active = static_cast<uint32_t>(vec) < vecs_per_row;
-  const bool tile_full = static_cast<uint32_t>((tile_c + 1) * Traits::kLanesC) <= vecs_per_row;  // no idle lane
+  [[maybe_unused]] const bool tile_full = static_cast<uint32_t>((tile_c + 1) * Traits::kLanesC) <= vecs_per_row;  // no idle lane
   const int t_lim = active ? p.S : INT32_MIN;  // tokens < t_lim are read and written
   const int item_t0 = group * p.item_tokens;
   const int item_end = min(item_t0 + p.item_tokens, p.S);
@@ -427,8 +429,10 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     // step_events' masks. Where no token in the window has kInDoc it computes bitwise what the
     // stateless body does.
     [[maybe_unused]] uint32_t step_codes = 0;
-    // kInside (a compile-time bool): every row the strip reads or writes lies in [0, S) and every
-    // lane of the tile is active, so the row needs no bounds tests (row_inside, below).
+    // kInside (a compile-time bool): every row the walk refills (up to token t0 + L + 2) and every
+    // dx row it stores (t0 .. t0 + L - 1) is below S, and every lane of the tile is active, so the
+    // row needs no bounds tests (row_inside, below; the rows before t0 come from prefetch and the
+    // prologue, which keep theirs).
     const auto row_body = [&](int r, auto phase, auto events, auto inside) {
       constexpr int q = decltype(phase)::value, s3 = (q + 1) % 4, s2 = (q + 2) % 4, s1 = (q + 3) % 4;
       constexpr bool kEvents = decltype(events)::value;
@@ -604,15 +608,14 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         detail::walk_rows<L + 3, R>(row, cur, prev, step_events);
       }
     } else if constexpr (!kWarpFill) {
-      // Stateless, a strip of a tile without idle lanes whose rows (tokens t0 - 3 .. t0 + L + 2) all
-      // lie in [0, S), every strip but the batch's last ones, walks without the rows' bounds tests:
-      // ~4 % fewer instructions per row (~6 % with 16-byte rows); tune.py, H200, 2026-12-03, rested:
-      // 16384x8192 230.8 -> 228.7 us at 4 channels per thread, 230.9 -> 223.5 at 8 (r133), 1048576x128
-      // 231.5 -> 229.5 (r135). (Session 13's v18, the same on an older kernel, timed back to back,
-      // read no change.) The test is the tile's, which the CTA shares: tested per lane, the idle
+      // Stateless, a strip of a tile without idle lanes whose walk stays below S (its refills up to
+      // token t0 + L + 2), every strip but the batch's last ones, walks without the rows' bounds
+      // tests: ~4 % fewer instructions per row (~6 % with 16-byte rows, where it is the gain: the
+      // launcher's WideVec8). The test is the tile's, which the CTA shares: tested per lane, the idle
       // lanes past C took the other loop and the warp ran both (r135, 262144x192 121.2 -> 217.3 us);
       // with a lane test in the loop instead, the 16-byte rows lost their gain (r136, 16384x8192
-      // 232.4 us).
+      // 232.4 us against 223.1). (Session 13's v18, the same on an older kernel, timed back to back,
+      // read no change.)
       if (tile_full && t0 + L + 3 <= p.S) {
         detail::walk_rows<L + 3, R>(row_inside, cur, prev, no_events);
       } else {

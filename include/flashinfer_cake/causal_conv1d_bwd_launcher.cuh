@@ -92,7 +92,9 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
   const int64_t tiles_c = bwd_channel_tiles<Traits>(p.C);
   const int64_t blocks = int64_t(p.groups) * tiles_c;
   const int64_t rows_span = int64_t(p.S) * std::max({p.x_row_elems, p.dy_row_elems, p.dx_row_elems});  // elements
-  if (blocks > INT32_MAX || rows_span / Traits::kVec >= (int64_t(1) << 32)) {  // 32-bit offsets, in vectors
+  // 32-bit offsets, in vectors. The C entry's limits (S * C and S * stride below 2^34) keep both
+  // bounds: an invariant, checked where the offsets are formed.
+  if (blocks > INT32_MAX || rows_span / Traits::kVec >= (int64_t(1) << 32)) {
     return fail(cudaErrorInvalidValue, "x: S * row stride = %lld elements is too large for the backward (must be below 2^%d)",
                 (long long)rows_span, 32 + (Traits::kVec == 8 ? 3 : 2));
   }
@@ -134,7 +136,13 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 #define CAKE_BWD_NARROW_RING 12  // the warp-filled routes' ring (BwdTraits::kWarpFill)
 #endif
 #ifndef CAKE_BWD_VEC
-#define CAKE_BWD_VEC 4  // channels per thread
+#define CAKE_BWD_VEC 4  // channels per thread (WideVec8's: 8)
+#endif
+#ifndef CAKE_BWD_WIDE_VEC8
+// 0: no 16-byte rows (WideVec8 is Wide's geometry, never launched). tune.py geometries whose
+// WideVec8 rings exceed static shared memory (ring 12 at 128 threads, 256 threads) need it
+// (WIDE_VEC8=0); with VEC=8, Wide and WideVec8 differ only in their CTAs per SM.
+#define CAKE_BWD_WIDE_VEC8 1
 #endif
 
 // Token groups (the item_tokens argument) must be a multiple of this.
@@ -157,10 +165,15 @@ struct BwdRoute {
 namespace bwd_routes {  // launch_causal_conv1d_bwd says which shapes take which
 constexpr int kVec = CAKE_BWD_VEC, kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BWD_STRIP_LEN, kRing = CAKE_BWD_RING,
               kMinCtas = CAKE_BWD_MIN_CTAS, kNarrowRing = CAKE_BWD_NARROW_RING;
-using Wide = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>, true>;
+using Wide = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>, /*kMayChooseItems=*/true>;
 // Wide's strips without states, in 16-byte rows: items of twice the channels, half the CTAs per SM
 // (launch_causal_conv1d_bwd).
-using WideVec8 = BwdRoute<BwdTraits<8, 32, kThreads, kStrip, kRing, (kMinCtas + 1) / 2>, false, false>;
+using WideVec8 = BwdRoute<std::conditional_t<CAKE_BWD_WIDE_VEC8 != 0, BwdTraits<8, 32, kThreads, kStrip, kRing, (kMinCtas + 1) / 2>,
+                                              Wide::Traits>,
+                          /*kMayChooseItems=*/false, /*kStates=*/false>;
+// Its x and dy rings in 48 KiB of static shared memory, with ~3 KB of positions and flags.
+static_assert(!CAKE_BWD_WIDE_VEC8 || 2 * WideVec8::Traits::kRing * WideVec8::Traits::kThreads * 16 <= 45 * 1024,
+              "WideVec8's rings exceed static shared memory: build with CAKE_BWD_WIDE_VEC8=0 (tune.py: WIDE_VEC8=0)");
 using WideShort = BwdRoute<BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>, true>;
 using WideHalf = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip / 2, kRing, kMinCtas>, true>;
 using Mid = BwdRoute<BwdTraits<kVec, 16, kThreads / 2, kStrip, kRing, 2 * kMinCtas>>;
@@ -234,7 +247,7 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                 "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
     if (p.item_tokens >= WideT::kTileTokens) {
-      if (p.C % WideVec8::Traits::kTileChannels == 0 && !bwd_has_states(p)) {
+      if (CAKE_BWD_WIDE_VEC8 && p.C % WideVec8::Traits::kTileChannels == 0 && !bwd_has_states(p)) {
         return launch_causal_conv1d_bwd_route<WideVec8, WeightT, BiasT>(p, stream);
       }
       return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT>(p, stream);
@@ -311,7 +324,7 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
     p.dinitial_states = as_ptr<__nv_bfloat16>(a.dinitial_states);
     p.frag_info = as_ptr<const int32_t>(a.frag_info);
   }
-  p.x_row_elems = x_row_stride;  // in vectors by the route (launch_causal_conv1d_bwd_route)
+  p.x_row_elems = x_row_stride;
   p.dy_row_elems = dy_row_stride;
   p.dx_row_elems = dx_row_stride;
   p.partials = as_ptr<float>(a.workspace);
