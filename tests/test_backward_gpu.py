@@ -363,12 +363,12 @@ def test_route_rule(S, C, route):
     pytest.param(8192, 4096, 1, 8, id="S8192-C4096"),
     pytest.param(4100, 8192, 7, 8, id="S4100-C8192"),  # a last token group part-filled
     pytest.param(131072, 256, 300, 8, id="S131072-C256"),
-    pytest.param(131072, 200, 40, 4, id="S131072-C200"),  # a last channel tile with idle lanes: the bounded loop
+    pytest.param(131072, 200, 40, 4, id="S131072-C200"),  # C not a multiple of 256: Wide
 ])
 def test_stateless_wide_route_is_bitwise_the_stateful_kernel(S, C, docs, vec):
     """Token groups of 256 tokens or more at C a multiple of 256 run, without states, in 16-byte rows
-    (WideVec8: items of 256 channels), with states on the Wide kernels of 8-byte rows (128 channels);
-    without states strips inside [0, S) of tiles without idle lanes walk a loop without bounds tests.
+    (WideVec8: items of 256 channels; its strips inside [0, S) walk a loop without bounds tests), with
+    states on the Wide kernels of 8-byte rows (128 channels).
     They walk the same strips and add in the same order: with zero final-state gradients (no initial
     states: no tap changes) the stateful call gives the same dweight and dbias bits, and dx but the
     sign of an exact zero (d + 0)."""
@@ -395,8 +395,8 @@ def test_stateless_wide_route_is_bitwise_the_stateful_kernel(S, C, docs, vec):
 ])
 def test_no_dx_row_past_S_is_written(S, C):
     """dx as the first S rows of a longer buffer: its rows after S keep their NaN. The strips whose
-    walk stays below S (of tiles without idle lanes) run a loop without the rows' bounds tests; the
-    batch's last strips keep them."""
+    walk stays below S run, in 16-byte rows, a loop without the rows' bounds tests; the batch's last
+    strips keep them."""
     x, w, b, dy = make_inputs(S, C, seed=3 * S + C)
     cu = make_cu(S, split(S, 5, random.Random(S)))
     rows = poisoned((S + 70, C))

@@ -218,7 +218,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const int vec = tile_c * Traits::kLanesC + lane_c;  // my row-vector column
   const uint32_t vecs_per_row = p.C / V;
   const bool active = static_cast<uint32_t>(vec) < vecs_per_row;
-  [[maybe_unused]] const bool tile_full = static_cast<uint32_t>((tile_c + 1) * Traits::kLanesC) <= vecs_per_row;  // no idle lane
+  // No idle lane in this CTA's channel tile (the inside strips, below).
+  [[maybe_unused]] const bool tile_full = static_cast<uint32_t>((tile_c + 1) * Traits::kLanesC) <= vecs_per_row;
   const int t_lim = active ? p.S : INT32_MIN;  // tokens < t_lim are read and written
   const int item_t0 = group * p.item_tokens;
   const int item_end = min(item_t0 + p.item_tokens, p.S);
@@ -607,15 +608,17 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       } else {
         detail::walk_rows<L + 3, R>(row, cur, prev, step_events);
       }
-    } else if constexpr (!kWarpFill) {
-      // Stateless, a strip of a tile without idle lanes whose walk stays below S (its refills up to
-      // token t0 + L + 2), every strip but the batch's last ones, walks without the rows' bounds
-      // tests: ~4 % fewer instructions per row (~6 % with 16-byte rows, where it is the gain: the
-      // launcher's WideVec8). The test is the tile's, which the CTA shares: tested per lane, the idle
+    } else if constexpr (V == 8 && !kWarpFill) {
+      // Stateless 16-byte rows (the launcher's WideVec8): a strip of a tile without idle lanes whose
+      // walk stays below S (its refills up to token t0 + L + 2), every strip but the batch's last
+      // ones, walks without the rows' bounds tests: ~6 % fewer instructions per row, the gain of
+      // the 16-byte rows. The test is the tile's, which the CTA shares: tested per lane, the idle
       // lanes past C took the other loop and the warp ran both (r135, 262144x192 121.2 -> 217.3 us);
       // with a lane test in the loop instead, the 16-byte rows lost their gain (r136, 16384x8192
-      // 232.4 us against 223.1). (Session 13's v18, the same on an older kernel, timed back to back,
-      // read no change.)
+      // 232.4 us against 223.1). Not with 8-byte rows: there the second loop made the compiler's
+      // bounded loop 16 instructions longer (567 -> 583 for 4 rows, 110 -> 120 registers), and the
+      // tiles with idle lanes, which walk it, slower (r137: 262144x72 65.1 -> 68.9 us, 262144x192
+      // 121.2 -> 128.3) for 0.8 % at 1048576x128.
       if (tile_full && t0 + L + 3 <= p.S) {
         detail::walk_rows<L + 3, R>(row_inside, cur, prev, no_events);
       } else {

@@ -209,17 +209,18 @@ constexpr int kBwdNarrowRouteMinGroups = 512;
 // 1024x8192 22.3 -> 21.2, and at 2048 warps 4096x4096 35.0 -> 37.8 (tune.py, H200, 2026-12-03).
 // Without states, items of 256 tokens or more at C a multiple of 256 run in 16-byte rows (WideVec8:
 // 8 channels per thread, items of 256 channels, ~210 registers, 2 CTAs of 128 threads per SM;
-// bitwise Wide's results): the bf16 policy's 4-row loop of the inside strips is 946 SASS
-// instructions for 8 channels a row, 29.6 per channel against Wide's 36.4 (583 for 4; nvcc 13.0).
-// tune.py, H200, 2026-12-03, rested, main -> WideVec8 (r135): 16384x8192 229.5 -> 223.1 us,
-// 32768x4096 (1024 documents) 229.2 -> 222.6, 65536x2048 229.6 -> 222.6, 131072x4096 859.8 ->
-// 856.3, 8192x4096 65.1 -> 62.7, 32768x1024 64.8 -> 62.6, 131072x256 66.5 -> 65.2, 65536x512
-// 66.6 -> 64.8; held at the power cap 2 s, 16384x8192 251.8 -> 244.3, 65536x2048 255.1 -> 243.1.
+// bitwise Wide's results), whose strips below S walk a loop without the rows' bounds tests (the
+// kernel's inside strips): the bf16 policy's 4-row loop is 946 SASS instructions for 8 channels a
+// row, 29.6 per channel against Wide's 35.4 (567 for 4; nvcc 13.0). tune.py, H200, 2026-12-03,
+// rested, main -> WideVec8 (r137): 16384x8192 230.3 -> 223.4 us (83 -> 86 % of copy), 65536x2048
+// (32 documents) 231.0 -> 225.5, 131072x4096 860.8 -> 857.0, 8192x4096 64.9 -> 62.8, 131072x256
+// 66.8 -> 65.1; held at the power cap 2 s, 16384x8192 267.5 -> 251.5, 65536x2048 266.0 -> 252.9;
+// r135, the same loops: 32768x1024 64.8 -> 62.6, 65536x512 66.6 -> 64.8.
 // Without the inside strips 16-byte rows gained nothing (r133: 16384x8192 230.8 -> 230.9) or lost
-// (131072x4096 862.1 -> 892.7): C not a multiple of 256, whose tiles with idle lanes walk the
-// bounded loop, stays on Wide. In 16 lanes of 64-thread CTAs (Wide's
-// 128-channel items, 4 CTAs per SM) they were 3.8 % faster at 1048576x128 but 3.5 % slower at
-// 16384x8192 and 25 % at 8192x4096 (r134).
+// (131072x4096 862.1 -> 892.7): C not a multiple of 256, whose tiles with idle lanes would walk the
+// bounded loop, stays on Wide (which has no inside strips: the kernel says why). In 16 lanes of
+// 64-thread CTAs (Wide's 128-channel items, 4 CTAs per SM) they were 3.8 % faster at 1048576x128
+// but 3.5 % slower at 16384x8192 and 25 % at 8192x4096 (r134).
 // The stateful kernels keep 4 channels per thread (at 8 they ran at 1.17x the stateless time with 1
 // document, 1.9x with 512; session 16).
 // Threads per SM stay 4 * CAKE_BWD_THREADS on the other routes of the stateless kernels (the
