@@ -416,6 +416,15 @@ def run_cmd(cmd: list[str]) -> str | None:
     return None
 
 
+def git_head() -> str | None:
+    """The checkout's short HEAD, "+dirty" when tracked files differ from it (then the numbers are not
+    that commit's)."""
+    head = run_cmd(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
+    if head and run_cmd(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"]):
+        head += "+dirty"
+    return head
+
+
 def environment(dev: Dev, script: str) -> dict:
     """Date, host, versions, git head, and the GPU with its driver and clocks."""
     env = {"script": script, "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -423,7 +432,7 @@ def environment(dev: Dev, script: str) -> dict:
            "torch": torch.__version__, "torch_cuda": torch.version.cuda, "argv": sys.argv,
            "triton": dist_version("triton"), "flashinfer_cake": getattr(cake, "__version__", None),
            "flashinfer_cake_path": str(Path(cake.__file__).parent) if cake else None,
-           "git_head": run_cmd(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])}
+           "git_head": git_head()}
     if not dev.cuda:
         return env
     p = torch.cuda.get_device_properties(0)

@@ -150,3 +150,13 @@ def test_bench_harness_rests_before_a_measurement(monkeypatch):
     assert events and set(events) == {"call"}, events
     with pytest.raises(SystemExit):
         harness.parse_args(importlib.import_module("bench_bwd").BackwardBench, ["--rest-ms=-1"])
+
+
+@pytest.mark.parametrize("status, expected", [("", "abc1234"), (" M include/x.cuh", "abc1234+dirty"), (None, "abc1234")])
+def test_bench_git_head_says_when_the_tree_is_not_the_commit(monkeypatch, status, expected):
+    # The benchmarks' JSON and Markdown name the commit they ran; a tree with uncommitted changes to
+    # tracked files is marked, so its figures are not read as that commit's.
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    harness = importlib.import_module("bench_harness")
+    monkeypatch.setattr(harness, "run_cmd", lambda cmd: "abc1234" if "rev-parse" in cmd else status)
+    assert harness.git_head() == expected
