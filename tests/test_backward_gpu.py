@@ -388,15 +388,16 @@ def test_stateless_wide_route_is_bitwise_the_stateful_kernel(S, C, docs, vec):
 
 @pytest.mark.parametrize("S, C", [
     pytest.param(4100, 8192, id="S4100-C8192"),  # 16-byte rows (WideVec8)
-    pytest.param(131073, 256, id="S131073-C256"),  # 16-byte rows, a last token group of 1 token
+    pytest.param(131073, 256, id="S131073-C256"),  # 16-byte rows, a last strip of 1 token
+    pytest.param(4099, 8192, id="S4099-C8192"),  # 16-byte rows: the last strip's walk ends at S - 1, inside
     pytest.param(70001, 64, id="S70001-C64"),  # 32-token strips, 16 lanes (MidHalf)
     pytest.param(5003, 32, id="S5003-C32"),  # 8 lanes (Narrow8)
-    pytest.param(9000, 200, id="S9000-C200"),  # a last channel tile with idle lanes
+    pytest.param(9000, 200, id="S9000-C200"),  # 8-byte rows, a last channel tile with idle lanes (regression)
 ])
 def test_no_dx_row_past_S_is_written(S, C):
     """dx as the first S rows of a longer buffer: its rows after S keep their NaN. The strips whose
     walk stays below S run, in 16-byte rows, a loop without the rows' bounds tests; the batch's last
-    strips keep them."""
+    strips keep them. (The 8-byte-row cases guard the bounded loop.)"""
     x, w, b, dy = make_inputs(S, C, seed=3 * S + C)
     cu = make_cu(S, split(S, 5, random.Random(S)))
     rows = poisoned((S + 70, C))
@@ -1315,9 +1316,10 @@ from flashinfer_cake import cake_causal_conv1d_train_backward as bwd
 PATTERNS = {patterns}
 PATTERNS_WARP_FILLED = {patterns_warp_filled}
 # (2049, 4096): 17 groups of 128 tokens in 64-thread CTAs (WideShort); (1111, 4096) their WideHalf;
-# (4100, 8192): groups of 576 tokens in 16-byte rows (WideVec8); (100000, 200): groups of 448 tokens,
-# the second channel tile with idle lanes; (70000, 64), (5000, 32): full tiles of 16 and 8 lanes
-for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (2049, 4096), (4100, 8192), (100000, 200), (300, 56), (262200, 40),
+# (4098, 8192): groups of 576 tokens in 16-byte rows (WideVec8), S = 2 mod 64: the first strip whose walk
+# would reach row S is the first kept off the loop without bounds tests; (100000, 200): groups of 448
+# tokens, the second channel tile with idle lanes; (70000, 64), (5000, 32): full tiles of 16 and 8 lanes
+for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (2049, 4096), (4098, 8192), (100000, 200), (300, 56), (262200, 40),
              (70000, 64), (5000, 32)]:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)

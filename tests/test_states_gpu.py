@@ -598,6 +598,8 @@ STRIDE_CASES = [
     pytest.param(3001, 32, False, [(8, 16), (0, 8), (32, 0), (8, 8)], id="S3001-C32"),
     pytest.param(3003, 16, False, [(8, 0), (0, 16), (16, 8), (8, 8)], id="S3003-C16"),
     pytest.param(2999, 128, True, [(0, 8), (64, 0), (8, 24), (0, 64)], id="S2999-C128-3d"),
+    # groups of 576 tokens: without states 16-byte rows (WideVec8), S = 2 mod 64
+    pytest.param(4098, 8192, False, [(0, 256), (8, 8), (64, 0), (16, 56)], id="S4098-C8192"),
 ]
 
 

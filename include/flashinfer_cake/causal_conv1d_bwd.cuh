@@ -218,7 +218,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const int vec = tile_c * Traits::kLanesC + lane_c;  // my row-vector column
   const uint32_t vecs_per_row = p.C / V;
   const bool active = static_cast<uint32_t>(vec) < vecs_per_row;
-  // No idle lane in this CTA's channel tile (the inside strips, below).
+  // No idle lane in this CTA's channel tile (the inside strips, below; always true on the shipped
+  // route that has them, WideVec8, whose C is a multiple of its 256-channel tile).
   [[maybe_unused]] const bool tile_full = static_cast<uint32_t>((tile_c + 1) * Traits::kLanesC) <= vecs_per_row;
   const int t_lim = active ? p.S : INT32_MIN;  // tokens < t_lim are read and written
   const int item_t0 = group * p.item_tokens;
@@ -608,8 +609,10 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       } else {
         detail::walk_rows<L + 3, R>(row, cur, prev, step_events);
       }
-    } else if constexpr (V == 8 && !kWarpFill) {
-      // Stateless 16-byte rows (the launcher's WideVec8): a strip of a tile without idle lanes whose
+    } else if constexpr (V == 8 && Traits::kLanesC == 32) {
+      // Stateless 16-byte rows in warps of one strip (the launcher's WideVec8; tune.py's VEC=8 gives
+      // them to Wide too, not to the routes with several strips per warp, whose strips could take
+      // different loops near S and the warp run both): a strip of a tile without idle lanes whose
       // walk stays below S (its refills up to token t0 + L + 2), every strip but the batch's last
       // ones, walks without the rows' bounds tests: ~6 % fewer instructions per row, the gain of
       // the 16-byte rows. The test is the tile's, which the CTA shares: tested per lane, the idle

@@ -95,8 +95,8 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
   // 32-bit offsets, in vectors. The C entry's limits (S * C and S * stride below 2^34) keep both
   // bounds: an invariant, checked where the offsets are formed.
   if (blocks > INT32_MAX || rows_span / Traits::kVec >= (int64_t(1) << 32)) {
-    return fail(cudaErrorInvalidValue, "x: S * row stride = %lld elements is too large for the backward (must be below 2^%d)",
-                (long long)rows_span, 32 + (Traits::kVec == 8 ? 3 : 2));
+    return fail(cudaErrorInvalidValue, "x: S * row stride = %lld elements is too large for the backward (must be below 2^34)",
+                (long long)rows_span);
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
   p.x_row_stride = static_cast<uint32_t>(p.x_row_elems / Traits::kVec);  // below 2^32: S * stride checked above
@@ -165,14 +165,15 @@ struct BwdRoute {
 namespace bwd_routes {  // launch_causal_conv1d_bwd says which shapes take which
 constexpr int kVec = CAKE_BWD_VEC, kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BWD_STRIP_LEN, kRing = CAKE_BWD_RING,
               kMinCtas = CAKE_BWD_MIN_CTAS, kNarrowRing = CAKE_BWD_NARROW_RING;
+constexpr bool kWideVec8 = CAKE_BWD_WIDE_VEC8 != 0;
 using Wide = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>, /*kMayChooseItems=*/true>;
 // Wide's strips without states, in 16-byte rows: items of twice the channels, half the CTAs per SM
 // (launch_causal_conv1d_bwd).
-using WideVec8 = BwdRoute<std::conditional_t<CAKE_BWD_WIDE_VEC8 != 0, BwdTraits<8, 32, kThreads, kStrip, kRing, (kMinCtas + 1) / 2>,
+using WideVec8 = BwdRoute<std::conditional_t<kWideVec8, BwdTraits<8, 32, kThreads, kStrip, kRing, (kMinCtas + 1) / 2>,
                                               Wide::Traits>,
                           /*kMayChooseItems=*/false, /*kStates=*/false>;
 // Its x and dy rings in 48 KiB of static shared memory, with ~3 KB of positions and flags.
-static_assert(!CAKE_BWD_WIDE_VEC8 || 2 * WideVec8::Traits::kRing * WideVec8::Traits::kThreads * 16 <= 45 * 1024,
+static_assert(!kWideVec8 || 2 * WideVec8::Traits::kRing * WideVec8::Traits::kThreads * 16 <= 45 * 1024,
               "WideVec8's rings exceed static shared memory: build with CAKE_BWD_WIDE_VEC8=0 (tune.py: WIDE_VEC8=0)");
 using WideShort = BwdRoute<BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>, true>;
 using WideHalf = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip / 2, kRing, kMinCtas>, true>;
@@ -248,7 +249,7 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                 "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
     if (p.item_tokens >= WideT::kTileTokens) {
-      if (CAKE_BWD_WIDE_VEC8 && p.C % WideVec8::Traits::kTileChannels == 0 && !bwd_has_states(p)) {
+      if (kWideVec8 && p.C % WideVec8::Traits::kTileChannels == 0 && !bwd_has_states(p)) {
         return launch_causal_conv1d_bwd_route<WideVec8, WeightT, BiasT>(p, stream);
       }
       return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT>(p, stream);
