@@ -393,11 +393,18 @@ def test_stateless_wide_route_is_bitwise_the_stateful_kernel(S, C, docs, vec):
     pytest.param(70001, 64, id="S70001-C64"),  # 32-token strips, 16 lanes (MidHalf)
     pytest.param(5003, 32, id="S5003-C32"),  # 8 lanes (Narrow8)
     pytest.param(9000, 200, id="S9000-C200"),  # 8-byte rows, a last channel tile with idle lanes (regression)
+    # long walks (a strip walks a run of its group's 64-token pieces at once) in the last group, of
+    # 323 tokens: runs of 2, 2 and 2 pieces, the last run 67 tokens below S (16 lanes, Mid; Wide)
+    pytest.param(330563, 64, id="S330563-C64"),
+    pytest.param(206403, 128, id="S206403-C128"),
+    # 16-byte rows, the last group's runs 2, 2, 1 pieces: the second ends 3 tokens before S (the
+    # inside loop's gate exactly: t0 + Lw + 3 == S), the third passes S
+    pytest.param(98371, 256, id="S98371-C256"),
 ])
 def test_no_dx_row_past_S_is_written(S, C):
-    """dx as the first S rows of a longer buffer: its rows after S keep their NaN. The strips whose
-    walk stays below S run, in 16-byte rows, a loop without the rows' bounds tests; the batch's last
-    strips keep them. (The 8-byte-row cases guard the bounded loop.)"""
+    """dx as the first S rows of a longer buffer: its rows after S keep their NaN. The walks that
+    stay below S run, in 16-byte rows, a loop without the rows' bounds tests; the batch's last walks
+    keep them. (The 8-byte-row cases guard the bounded loop.)"""
     x, w, b, dy = make_inputs(S, C, seed=3 * S + C)
     cu = make_cu(S, split(S, 5, random.Random(S)))
     rows = poisoned((S + 70, C))

@@ -54,6 +54,16 @@ def chunky_mix(S, rng):
     return [0] + fill(S, rng, (1, 2, 3, 5, 17, 64, 200), p_empty=0.1) + [0, 0]
 
 
+def piece_edge_docs(S, rng):
+    """Documents starting 0-3 tokens after 64-token piece boundaries (inside a strip's run of pieces,
+    where the window carries on from one piece to the next), 1- and 2-token documents after some of
+    them, and an empty document at each end."""
+    starts = {64 * k + rng.randint(0, 3) for k in rng.sample(range(1, S // 64), min(300, S // 64 - 1))}
+    starts |= {c + rng.randint(1, 2) for c in sorted(starts)[::5]}
+    cuts = sorted(c for c in starts if 0 < c < S)
+    return [0] + [hi - lo for lo, hi in zip([0, *cuts], [*cuts, S])] + [0]
+
+
 def variant_seed(base, weight_dtype, bias_dtype, policy="bf16"):
     return base + 10 * (weight_dtype is BF16) + {None: 0, F32: 1, BF16: 2}[bias_dtype] + 100 * (policy == "fp32")
 
@@ -356,6 +366,9 @@ BWD_CASES = [
     pytest.param(2500, 8, empty_at_ends, BF16, F32, "bf16", id="S2500-C8-empty-ends"),
     pytest.param(530000, 16, chunky_mix, F32, F32, "fp32", id="S530000-C16-chunky"),  # the 4-lane route
     pytest.param(530000, 8, tiny_docs, BF16, None, "bf16", id="S530000-C8-tiny"),  # the 2-lane route
+    # runs of 2 pieces per strip (groups of 448 and 320 tokens): Wide, and Mid (16 lanes)
+    pytest.param(100003, 200, piece_edge_docs, F32, F32, "bf16", id="S100003-C200-piece-edges"),
+    pytest.param(262147, 64, piece_edge_docs, BF16, None, "fp32", id="S262147-C64-piece-edges"),
 ]
 
 

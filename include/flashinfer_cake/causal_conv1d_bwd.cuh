@@ -14,12 +14,15 @@
 // kTileChannels channels; a thread owns kVec channels (4: an 8-byte row vector, so the windows,
 // taps and sums of the backward fit in ~110-128 registers, 4 CTAs of 128 threads per SM; 8 on the
 // stateless full-width route at C a multiple of 256, 16-byte rows in ~210 registers, 2 CTAs of 128
-// threads: fewer instructions per channel, the launcher's WideVec8) of one kStripLen-token strip at a time and
-// walks x[t0 - 3, t0 + L + 3) and dy[t0, t0 + L + 3) through a per-thread cp.async ring (at C <= 16
-// filled by the whole warp, 4 rows of several strips per copy: BwdTraits::kWarpFill; at C <= 8
-// without states its dx rows are stored so too, kDxSlots): it recomputes a and g for tokens t0 ..
-// t0 + L + 2 and emits dx for t0 .. t0 + L - 1 (dx[s] needs g up to s + 3, the 3-token lookahead,
-// recomputed by the next strip too). Each thread sums g*x and g over its strips' own tokens in
+// threads: fewer instructions per channel, the launcher's WideVec8) of one strip. A strip walks
+// Lw tokens at a time, x[t0 - 3, t0 + Lw + 3) and dy[t0, t0 + Lw + 3), through a per-thread cp.async
+// ring: on the routes of 256-token sub-tiles its item's kStripLen-token (L) pieces split into one
+// run per strip, walked at once (kLongWalk); elsewhere it walks L tokens at a time, the CTA's strips
+// side by side (at C <= 16 the whole warp fills the rings, 4 rows of several strips per copy:
+// BwdTraits::kWarpFill; at C <= 8 without states its dx rows are stored so too, kDxSlots). A walk
+// recomputes a and g for tokens t0 ..
+// t0 + Lw + 2 and emits dx for t0 .. t0 + Lw - 1 (dx[s] needs g up to s + 3, the 3-token lookahead,
+// recomputed by the next walk too). Each thread sums g*x and g over its walks' own tokens in
 // registers; at the end of the item the CTA adds its strips in strip order and writes one partial
 // row per channel to the workspace: partials[item's token group][5][C]. A second kernel
 // (causal_conv1d_bwd_reduce_kernel, launched with programmatic dependent launch like the stream
@@ -87,7 +90,7 @@ struct BwdTraits {
   static constexpr int kLanesC = kLanesC_;    // threads side by side along channels
   static constexpr int kThreads = kThreads_;  // threads per CTA
   static constexpr int kStrips = kThreads / kLanesC;
-  static constexpr int kStripLen = kStripLen_;  // tokens of dx one strip emits
+  static constexpr int kStripLen = kStripLen_;  // tokens of a piece: a walk emits dx for one or more
   static constexpr int kRing = kRing_;          // shared-memory rows of x and of dy per thread
   static constexpr int kMinCtasPerSm = kMinCtasPerSm_;
   static constexpr int kTileTokens = kStrips * kStripLen;  // one sub-tile: every strip once
@@ -167,7 +170,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   detail::launch_dependents();
   constexpr int L = Traits::kStripLen;
   constexpr int R = Traits::kRing;
-  constexpr int N = L + 6;  // x rows a strip reads: 3 before t0, its L tokens, 3 of lookahead
+  constexpr int N = L + 6;  // x rows a walk of one piece reads: 3 before t0, its L tokens, 3 of lookahead
   constexpr int TT = Traits::kTileTokens;
   constexpr int T = Traits::kThreads;
   constexpr int V = Traits::kVec;
@@ -302,7 +305,27 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
 
   // The position scan's first load, ahead of the rows (stateless; unused, so not loaded, with states).
   const int32_t first_round = detail::load_first_round<T>(p.cu_seqlens, p.num_docs);
-  const int first_t0 = item_t0 + strip * L;
+  // The strip's walks. Routes that fill their rings per thread (all but kWarpFill) give each strip one
+  // run of the item's consecutive L-token pieces, walked at once (kLongWalk): its ring streams on from
+  // one piece to the next. Walked a piece at a time (the CTA's strips side by side, TT tokens a
+  // sub-tile, as the other routes still do), each walk re-read and recomputed a 3-token halo on both
+  // sides and refilled its ring only once the walk before had consumed it. tune.py, H200,
+  // 2026-12-03, rested, 1024-token groups (a strip's 4 walks one): 16384x8192 223.4 -> 218.4 us (86
+  // -> 88 % of copy), 65536x2048 (32 documents) 223.3 -> 214.3, 131072x4096 (32) 857.6 -> 824.6,
+  // 1048576x128 232.9 -> 228.4; dx bitwise, dweight and dbias summed in another (fixed) order (r141).
+  // Only where a strip may get more than one piece: not on the small-grid routes, whose sub-tiles of
+  // 128 tokens serve groups under 256 (1 or 2 pieces a strip; the long walk's code was 2-2.7 % slower
+  // there, r142, graph-replayed: 4096x4096 33.5 -> 34.4 us, 1024x8192 19.8 -> 20.2, 8192x2048 33.8
+  // -> 34.6), nor where one sub-tile is a longest group (Narrow8: one piece a strip, always).
+  constexpr bool kLongWalk =
+      !kWarpFill && Traits::kTileTokens >= kBwdPlanFullTileTokens && Traits::kTileTokens < kBwdMaxItemTokens;
+  const int item_pieces = (item_end - item_t0 + L - 1) / L;
+  const int run_pieces = kLongWalk ? (item_pieces + Traits::kStrips - 1) / Traits::kStrips : 1;
+  const int first_t0 = item_t0 + strip * run_pieces * L;
+  // Tokens of dx a walk emits (a multiple of L; the item's last piece may pass S) and the step to the
+  // strip's next walk (kLongWalk: past the item).
+  const int walk_len = kLongWalk ? min(run_pieces * L, (item_end - first_t0 + L - 1) / L * L) : L;
+  const int walk_step = kLongWalk ? Traits::kStrips * run_pieces * L : TT;
   // kWarpFill: the warp walks while its first strip has tokens (a strip past the item's end walks
   // zeros; its lanes fill the others' rings).
   const auto walks = [&](int t0) { return (kWarpFill ? warp_t0_of(t0) : t0) < item_end; };
@@ -344,7 +367,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   __syncthreads();
 
   float dw[4][V] = {}, db[V] = {};
-  for (int t0 = first_t0; walks(t0); t0 += TT) {
+  for (int t0 = first_t0; walks(t0); t0 += walk_step) {
+    const int Lw = walk_len;  // the walk's own tokens
     const bool live = kWarpFill ? active && t0 < item_end : active;  // the strip's rows are read and written
     const int dx_lim = live ? p.S : INT32_MIN;
     const uint32_t x_base = static_cast<uint32_t>(t0) * xs + vec, dy_base = static_cast<uint32_t>(t0) * dys + vec;
@@ -431,12 +455,15 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     // step_events' masks. Where no token in the window has kInDoc it computes bitwise what the
     // stateless body does.
     [[maybe_unused]] uint32_t step_codes = 0;
-    // kInside (a compile-time bool): every row the walk refills (up to token t0 + L + 2) and every
-    // dx row it stores (t0 .. t0 + L - 1) is below S, and every lane of the tile is active, so the
+    // kInside (a compile-time bool): every row the walk refills (up to token t0 + Lw + 2) and every
+    // dx row it stores (t0 .. t0 + Lw - 1) is below S, and every lane of the tile is active, so the
     // row needs no bounds tests (row_inside, below; the rows before t0 come from prefetch and the
     // prologue, which keep theirs).
-    const auto row_body = [&](int r, auto phase, auto events, auto inside) {
+    // kWhole (a compile-time bool): the row is in a whole step of the walk (so r + 3 < Lw), not its
+    // peeled last step (r >= Lw: the lookahead).
+    const auto row_body = [&](int r, auto phase, auto events, auto inside, auto whole) {
       constexpr int q = decltype(phase)::value, s3 = (q + 1) % 4, s2 = (q + 2) % 4, s1 = (q + 3) % 4;
+      constexpr bool kWhole = decltype(whole)::value;
       constexpr bool kEvents = decltype(events)::value;
       constexpr bool kInside = decltype(inside)::value;
       if constexpr (q == 0) step_codes = *reinterpret_cast<const uint32_t*>(pos_row + r);
@@ -446,10 +473,10 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         // gradient (row 3 - k) is loaded now and added to its dx 3 rows later, so the load's
         // latency is hidden behind 3 rows (loaded where it is added, it was 12 % of the stall
         // samples at 1024 documents, r35). The step of row r + 3 is stateful too: it looks 3
-        // tokens back. Rows >= L are the lookahead: their dx is the next strip's, which loads
+        // tokens back. Rows >= Lw are the lookahead: their dx is the next walk's, which loads
         // their dfinal itself (skipping them: 1-2.6 % at many documents, r41).
         const int c = code, k = c >> detail::kEndShift & 3;
-        if (r < L && dfinal_v && live && k && (c & detail::kInDoc)) {
+        if ((kWhole || r < Lw) && dfinal_v && live && k && (c & detail::kInDoc)) {
           fm[q] = __ldg(dfinal_v + state_off(doc_row[r], 3 - k) + vec);
         }
       }
@@ -463,7 +490,10 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         if (r - q + R - 1 < N) fill_piece(warp_t0_of(t0), r / 4 + R / 4, prev, phase);
         if constexpr (q == 3) detail::cp_async_commit();  // possibly empty: keeps "chunk k is group k"
       } else {
-        if (r + R + 2 < N) {  // refill the slot ring row r + 2 has just left with row r + R + 2
+        // Refill the slot ring row r + 2 has just left with row r + R + 2, if below Lw + 6. Tested on
+        // the step's first row r - q (the same answer for its 4 rows: Lw and R are multiples of 4), one
+        // test per step.
+        if (r - q + R + 2 < Lw + 6) {
           const bool valid = kInside || refill_t < t_lim;
           const int slot = q == 0 ? prev + 3 : cur + q - 1;
           detail::cp_async_row(my_xring + slot * T, xv + (valid ? refill_x : 0u), valid);
@@ -507,7 +537,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       }
 #pragma unroll
       for (int j = 0; j < V; ++j) g[j] = dyt[j] * detail::silu_grad(a[j]);
-      if (r < L) {  // the strip's own tokens: each token's g is summed by exactly one strip
+      if (kWhole || r < Lw) {  // the walk's own tokens: each token's g is summed by exactly one walk
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           db[j] += g[j];
@@ -520,7 +550,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       if constexpr (kEvents) {
         // dinit of the document whose first token is u - 2, one of the strip's own: its first 3
         // tokens' g are in the window now (those still in the document).
-        if (init_v && live && r >= 2 && r - 2 < L && (pm[s2] & detail::kPosMask) == 0 && (pm[s2] & detail::kInDoc)) {
+        if (init_v && live && r >= 2 && (kWhole || r - 2 < Lw) && (pm[s2] & detail::kPosMask) == 0 && (pm[s2] & detail::kInDoc)) {
           emit_dinit(doc_row[r - 2], pm[s2] >> detail::kEndShift & 3, gm[s2], gm[s1], (pm[s1] & detail::kPosMask) >= 1, g,
                      pos >= 2);
         }
@@ -570,11 +600,23 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         gm[q][j] = g[j];
       }
     };
-    const auto row = [&](int r, auto phase, auto events) { row_body(r, phase, events, std::false_type{}); };
-    [[maybe_unused]] const auto row_inside = [&](int r, auto phase, auto events) {
-      row_body(r, phase, events, std::true_type{});
+    // whole: walk_rows_n's step kind; walk_rows (!kLongWalk) gives none, and there the row's index
+    // against Lw (= L, a constant) tells the compiler.
+    const auto row = [&](int r, auto phase, auto events, auto... whole) {
+      row_body(r, phase, events, std::false_type{}, std::bool_constant<detail::kIsWholeStep<decltype(whole)...>>{});
     };
-    const auto no_events = [](int) { return std::false_type{}; };
+    [[maybe_unused]] const auto row_inside = [&](int r, auto phase, auto events, auto... whole) {
+      row_body(r, phase, events, std::true_type{}, std::bool_constant<detail::kIsWholeStep<decltype(whole)...>>{});
+    };
+    const auto no_events = [](int, auto...) { return std::false_type{}; };
+    // Rows 0 .. Lw + 2: Lw in steps of 4, then a peeled step of 3.
+    const auto walk = [&](auto&& row_fn, int& cur_, int& prev_, auto&& events_fn) {
+      if constexpr (kLongWalk) {
+        detail::walk_rows_n<R>(Lw, row_fn, cur_, prev_, events_fn);
+      } else {
+        detail::walk_rows<L + 3, R>(row_fn, cur_, prev_, events_fn);
+      }
+    };
     // With states, each step of 4 rows r .. r + 3 runs the stateful body when one of the tokens
     // r - 3 .. r + 3 has kInDoc (rows read their own code, dinit the one 2 rows back, dfinal 3
     // back) in any lane of the warp converged at the vote (routes of fewer than 32 channel lanes
@@ -587,11 +629,11 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     // documents within 1 %. Reading the next step's choice one step ahead was slower (1 document
     // 1.057x).
     if constexpr (kStates) {
-      const auto step_events = [&](int r) {
+      const auto step_events = [&](int r, auto... whole) {
         // codes of tokens r .. r + 3 (the peeled step: r .. r + 2) and r - 3 .. r - 1 (the word
         // r - 4 .. r - 1, r - 4 masked off; none before the first step, whose rows look back to
         // token 0 only, and whose word would precede the item's first strip)
-        const uint32_t mine = r + 4 <= L + 3 ? 0x10101010u : 0x00101010u;
+        const uint32_t mine = detail::kIsWholeStep<decltype(whole)...> || r + 4 <= Lw + 3 ? 0x10101010u : 0x00101010u;
         static_assert(detail::kInDoc == 0x10, "the masks test kInDoc in each byte");
         uint32_t m = *reinterpret_cast<const uint32_t*>(pos_row + r) & mine;
         if (r >= 4) m |= *reinterpret_cast<const uint32_t*>(pos_row + r - 4) & 0x10101000u;
@@ -602,18 +644,18 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       };
       if constexpr (kItemChoice) {
         if (s_item_events[0]) {  // uniform in the CTA
-          detail::walk_rows<L + 3, R>(row, cur, prev, step_events);
+          walk(row, cur, prev, step_events);
         } else {
-          detail::walk_rows<L + 3, R>(row, cur, prev, no_events);
+          walk(row, cur, prev, no_events);
         }
       } else {
-        detail::walk_rows<L + 3, R>(row, cur, prev, step_events);
+        walk(row, cur, prev, step_events);
       }
     } else if constexpr (V == 8 && Traits::kLanesC == 32) {
       // Stateless 16-byte rows in warps of one strip (the launcher's WideVec8; tune.py's VEC=8 gives
       // them to Wide too, not to the routes with several strips per warp, whose strips could take
       // different loops near S and the warp run both): a strip of a tile without idle lanes whose
-      // walk stays below S (its refills up to token t0 + L + 2), every strip but the batch's last
+      // walk stays below S (its refills up to token t0 + Lw + 2), every walk but the batch's last
       // ones, walks without the rows' bounds tests: ~6 % fewer instructions per row, the gain of
       // the 16-byte rows. The test is the tile's, which the CTA shares: tested per lane, the idle
       // lanes past C took the other loop and the warp ran both (r135, 262144x192 121.2 -> 217.3 us);
@@ -622,13 +664,13 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       // bounded loop 16 instructions longer (567 -> 583 for 4 rows, 110 -> 120 registers), and the
       // tiles with idle lanes, which walk it, slower (r137: 262144x72 65.1 -> 68.9 us, 262144x192
       // 121.2 -> 128.3) for 0.8 % at 1048576x128.
-      if (tile_full && t0 + L + 3 <= p.S) {
-        detail::walk_rows<L + 3, R>(row_inside, cur, prev, no_events);
+      if (tile_full && t0 + Lw + 3 <= p.S) {
+        walk(row_inside, cur, prev, no_events);
       } else {
-        detail::walk_rows<L + 3, R>(row, cur, prev, no_events);
+        walk(row, cur, prev, no_events);
       }
     } else {
-      detail::walk_rows<L + 3, R>(row, cur, prev, no_events);
+      walk(row, cur, prev, no_events);
     }
     if constexpr (kWarpFill) __syncwarp();  // every lane has read its last ring row
     if constexpr (kDxSlots > 0) {  // the strips' last two dx chunks
@@ -642,7 +684,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       }
       __syncwarp();  // the next sub-tile's rows reuse the slots
     }
-    if (walks(t0 + TT)) prefetch(t0 + TT);  // the ring is free: every row was consumed
+    if (walks(t0 + walk_step)) prefetch(t0 + walk_step);  // the ring is free: every row was consumed
   }
 
   // The item's partial rows: strips added in strip order, one row per (tap or g, channel).

@@ -211,8 +211,8 @@ constexpr int kBwdNarrowRouteMinGroups = 512;
 // Without states, items of 256 tokens or more at C a multiple of 256 run in 16-byte rows (WideVec8:
 // 8 channels per thread, items of 256 channels, ~210 registers, 2 CTAs of 128 threads per SM;
 // bitwise Wide's results), whose strips below S walk a loop without the rows' bounds tests (the
-// kernel's inside strips): the bf16 policy's 4-row loop is 946 SASS instructions for 8 channels a
-// row, 29.6 per channel against Wide's 35.4 (567 for 4; nvcc 13.0). tune.py, H200, 2026-12-03,
+// kernel's inside strips): the bf16 policy's 4-row loop is 936 SASS instructions for 8 channels a
+// row, 29.3 per channel against Wide's 35.4 (566 for 4; nvcc 13.0). tune.py, H200, 2026-12-03,
 // rested, main -> WideVec8 (r137): 16384x8192 230.3 -> 223.4 us (83 -> 86 % of copy), 65536x2048
 // (32 documents) 231.0 -> 225.5, 131072x4096 860.8 -> 857.0, 8192x4096 64.9 -> 62.8, 131072x256
 // 66.8 -> 65.1; held at the power cap 2 s, 16384x8192 267.5 -> 251.5, 65536x2048 266.0 -> 252.9;

@@ -226,13 +226,29 @@ __device__ __forceinline__ Row<V> pack_row(const float (&d)[V]) {
   }
 }
 
+// Runs step(r, events) with events a std::true_type or std::false_type: the one step_events gave
+// (one body for every step), or the one its bool chose (each step branches to one of two bodies).
+template <class StepFn, class E>
+__device__ __forceinline__ void run_step(StepFn&& step, int r, E events) {
+  static_assert(std::is_same_v<E, bool> || std::is_same_v<E, std::true_type> || std::is_same_v<E, std::false_type>,
+                "step_events returns bool, std::true_type or std::false_type");
+  if constexpr (std::is_same_v<E, bool>) {
+    if (events) {
+      step(r, std::true_type{});
+    } else {
+      step(r, std::false_type{});
+    }
+  } else {
+    step(r, events);
+  }
+}
+
 // The strip loop of both kernels: row(r, phase, events) for r = 0 .. kRows - 1, phase = r % 4 as
 // a compile-time constant (std::integral_constant), rolled in steps of 4 rows; after each step the
 // ring slots of the 4-row windows advance (prev takes cur, cur moves 4 slots on, wrapping at
 // kRing). The last kRows % 4 rows are peeled, so no row in the loop is conditional. events is a
-// std::true_type or std::false_type for the whole step, from step_events(r) at its first row r:
-// step_events returns either one of those (one body for every step) or a bool (each step
-// branches to one of two bodies).
+// std::true_type or std::false_type for the whole step, from step_events(r) at its first row r
+// (run_step).
 template <int kRows, int kRing, class RowFn, class StepEventsFn>
 __device__ __forceinline__ void walk_rows(RowFn&& row, int& cur, int& prev, StepEventsFn&& step_events) {
   using P0 = std::integral_constant<int, 0>;
@@ -251,27 +267,49 @@ __device__ __forceinline__ void walk_rows(RowFn&& row, int& cur, int& prev, Step
     if constexpr (kFull + 1 < kRows) row(kFull + 1, P1{}, events);
     if constexpr (kFull + 2 < kRows) row(kFull + 2, P2{}, events);
   };
-  const auto dispatch = [&](int r, auto&& step) {
-    using E = decltype(step_events(r));
-    static_assert(std::is_same_v<E, bool> || std::is_same_v<E, std::true_type> || std::is_same_v<E, std::false_type>,
-                  "step_events returns bool, std::true_type or std::false_type");
-    if constexpr (std::is_same_v<E, bool>) {
-      if (step_events(r)) {
-        step(r, std::true_type{});
-      } else {
-        step(r, std::false_type{});
-      }
-    } else {
-      step(r, E{});
-    }
-  };
 #pragma unroll 1
   for (int r = 0; r < kFull; r += 4) {
-    dispatch(r, whole);
+    run_step(whole, r, step_events(r));
     prev = cur;
     cur = cur + 4 == kRing ? 0 : cur + 4;
   }
-  if constexpr (kFull < kRows) dispatch(kFull, peeled);
+  if constexpr (kFull < kRows) run_step(peeled, kFull, step_events(kFull));
+}
+
+// Whether a row or step_events call came from a whole step of walk_rows_n (its one extra argument's
+// type; walk_rows passes none).
+template <class... Kind>
+inline constexpr bool kIsWholeStep = sizeof...(Kind) == 1 && (Kind::value && ...);
+
+// walk_rows of full + 3 rows, full (a multiple of 4) known at run time: the backward's walks of
+// several pieces. row and step_events also take whether the step is a whole one (rows r .. r + 3, all
+// below full) or the peeled last one, which a run-time full no longer tells the compiler.
+template <int kRing, class RowFn, class StepEventsFn>
+__device__ __forceinline__ void walk_rows_n(int full, RowFn&& row, int& cur, int& prev, StepEventsFn&& step_events) {
+  using P0 = std::integral_constant<int, 0>;
+  using P1 = std::integral_constant<int, 1>;
+  using P2 = std::integral_constant<int, 2>;
+  using P3 = std::integral_constant<int, 3>;
+  using Whole = std::true_type;
+  using Peeled = std::false_type;
+  const auto whole = [&](int r, auto events) {
+    row(r, P0{}, events, Whole{});
+    row(r + 1, P1{}, events, Whole{});
+    row(r + 2, P2{}, events, Whole{});
+    row(r + 3, P3{}, events, Whole{});
+  };
+  const auto peeled = [&](int r, auto events) {
+    row(r, P0{}, events, Peeled{});
+    row(r + 1, P1{}, events, Peeled{});
+    row(r + 2, P2{}, events, Peeled{});
+  };
+#pragma unroll 1
+  for (int r = 0; r < full; r += 4) {
+    run_step(whole, r, step_events(r, Whole{}));
+    prev = cur;
+    cur = cur + 4 == kRing ? 0 : cur + 4;
+  }
+  run_step(peeled, full, step_events(full, Peeled{}));
 }
 
 // The first entry >= first among cu_seqlens[0 .. num_docs], num_docs + 1 when none (for sorted
