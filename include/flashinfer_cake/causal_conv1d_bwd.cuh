@@ -20,9 +20,8 @@
 // run per strip, walked at once (kLongWalk); elsewhere it walks L tokens at a time, the CTA's strips
 // side by side (at C <= 16 the whole warp fills the rings, 4 rows of several strips per copy:
 // BwdTraits::kWarpFill; at C <= 8 without states its dx rows are stored so too, kDxSlots). A walk
-// recomputes a and g for tokens t0 ..
-// t0 + Lw + 2 and emits dx for t0 .. t0 + Lw - 1 (dx[s] needs g up to s + 3, the 3-token lookahead,
-// recomputed by the next walk too). Each thread sums g*x and g over its walks' own tokens in
+// recomputes a and g for tokens t0 .. t0 + Lw + 2 and emits dx for t0 .. t0 + Lw - 1 (dx[s] needs g
+// up to s + 3, the 3-token lookahead, recomputed by the next walk too). Each thread sums g*x and g over its walks' own tokens in
 // registers; at the end of the item the CTA adds its strips in strip order and writes one partial
 // row per channel to the workspace: partials[item's token group][5][C]. A second kernel
 // (causal_conv1d_bwd_reduce_kernel, launched with programmatic dependent launch like the stream
