@@ -3,6 +3,8 @@ kernel choices and any kernel of torch's are not visible otherwise)."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -21,3 +23,12 @@ def launched_bwd_kernel(call) -> str:
     names = [n for n in launched_kernels(call) if "causal_conv1d_bwd_kernel" in n]
     assert len(names) == 1, names
     return names[0]
+
+
+def launched_route(call) -> tuple[int, ...]:
+    """(channels per thread, channel lanes, threads, strip length) of the streaming backward kernel
+    call() launches (BwdTraits<kVec, kLanesC, kThreads, kStripLen, ...>)."""
+    name = launched_bwd_kernel(call)
+    m = re.search(r"BwdTraits<\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),", name)
+    assert m, name
+    return tuple(int(v) for v in m.groups())

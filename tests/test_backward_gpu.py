@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from doclengths import docs_3000, docs_16_to_64, fill, make_cu, one_doc, split
-from launched import launched_bwd_kernel
+from launched import launched_bwd_kernel, launched_route
 from sanitizer import assert_sanitizer_clean, needs_sanitizer
 from flashinfer_cake import (
     CakeCausalConv1dFunction,
@@ -329,15 +329,6 @@ def test_document_mixes_match_reference(S, C, mix, weight_dtype, bias_dtype, pol
     assert_grads_match_reference(grads, x, w, cu, dy, b, policy)
 
 
-def launched_route(call):
-    """(channels per thread, channel lanes, threads, strip length) of the streaming kernel call()
-    launches (BwdTraits<kVec, kLanesC, kThreads, kStripLen, ...>)."""
-    name = launched_bwd_kernel(call)
-    m = re.search(r"BwdTraits<\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+),", name)
-    assert m, name
-    return tuple(int(v) for v in m.groups())
-
-
 @pytest.mark.parametrize("S, C, route", [
     pytest.param(1024, 4096, (4, 32, 128, 32), id="S1024-C4096-wide-half"),  # 8 groups x 32 tiles: 512 warps
     pytest.param(2048, 4096, (4, 32, 128, 32), id="S2048-C4096-wide-half"),  # 1024 warps: the threshold
@@ -359,16 +350,17 @@ def test_route_rule(S, C, route):
     assert launched_route(lambda: backward(x, w, cu, dy, b)) == route
 
 
-@pytest.mark.parametrize("S, C, docs, vec", [
-    pytest.param(8192, 4096, 1, 8, id="S8192-C4096"),
-    pytest.param(4100, 8192, 7, 8, id="S4100-C8192"),  # a last token group part-filled
-    pytest.param(131072, 256, 300, 8, id="S131072-C256"),
-    pytest.param(131072, 200, 40, 4, id="S131072-C200"),  # C not a multiple of 256: Wide
+@pytest.mark.parametrize("S, C, docs, vec, stateful_vec", [
+    pytest.param(8192, 4096, 1, 8, 4, id="S8192-C4096"),  # 16 groups for 1 document: Wide's item choice
+    pytest.param(4100, 8192, 7, 8, 8, id="S4100-C8192"),  # 585 tokens per document; a last group part-filled
+    pytest.param(131072, 256, 300, 8, 4, id="S131072-C256"),  # 437 tokens per document
+    pytest.param(131072, 200, 40, 4, 4, id="S131072-C200"),  # C not a multiple of 256: Wide
 ])
-def test_stateless_wide_route_is_bitwise_the_stateful_kernel(S, C, docs, vec):
+def test_stateless_wide_route_is_bitwise_the_stateful_kernel(S, C, docs, vec, stateful_vec):
     """Token groups of 256 tokens or more at C a multiple of 256 run, without states, in 16-byte rows
     (WideVec8: items of 256 channels; its strips inside [0, S) walk a loop without bounds tests), with
-    states on the Wide kernels of 8-byte rows (128 channels).
+    states in them too where documents average 512 tokens or more and the item choice does not apply,
+    else on the Wide kernels of 8-byte rows (128 channels).
     They walk the same strips and add in the same order: with zero final-state gradients (no initial
     states: no tap changes) the stateful call gives the same dweight and dbias bits, and dx but the
     sign of an exact zero (d + 0)."""
@@ -379,7 +371,7 @@ def test_stateless_wide_route_is_bitwise_the_stateful_kernel(S, C, docs, vec):
         stateless = lambda: backward(x, w, cu, dy, b, policy)  # noqa: E731
         stateful = lambda: backward(x, w, cu, dy, b, policy, dfinal_states=zeros)  # noqa: E731
         assert launched_route(stateless) == (vec, 32, 128, 64)
-        assert launched_route(stateful) == (4, 32, 128, 64)
+        assert launched_route(stateful) == (stateful_vec, 32, 128, 64)
         (dx0, dw0, db0), (dx1, dw1, db1) = stateless(), stateful()
         assert same_bits(dw0, dw1) and same_bits(db0, db1), policy
         assert torch.equal(dx0, dx1) and same_bits(dx0.abs(), dx1.abs()), policy

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from doclengths import empty_at_ends, docs_16_to_64, fill, make_cu, one_doc, split, tiny_docs
-from launched import launched_bwd_kernel
+from launched import launched_bwd_kernel, launched_route
 from sanitizer import assert_sanitizer_clean, needs_sanitizer
 from flashinfer_cake import cake_causal_conv1d, cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
 from flashinfer_cake.reference import (
@@ -52,6 +52,12 @@ def sync():
 def chunky_mix(S, rng):
     """Empty documents at both ends and inside, 1-3 token documents and longer ones."""
     return [0] + fill(S, rng, (1, 2, 3, 5, 17, 64, 200), p_empty=0.1) + [0, 0]
+
+
+def long_docs(S, rng):
+    """Documents of 600-3000 tokens with 1- and 2-token ones and empty ones among them: about 1000
+    tokens per document (at C a multiple of 256 the stateful backward runs in 16-byte rows from 512)."""
+    return [0] + fill(S, rng, (1, 2, 600, 900, 1500, 3000), p_empty=0.05) + [0]
 
 
 def piece_edge_docs(S, rng):
@@ -382,6 +388,41 @@ def test_backward_document_mixes_with_states(S, C, mix, weight_dtype, bias_dtype
     init, dfinal = (None if states == "dfinal" else init), (None if states == "initial" else dfinal)
     grads = backward_into(x, w, cu, dy, b, policy, init, dfinal)
     assert_grads_match_reference(grads, x, w, cu, dy, b, policy, init, dfinal)
+
+
+@pytest.mark.parametrize("S, C, weight_dtype, bias_dtype, policy", [
+    pytest.param(100003, 512, BF16, F32, "bf16", id="S100003-C512"),  # groups of 832 tokens: runs of 4 pieces a strip
+    pytest.param(8195, 4096, F32, None, "fp32", id="S8195-C4096"),  # groups of 576 tokens, the last part-filled
+    pytest.param(65539, 1024, F32, BF16, "bf16", id="S65539-C1024"),  # groups of 1024 tokens, the last of 3
+    pytest.param(131075, 256, BF16, BF16, "fp32", id="S131075-C256"),  # one channel tile, groups of 576 tokens
+])
+def test_backward_states_in_16_byte_rows(S, C, weight_dtype, bias_dtype, policy):
+    """With states, at C a multiple of 256, documents of 512 tokens or more on average and fewer than
+    16 token groups per document, the backward runs WideVec8's per-step kernel (16-byte rows). It
+    matches the reference, and the same batch with empty documents appended until the average falls
+    below 512 tokens (Wide's per-step kernel, 8-byte rows: the same strips, added in the same order)
+    gives the same bits."""
+    from flashinfer_cake import _plan
+
+    seed = variant_seed(S + C, weight_dtype, bias_dtype, policy)
+    lengths = long_docs(S, random.Random(seed))
+    D = len(lengths)
+    assert S >= 512 * D and _plan.groups(S, C) < 16 * D and _plan.item_tokens(S, C) >= 256, "the case must take WideVec8"
+    extra = S // 512 + 1 - D  # S < 512 * (D + extra)
+    cu = make_cu(S, lengths, device=DEV)
+    cu_more = torch.cat([cu, torch.full((extra,), S, dtype=I32, device=DEV)])
+    x, w, b, dy, init, dfinal = make_inputs(S, C, D + extra, seed=seed, weight_dtype=weight_dtype,
+                                            bias_dtype=bias_dtype)
+    for given_init, given_dfinal in ((init, None), (None, dfinal), (init, dfinal)):
+        few = [None if t is None else t[:D] for t in (given_init, given_dfinal)]
+        assert launched_route(lambda: backward(x, w, cu, dy, b, policy, *few)) == (8, 32, 128, 64)
+        assert launched_route(lambda: backward(x, w, cu_more, dy, b, policy, given_init, given_dfinal)) == (4, 32, 128, 64)
+        grads = backward_into(x, w, cu, dy, b, policy, *few)
+        wide = backward_into(x, w, cu_more, dy, b, policy, given_init, given_dfinal)
+        assert all(same_bits(g, h) for g, h in zip(grads[:3], wide[:3]))
+        if given_init is not None:
+            assert same_bits(grads[3], wide[3][:D])
+        assert_grads_match_reference(grads, x, w, cu, dy, b, policy, *few)
 
 
 # The stateful backward has two kernels on the full-width routes (C > 64): with at least 16 token
@@ -1069,13 +1110,14 @@ import torch
 from flashinfer_cake import cake_causal_conv1d_train_backward as bwd, cake_causal_conv1d_train_forward as fwd
 PATTERNS = {patterns}  # per S
 # (4096, 136): the backward's item choice at 1-2 documents; (2049, 4096) the 64-thread CTAs of short
-# groups (WideShort), (1111, 4096) their 32-token strips (WideHalf)
-for S, C in [(300, 264), (77, 8), (5000, 24), (1111, 4096), (2049, 4096), (4096, 136), (3003, 48)]:
+# groups (WideShort), (1111, 4096) their 32-token strips (WideHalf); (8195, 4096) 16-byte rows (groups of
+# 576 tokens, the last part-filled; stateful there with the 5 documents of 1600 tokens on average)
+for S, C in [(300, 264), (77, 8), (5000, 24), (1111, 4096), (2049, 4096), (4096, 136), (3003, 48), (8195, 4096)]:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")
     b = torch.randn(C, device="cuda", dtype=torch.bfloat16)
-    for cu in [[0, S], [0, 1, 2, 5, S] + [S] * 300, *PATTERNS[S].values()]:
+    for cu in [[0, S], [0, 1, 2, 5, S] + [S] * 300, [0, 2, S // 3, S // 2 + 1, S - 2, S], *PATTERNS[S].values()]:
         n = len(cu) - 1
         h = torch.randn(n, 3, C, device="cuda", dtype=torch.bfloat16)
         cu = torch.tensor(cu, dtype=torch.int32, device="cuda")
@@ -1091,10 +1133,11 @@ print("sanitizer-script-done")
 @needs_sanitizer
 def test_states_memcheck_clean(tmp_path):
     """compute-sanitizer's memcheck sees no out-of-bounds access with states, for every corrupt
-    cu_seqlens pattern, trailing empty documents and tails of S and C, and in the full-width
-    routes' item-choice kernel (4096 x 136: 32 token groups, which 1-2 documents leave to it)."""
+    cu_seqlens pattern, trailing empty documents and tails of S and C, in the full-width
+    routes' item-choice kernel (4096 x 136: 32 token groups, which 1-2 documents leave to it) and in
+    16-byte rows (8195 x 4096 with documents of 512 tokens or more on average)."""
     patterns = {S: {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(S)] for name, make in CORRUPT_CU.items()}
-                for S in (300, 77, 5000, 1111, 2049, 4096, 3003)}  # each pattern made for the S it runs at
+                for S in (300, 77, 5000, 1111, 2049, 4096, 3003, 8195)}  # each pattern made for the S it runs at
     assert_sanitizer_clean(_MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)), tmp_path)
 
 
@@ -1115,7 +1158,8 @@ for S, C in [(4097, 64), (4099, 32), (530001, 16), (524305, 8), (3001, 8), (1111
     bwd(x, w, cu, dy, initial_states=h, dfinal_states=h)
     bwd(x, w, cu, dy, dfinal_states=h)
     bwd(x, w, cu, dy)  # the stateless kernel (at C <= 16 with 512+ token groups: warp-filled)
-for S, C, cu in [(4096, 136, [0, 4096]), (4096, 136, [0, 1000, 4096]), (8192, 4096, [0, 8192])]:  # the item choice
+# the item choice; (8192, 4096) with 3 documents: 16-byte rows with states
+for S, C, cu in [(4096, 136, [0, 4096]), (4096, 136, [0, 1000, 4096]), (8192, 4096, [0, 8192]), (8192, 4096, [0, 3000, 3001, 8192])]:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")

@@ -13,8 +13,9 @@
 // Two kernels. The first streams x and dy once: a CTA owns an item of item_tokens tokens x
 // kTileChannels channels; a thread owns kVec channels (4: an 8-byte row vector, so the windows,
 // taps and sums of the backward fit in ~110-128 registers, 4 CTAs of 128 threads per SM; 8 on the
-// stateless full-width route at C a multiple of 256, 16-byte rows in ~210 registers, 2 CTAs of 128
-// threads: fewer instructions per channel, the launcher's WideVec8) of one strip. A strip walks
+// full-width route at C a multiple of 256, stateless or with long documents, 16-byte rows in ~210
+// (stateful ~236) registers, 2 CTAs of 128 threads: fewer instructions per channel, the launcher's
+// WideVec8) of one strip. A strip walks
 // Lw tokens at a time, x[t0 - 3, t0 + Lw + 3) and dy[t0, t0 + Lw + 3), through a per-thread cp.async
 // ring: on the routes of 256-token sub-tiles its item's kStripLen-token (L) pieces split into one
 // run per strip, walked at once (kLongWalk); elsewhere it walks L tokens at a time, the CTA's strips

@@ -30,13 +30,17 @@ namespace flashinfer_cake {
 
 inline bool bwd_has_states(const CausalConv1dBwdParams& p) { return p.initial_states || p.dfinal_states; }
 
+// Whether a stateful backward on a route with the item choice takes that kernel.
+inline bool bwd_item_choice(const CausalConv1dBwdParams& p) {
+  return bwd_has_states(p) && int64_t(p.groups) >= int64_t(CAKE_BWD_ITEM_CHOICE_GROUPS_PER_DOC) * p.num_docs;
+}
+
 // The backward's kernel for the launch's round_preact and states (Route: a BwdRoute).
 template <class Route, class WeightT, class BiasT>
 auto bwd_kernel_for(const CausalConv1dBwdParams& p) {
   using Traits = typename Route::Traits;
   const bool states = bwd_has_states(p);
-  const bool choice = Route::kMayChooseItems && states &&
-                      int64_t(p.groups) >= int64_t(CAKE_BWD_ITEM_CHOICE_GROUPS_PER_DOC) * p.num_docs;
+  const bool choice = Route::kMayChooseItems && bwd_item_choice(p);
   const auto pick = [&](auto round_preact) {
     constexpr bool kRound = decltype(round_preact)::value;
     if constexpr (Route::kMayChooseItems) {
@@ -138,6 +142,26 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 #ifndef CAKE_BWD_VEC
 #define CAKE_BWD_VEC 4  // channels per thread (WideVec8's: 8)
 #endif
+#ifndef CAKE_BWD_STATES_VEC8_MIN_DOC_TOKENS
+// With states, WideVec8's shapes take its per-step kernel when the documents average at least this many
+// tokens (num_docs counts empty documents) and the item choice does not apply; otherwise Wide's
+// kernels. Its stateless steps gain what the 16-byte rows gain, its steps with state events lose: 2
+// CTAs of 4 warps per SM hide the dependent loads of state rows less than Wide's 4 CTAs, and it has no
+// inside loop. tune.py --states, H200, 2026-12-03, rested, Wide -> WideVec8, µs (r147; r146):
+//   2048 tokens per document: 32768x2048 with 16 documents 129.6 -> 120.6, 16384x4096 with 8 130.2 ->
+//   122.2, 65536x1024 with 32 131.6 -> 124.3; 1024: 32768x2048 (32) 132.6 -> 125.7, 16384x4096 (16)
+//   132.2 -> 123.3, 8192x8192 (8) 129.9 -> 122.2, 65536x1024 (62) 133.9 -> 128.0; 512: 32768x2048 (64)
+//   133.8 -> 127.5 and 132.5 -> 124.7, 65536x1024 (128) 133.6 -> 127.5;
+//   482: 8192x4096 (17) 73.7 -> 73.1; 431: 16384x4096 (38) 130.7 -> 134.6; 256: 32768x2048 (128)
+//   134.4 -> 134.1, 16384x4096 (64) 134.1 -> 131.7; 171: 4096x8192 (24) 73.9 -> 81.4;
+//   1-8 and 16 tokens: 32768x1024 (2048) 99.4 -> 121.0, 8192x8192 (1024) 195.6 -> 234.5, 16384x4096
+//   (3634) 233.6 -> 258.6;
+//   one document (the item choice, in 16-byte rows): 8192x4096 66.4 -> 68.3 and 66.2 -> 67.7,
+//   16384x4096 120.6 -> 120.5, 32768x2048 120.6 -> 121.1, 65536x1024 120.5 -> 120.6, 4096x8192 68.7
+//   -> 65.5, 16384x8192 230.9 -> 223.7, 32768x8192 435.1 -> 425.9: no item-choice kernel in 16-byte rows.
+// A value above any S (1 << 30) keeps every stateful call on Wide (tune.py: STATES_VEC8_MIN_DOC_TOKENS=1073741824).
+#define CAKE_BWD_STATES_VEC8_MIN_DOC_TOKENS 512
+#endif
 #ifndef CAKE_BWD_WIDE_VEC8
 // 0: no 16-byte rows (WideVec8 is Wide's geometry, never launched). tune.py geometries whose
 // WideVec8 rings exceed static shared memory (ring 12 at 128 threads, 256 threads) need it
@@ -167,11 +191,11 @@ constexpr int kVec = CAKE_BWD_VEC, kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BW
               kMinCtas = CAKE_BWD_MIN_CTAS, kNarrowRing = CAKE_BWD_NARROW_RING;
 constexpr bool kWideVec8 = CAKE_BWD_WIDE_VEC8 != 0;
 using Wide = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>, /*kMayChooseItems=*/true>;
-// Wide's strips without states, in 16-byte rows: items of twice the channels, half the CTAs per SM
-// (launch_causal_conv1d_bwd).
+// Wide's strips in 16-byte rows: items of twice the channels, half the CTAs per SM; with states its
+// per-step kernel only (launch_causal_conv1d_bwd).
 using WideVec8 = BwdRoute<std::conditional_t<kWideVec8, BwdTraits<8, 32, kThreads, kStrip, kRing, (kMinCtas + 1) / 2>,
                                               Wide::Traits>,
-                          /*kMayChooseItems=*/false, /*kStates=*/false>;
+                          /*kMayChooseItems=*/false>;
 // Its x and dy rings in 48 KiB of static shared memory, with ~3 KB of positions and flags.
 static_assert(!kWideVec8 || 2 * WideVec8::Traits::kRing * WideVec8::Traits::kThreads * 16 <= 45 * 1024,
               "WideVec8's rings exceed static shared memory: build with CAKE_BWD_WIDE_VEC8=0 (tune.py: WIDE_VEC8=0)");
@@ -222,8 +246,8 @@ constexpr int kBwdNarrowRouteMinGroups = 512;
 // bounded loop, stays on Wide (which has no inside strips: the kernel says why). In 16 lanes of
 // 64-thread CTAs (Wide's 128-channel items, 4 CTAs per SM) they were 3.8 % faster at 1048576x128
 // but 3.5 % slower at 16384x8192 and 25 % at 8192x4096 (r134).
-// The stateful kernels keep 4 channels per thread (at 8 they ran at 1.17x the stateless time with 1
-// document, 1.9x with 512; session 16).
+// With states the same shapes take WideVec8's per-step kernel only where documents are long
+// (CAKE_BWD_STATES_VEC8_MIN_DOC_TOKENS); the other stateful calls keep 4 channels per thread.
 // Threads per SM stay 4 * CAKE_BWD_THREADS on the other routes of the stateless kernels (the
 // stateful ones' shared memory fits fewer of the 32-thread CTAs: 19 792 bytes each, 11 per SM).
 template <class WeightT, class BiasT>
@@ -249,7 +273,9 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                 "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
     if (p.item_tokens >= WideT::kTileTokens) {
-      if (kWideVec8 && p.C % WideVec8::Traits::kTileChannels == 0 && !bwd_has_states(p)) {
+      if (kWideVec8 && p.C % WideVec8::Traits::kTileChannels == 0 &&
+          (!bwd_has_states(p) ||
+           (!bwd_item_choice(p) && int64_t(p.S) >= int64_t(CAKE_BWD_STATES_VEC8_MIN_DOC_TOKENS) * p.num_docs))) {
         return launch_causal_conv1d_bwd_route<WideVec8, WeightT, BiasT>(p, stream);
       }
       return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT>(p, stream);
