@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from doclengths import fill, one_doc, split, tiny_docs
 import cp_by_hand
+from launched import launched_route
 from cp_by_hand import exchanged_by_hand, random_fragments
 from flashinfer_cake import cake_causal_conv1d, cake_causal_conv1d_train_backward
 from flashinfer_cake.cp import (
@@ -179,6 +180,30 @@ def test_ranks_with_few_long_fragments_are_bitwise_the_single_gpu_run(docs, layo
         tokens = len(part.global_tokens(r))
         frags = build_cp_context(part, None, r, DEV).num_fragments
         assert _plan.groups(tokens, C) >= 16 * frags, (r, tokens, frags)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ranks_with_long_fragments_in_16_byte_rows_are_bitwise_the_single_gpu_run(layout, policy):
+    """Ranks of 8192 tokens x 4096 channels (16 token groups of 512 tokens) holding 2+ fragments of
+    512+ tokens on average: their main backward runs WideVec8's stateful per-step kernel (16-byte
+    rows; causal_conv1d_bwd_launcher.cuh), continuing fragments reading their halo as initial states."""
+    from flashinfer_cake import _plan
+
+    seed = zlib.crc32(f"vec8 {layout} {policy}".encode())
+    rng = random.Random(seed)
+    S, C, P = 16384, 4096, 2
+    part = assert_ranks_are_the_single_gpu_run(S, C, split(S, 6, rng), P, layout, F32, F32, policy, seed, rng)
+    x, dy, w, b = inputs(S, C, F32, F32, seed)
+    for r in range(P):
+        ctx = build_cp_context(part, None, r, DEV)
+        tokens, frags = len(part.global_tokens(r)), ctx.num_fragments
+        assert tokens >= 512 * frags and _plan.groups(tokens, C) < 16 * frags, (r, tokens, frags)
+        i = torch.tensor(part.global_tokens(r), dtype=torch.long, device=DEV)
+        halo = torch.zeros(frags, 3, C, dtype=BF16, device=DEV)
+        call = lambda: cp_by_hand.backward_interior(ctx, (x.index_select(0, i),), (dy.index_select(0, i),), (w,), (b,),  # noqa: E731
+                                                    (halo,), policy)
+        assert launched_route(call) == (8, 32, 128, 64), r
 
 
 @pytest.mark.parametrize("policy", POLICIES)

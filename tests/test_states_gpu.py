@@ -390,13 +390,15 @@ def test_backward_document_mixes_with_states(S, C, mix, weight_dtype, bias_dtype
     assert_grads_match_reference(grads, x, w, cu, dy, b, policy, init, dfinal)
 
 
-@pytest.mark.parametrize("S, C, weight_dtype, bias_dtype, policy", [
-    pytest.param(100003, 512, BF16, F32, "bf16", id="S100003-C512"),  # groups of 832 tokens: runs of 4 pieces a strip
-    pytest.param(8195, 4096, F32, None, "fp32", id="S8195-C4096"),  # groups of 576 tokens, the last part-filled
-    pytest.param(65539, 1024, F32, BF16, "bf16", id="S65539-C1024"),  # groups of 1024 tokens, the last of 3
-    pytest.param(131075, 256, BF16, BF16, "fp32", id="S131075-C256"),  # one channel tile, groups of 576 tokens
+@pytest.mark.parametrize("S, C, mix, weight_dtype, bias_dtype, policy", [
+    pytest.param(100003, 512, long_docs, BF16, F32, "bf16", id="S100003-C512"),  # groups of 832 tokens: runs of 4 pieces a strip
+    pytest.param(8195, 4096, long_docs, F32, None, "fp32", id="S8195-C4096"),  # groups of 576 tokens, the last part-filled
+    pytest.param(65539, 1024, long_docs, F32, BF16, "bf16", id="S65539-C1024"),  # groups of 1024 tokens, the last of 3
+    pytest.param(131075, 256, long_docs, BF16, BF16, "fp32", id="S131075-C256"),  # one channel tile, groups of 576 tokens
+    # 363 documents, starting 0-3 tokens after piece boundaries (the rows a strip's window starts with)
+    pytest.param(200003, 256, piece_edge_docs, F32, F32, "bf16", id="S200003-C256-piece-edges"),
 ])
-def test_backward_states_in_16_byte_rows(S, C, weight_dtype, bias_dtype, policy):
+def test_backward_states_in_16_byte_rows(S, C, mix, weight_dtype, bias_dtype, policy):
     """With states, at C a multiple of 256, documents of 512 tokens or more on average and fewer than
     16 token groups per document, the backward runs WideVec8's per-step kernel (16-byte rows). It
     matches the reference, and the same batch with empty documents appended until the average falls
@@ -405,9 +407,11 @@ def test_backward_states_in_16_byte_rows(S, C, weight_dtype, bias_dtype, policy)
     from flashinfer_cake import _plan
 
     seed = variant_seed(S + C, weight_dtype, bias_dtype, policy)
-    lengths = long_docs(S, random.Random(seed))
+    lengths = mix(S, random.Random(seed))
     D = len(lengths)
-    assert S >= 512 * D and _plan.groups(S, C) < 16 * D and _plan.item_tokens(S, C) >= 256, "the case must take WideVec8"
+    tokens = _plan.item_tokens(S, C)
+    groups = -(-S // tokens)  # as the launcher counts them
+    assert S >= 512 * D and groups < 16 * D and tokens >= 256, "the case must take WideVec8"
     extra = S // 512 + 1 - D  # S < 512 * (D + extra)
     cu = make_cu(S, lengths, device=DEV)
     cu_more = torch.cat([cu, torch.full((extra,), S, dtype=I32, device=DEV)])
@@ -423,6 +427,19 @@ def test_backward_states_in_16_byte_rows(S, C, weight_dtype, bias_dtype, policy)
         if given_init is not None:
             assert same_bits(grads[3], wide[3][:D])
         assert_grads_match_reference(grads, x, w, cu, dy, b, policy, *few)
+
+
+@pytest.mark.parametrize("docs, vec, item_choice", [(1, 4, True), (2, 8, False), (16, 8, False), (17, 4, False)])
+def test_backward_states_route_rule(docs, vec, item_choice):
+    """The stateful route at 8192 x 4096 (16 token groups of 512 tokens): 1 document takes Wide's
+    item choice (16 groups per document), 2-16 documents WideVec8's per-step kernel (8192 tokens >=
+    512 per document), 17 Wide's per-step kernel."""
+    S, C = 8192, 4096
+    x, w, b, dy, init, dfinal = make_inputs(S, C, docs, seed=docs)
+    cu = make_cu(S, split(S, docs, random.Random(docs)), device=DEV)
+    call = lambda: backward(x, w, cu, dy, b, "bf16", init, dfinal)  # noqa: E731
+    assert launched_route(call) == (vec, 32, 128, 64)
+    assert launched_item_choice(call) == item_choice
 
 
 # The stateful backward has two kernels on the full-width routes (C > 64): with at least 16 token
@@ -652,7 +669,8 @@ STRIDE_CASES = [
     pytest.param(3001, 32, False, [(8, 16), (0, 8), (32, 0), (8, 8)], id="S3001-C32"),
     pytest.param(3003, 16, False, [(8, 0), (0, 16), (16, 8), (8, 8)], id="S3003-C16"),
     pytest.param(2999, 128, True, [(0, 8), (64, 0), (8, 24), (0, 64)], id="S2999-C128-3d"),
-    # groups of 576 tokens: without states 16-byte rows (WideVec8), S = 2 mod 64
+    # groups of 576 tokens, S = 2 mod 64: 16-byte rows (WideVec8) without states and with them (7
+    # documents, 585 tokens on average)
     pytest.param(4098, 8192, False, [(0, 256), (8, 8), (64, 0), (16, 56)], id="S4098-C8192"),
 ]
 

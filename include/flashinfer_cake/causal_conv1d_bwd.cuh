@@ -14,7 +14,7 @@
 // kTileChannels channels; a thread owns kVec channels (4: an 8-byte row vector, so the windows,
 // taps and sums of the backward fit in ~110-128 registers, 4 CTAs of 128 threads per SM; 8 on the
 // full-width route at C a multiple of 256, stateless or with long documents, 16-byte rows in ~210
-// (stateful ~236) registers, 2 CTAs of 128 threads: fewer instructions per channel, the launcher's
+// (stateful 227-240) registers, 2 CTAs of 128 threads: fewer instructions per channel, the launcher's
 // WideVec8) of one strip. A strip walks
 // Lw tokens at a time, x[t0 - 3, t0 + Lw + 3) and dy[t0, t0 + Lw + 3), through a per-thread cp.async
 // ring: on the routes of 256-token sub-tiles its item's kStripLen-token (L) pieces split into one
@@ -207,6 +207,14 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // kItemChoice: [0] is 1 when a token of the item or of its lookahead has kInDoc (scan_documents'
   // one block, as long as the scan's tokens).
   __shared__ uint8_t s_item_events[kItemChoice ? 2 : 1];
+  // Static shared memory (the launch asks for no more): within the 48 KiB a kernel may declare,
+  // counting scan_documents' (kStates) per-thread scratch. The shipped geometry's largest, WideVec8
+  // with states, has 46 800 bytes.
+  static_assert(sizeof(s_raw) + sizeof(s_pos_words) + sizeof(s_flags) + sizeof(s_entries) + sizeof(s_doc) +
+                        sizeof(s_first_idx) + sizeof(s_last_idx) + (kStates ? T * sizeof(int32_t) + 8 : 0) <=
+                    48 * 1024,
+                "the backward's static shared memory exceeds 48 KiB: fewer ring rows or threads (tune.py: WIDE_VEC8=0 "
+                "keeps 8-byte rows, whose rings are half the size)");
 
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;

@@ -46,9 +46,7 @@ auto bwd_kernel_for(const CausalConv1dBwdParams& p) {
     if constexpr (Route::kMayChooseItems) {
       if (choice) return causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, kRound, true, true>;
     }
-    if constexpr (Route::kStates) {
-      if (states) return causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, kRound, true, false>;
-    }
+    if (states) return causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, kRound, true, false>;
     return causal_conv1d_bwd_kernel<Traits, WeightT, BiasT, kRound, false, false>;
   };
   return p.round_preact ? pick(std::true_type{}) : pick(std::false_type{});
@@ -90,9 +88,6 @@ int64_t bwd_channel_tiles(int64_t C) {
 template <class Route, class WeightT, class BiasT>
 cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t stream) {
   using Traits = typename Route::Traits;
-  if (!Route::kStates && bwd_has_states(p)) {  // the route rule never does this
-    return fail(cudaErrorInvalidValue, "internal: states given to a backward route without the stateful kernels");
-  }
   const int64_t tiles_c = bwd_channel_tiles<Traits>(p.C);
   const int64_t blocks = int64_t(p.groups) * tiles_c;
   const int64_t rows_span = int64_t(p.S) * std::max({p.x_row_elems, p.dy_row_elems, p.dx_row_elems});  // elements
@@ -144,10 +139,10 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 #endif
 #ifndef CAKE_BWD_STATES_VEC8_MIN_DOC_TOKENS
 // With states, WideVec8's shapes take its per-step kernel when the documents average at least this many
-// tokens (num_docs counts empty documents) and the item choice does not apply; otherwise Wide's
-// kernels. Its stateless steps gain what the 16-byte rows gain, its steps with state events lose: 2
-// CTAs of 4 warps per SM hide the dependent loads of state rows less than Wide's 4 CTAs, and it has no
-// inside loop. tune.py --states, H200, 2026-12-03, rested, Wide -> WideVec8, µs (r147; r146):
+// tokens (num_docs counts empty documents and, in the CP backward, fragments) and the item choice does
+// not apply; otherwise Wide's kernels. Its stateless steps gain what the 16-byte rows gain, its steps
+// with state events lose: 2 CTAs of 4 warps per SM hide the dependent loads of state rows less than
+// Wide's 4 CTAs, and it has no inside loop. tune.py --states, H200, 2026-12-03, rested, Wide -> WideVec8, µs (r147; r146):
 //   2048 tokens per document: 32768x2048 with 16 documents 129.6 -> 120.6, 16384x4096 with 8 130.2 ->
 //   122.2, 65536x1024 with 32 131.6 -> 124.3; 1024: 32768x2048 (32) 132.6 -> 125.7, 16384x4096 (16)
 //   132.2 -> 123.3, 8192x8192 (8) 129.9 -> 122.2, 65536x1024 (62) 133.9 -> 128.0; 512: 32768x2048 (64)
@@ -164,25 +159,22 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 #endif
 #ifndef CAKE_BWD_WIDE_VEC8
 // 0: no 16-byte rows (WideVec8 is Wide's geometry, never launched). tune.py geometries whose
-// WideVec8 rings exceed static shared memory (ring 12 at 128 threads, 256 threads) need it
-// (WIDE_VEC8=0); with VEC=8, Wide and WideVec8 differ only in their CTAs per SM.
+// WideVec8 kernels exceed static shared memory (the kernel's static_assert: ring 12 at 128 threads,
+// 256 threads) need it (WIDE_VEC8=0); with VEC=8, Wide and WideVec8 differ only in their CTAs per SM.
 #define CAKE_BWD_WIDE_VEC8 1
 #endif
 
 // Token groups (the item_tokens argument) must be a multiple of this.
 constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
 
-// A route: a tile geometry, whether it has a kernel with the item choice (the full-width
-// routes; at C = 16, where the stateful kernel's shared memory also lowers its CTAs per SM,
-// 1048576x16 with 1 document went 1.070 -> 1.057x and with 64 1.091 -> 1.106x: not worth a kernel
-// per narrow route), and whether it has the stateful kernels (without them the rule launches it
-// only without states).
-template <class Traits_, bool kMayChooseItems_ = false, bool kStates_ = true>
+// A route: a tile geometry, its stateless and stateful (per-step) kernels, and whether it has a
+// kernel with the item choice (Wide and the small-grid full-width routes; at C = 16, where the
+// stateful kernel's shared memory also lowers its CTAs per SM, 1048576x16 with 1 document went
+// 1.070 -> 1.057x and with 64 1.091 -> 1.106x: not worth a kernel per narrow route).
+template <class Traits_, bool kMayChooseItems_ = false>
 struct BwdRoute {
   using Traits = Traits_;
   static constexpr bool kMayChooseItems = kMayChooseItems_;
-  static constexpr bool kStates = kStates_;
-  static_assert(kStates || !kMayChooseItems, "the item choice is a stateful kernel");
 };
 // A new route goes into jit/variant.py's BWD_ROUTE_UNITS too (tests/test_jit.py compares the two), which
 // also spells launch_causal_conv1d_bwd_route's signature for its instantiations.
@@ -196,9 +188,6 @@ using Wide = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>, /*
 using WideVec8 = BwdRoute<std::conditional_t<kWideVec8, BwdTraits<8, 32, kThreads, kStrip, kRing, (kMinCtas + 1) / 2>,
                                               Wide::Traits>,
                           /*kMayChooseItems=*/false>;
-// Its x and dy rings in 48 KiB of static shared memory, with ~3 KB of positions and flags.
-static_assert(!kWideVec8 || 2 * WideVec8::Traits::kRing * WideVec8::Traits::kThreads * 16 <= 45 * 1024,
-              "WideVec8's rings exceed static shared memory: build with CAKE_BWD_WIDE_VEC8=0 (tune.py: WIDE_VEC8=0)");
 using WideShort = BwdRoute<BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>, true>;
 using WideHalf = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip / 2, kRing, kMinCtas>, true>;
 using Mid = BwdRoute<BwdTraits<kVec, 16, kThreads / 2, kStrip, kRing, 2 * kMinCtas>>;
