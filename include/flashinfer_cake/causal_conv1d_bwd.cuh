@@ -14,15 +14,15 @@
 // kTileChannels channels; a thread owns kVec channels (4: an 8-byte row vector, so the windows,
 // taps and sums of the backward fit in ~110-128 registers, 4 CTAs of 128 threads per SM; 8 on the
 // full-width route at C a multiple of 256, stateless or with long documents, 16-byte rows in ~210
-// (stateful 227-240) registers, 2 CTAs of 128 threads: fewer instructions per channel, the launcher's
-// WideVec8) of one strip. A strip walks
-// Lw tokens at a time, x[t0 - 3, t0 + Lw + 3) and dy[t0, t0 + Lw + 3), through a per-thread cp.async
-// ring: on the routes of 256-token sub-tiles its item's kStripLen-token (L) pieces split into one
-// run per strip, walked at once (kLongWalk); elsewhere it walks L tokens at a time, the CTA's strips
-// side by side (at C <= 16 the whole warp fills the rings, 4 rows of several strips per copy:
-// BwdTraits::kWarpFill; at C <= 8 without states its dx rows are stored so too, kDxSlots). A walk
-// recomputes a and g for tokens t0 .. t0 + Lw + 2 and emits dx for t0 .. t0 + Lw - 1 (dx[s] needs g
-// up to s + 3, the 3-token lookahead, recomputed by the next walk too). Each thread sums g*x and g over its walks' own tokens in
+// (stateful 227-240) registers, 2 CTAs of 128 threads: fewer instructions per channel, the
+// launcher's WideVec8) of one strip. A strip walks Lw tokens at a time, x[t0 - 3, t0 + Lw + 3) and
+// dy[t0, t0 + Lw + 3), through a per-thread cp.async ring: on the routes of 256-token sub-tiles its
+// item's kStripLen-token (L) pieces split into one run per strip, walked at once (kLongWalk);
+// elsewhere it walks L tokens at a time, the CTA's strips side by side (at C <= 16 the whole warp
+// fills the rings, 4 rows of several strips per copy: BwdTraits::kWarpFill; at C <= 8 without
+// states its dx rows are stored so too, kDxSlots). A walk recomputes a and g for tokens t0 .. t0 +
+// Lw + 2 and emits dx for t0 .. t0 + Lw - 1 (dx[s] needs g up to s + 3, the 3-token lookahead,
+// recomputed by the next walk too). Each thread sums g*x and g over its walks' own tokens in
 // registers; at the end of the item the CTA adds its strips in strip order and writes one partial
 // row per channel to the workspace: partials[item's token group][5][C]. A second kernel
 // (causal_conv1d_bwd_reduce_kernel, launched with programmatic dependent launch like the stream

@@ -142,7 +142,8 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 // tokens (num_docs counts empty documents and, in the CP backward, fragments) and the item choice does
 // not apply; otherwise Wide's kernels. Its stateless steps gain what the 16-byte rows gain, its steps
 // with state events lose: 2 CTAs of 4 warps per SM hide the dependent loads of state rows less than
-// Wide's 4 CTAs, and it has no inside loop. tune.py --states, H200, 2026-12-03, rested, Wide -> WideVec8, µs (r147; r146):
+// Wide's 4 CTAs, and it has no inside loop. tune.py --states, H200, 2026-12-03, rested, Wide ->
+// WideVec8, µs (r147; r146):
 //   2048 tokens per document: 32768x2048 with 16 documents 129.6 -> 120.6, 16384x4096 with 8 130.2 ->
 //   122.2, 65536x1024 with 32 131.6 -> 124.3; 1024: 32768x2048 (32) 132.6 -> 125.7, 16384x4096 (16)
 //   132.2 -> 123.3, 8192x8192 (8) 129.9 -> 122.2, 65536x1024 (62) 133.9 -> 128.0; 512: 32768x2048 (64)
@@ -154,7 +155,8 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 //   one document (the item choice, in 16-byte rows): 8192x4096 66.4 -> 68.3 and 66.2 -> 67.7,
 //   16384x4096 120.6 -> 120.5, 32768x2048 120.6 -> 121.1, 65536x1024 120.5 -> 120.6, 4096x8192 68.7
 //   -> 65.5, 16384x8192 230.9 -> 223.7, 32768x8192 435.1 -> 425.9: no item-choice kernel in 16-byte rows.
-// A value above any S (1 << 30) keeps every stateful call on Wide (tune.py: STATES_VEC8_MIN_DOC_TOKENS=1073741824).
+// A value above any S (1 << 30) keeps every stateful call on Wide (tune.py:
+// STATES_VEC8_MIN_DOC_TOKENS=1073741824).
 #define CAKE_BWD_STATES_VEC8_MIN_DOC_TOKENS 512
 #endif
 #ifndef CAKE_BWD_WIDE_VEC8
