@@ -11,16 +11,23 @@ STRIP_LEN = 64  # kBwdPlanStripLen
 WIDE_MIN_C = 64  # kBwdPlanWideMinC
 FULL_TILE_TOKENS = 256  # kBwdPlanFullTileTokens
 NARROW_MAX_C = 32  # kBwdPlanNarrowMaxC
+WAVE_ITEMS = 4 * 132  # kBwdPlanWaveItems
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def groups_bound(S: int, C: int) -> int:
-    """bwd_groups_bound: the most token groups (sizes the workspace)."""
+def _groups_for_items(S: int, C: int) -> int:
+    """bwd_groups_for_items: bwd_groups' first choice."""
     for_items = _ceil_div(1024, _ceil_div(C, 128))
     return min(_ceil_div(S, 128), max(_ceil_div(S, MAX_ITEM_TOKENS), for_items))
+
+
+def groups_bound(S: int, C: int) -> int:
+    """bwd_groups_bound: the most token groups (sizes the workspace)."""
+    wave_choice = min(_ceil_div(S, 512), _ceil_div(14 * WAVE_ITEMS, _ceil_div(C, 128))) if C > WIDE_MIN_C else 0
+    return max(_groups_for_items(S, C), wave_choice)
 
 
 def _tokens_per_group(S: int, groups: int) -> int:
@@ -29,13 +36,24 @@ def _tokens_per_group(S: int, groups: int) -> int:
 
 
 def groups(S: int, C: int) -> int:
-    """bwd_groups: token groups of a backward of S tokens x C channels."""
+    """bwd_groups: token groups of a backward of S tokens x C channels (the wave choice included)."""
     if C <= NARROW_MAX_C:
         return _ceil_div(S, MAX_ITEM_TOKENS)
-    n = groups_bound(S, C)
+    n = _groups_for_items(S, C)
     if C <= WIDE_MIN_C or _tokens_per_group(S, n) < FULL_TILE_TOKENS:
         return n
-    return max(_ceil_div(S, MAX_ITEM_TOKENS), min(n, _ceil_div(512, _ceil_div(C, 128))))
+    items = _ceil_div(C, 128)
+
+    def cost(g: int) -> int:  # tokens per group x waves of the launched grid
+        tokens = _tokens_per_group(S, g)
+        return tokens * _ceil_div(_ceil_div(S, tokens) * items, WAVE_ITEMS)
+    first = best = max(_ceil_div(S, MAX_ITEM_TOKENS), min(n, _ceil_div(512, items)))
+    bound = groups_bound(S, C)
+    for tokens in (MAX_ITEM_TOKENS, 768, 512):
+        g = min(bound, _ceil_div(S, tokens))
+        if cost(g) < cost(best):
+            best = g
+    return best if 8 * cost(best) < 7 * cost(first) else first
 
 
 def item_tokens(S: int, C: int) -> int:

@@ -306,6 +306,10 @@ DOC_CASES = [
     # MidHalf), here at the threshold (16 groups x 32 channel tiles x 2 warps) and with groups of
     # 192 tokens (a second sub-tile half walked). The short groups of larger grids: S33000-C136.
     pytest.param(2048, 4096, boundary_mix, BF16, F32, "bf16", id="S2048-C4096-boundary-mix"),
+    # The plan's wave choice (groups of 768 tokens where 1024 or 512 left a last wave nearly empty):
+    # 16-byte rows at Mamba2's xBC width (11 groups, the last of 512 tokens), and 8-byte rows.
+    pytest.param(8192, 4352, short_docs, F32, F32, "bf16", id="S8192-C4352-short-wave-choice"),
+    pytest.param(9000, 3720, boundary_mix, BF16, None, "fp32", id="S9000-C3720-boundary-mix-wave-choice"),
     pytest.param(131073, 64, short_docs, F32, F32, "fp32", id="S131073-C64-short"),
     # 16 channel lanes (32 < C <= 64) in 64-thread CTAs: groups of >= 256 tokens (320 here), two
     # lanes idle at C = 56. (S69999-C40 and the boundary lengths at C = 48 take the 32-token strips.)
@@ -597,7 +601,7 @@ def test_workspace_content_never_changes_a_result(weight_dtype, bias_dtype):
     """A caller's workspace is scratch: NaN, random bits, small integers or another shape's
     leftovers give bitwise the result of a fresh one, call after call on the same buffer (every row
     the reduction reads, the same call wrote first)."""
-    S, C = 70000, 1000  # 69 token groups: a tree of 3 levels, two reduction passes
+    S, C = 70000, 1000  # 92 token groups: a tree of 3 levels, two reduction passes
     x, w, b, dy = make_inputs(S, C, seed=91, weight_dtype=weight_dtype, bias_dtype=bias_dtype)
     cu = make_cu(S, split(S, 300, random.Random(91)))
     want = backward_into(x, w, cu, dy, b, "bf16", workspace=new_workspace(S, C, device()))

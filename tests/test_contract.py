@@ -17,10 +17,12 @@ from flashinfer_cake import _checks, _plan
 from flashinfer_cake.cp import partition as cp_partition
 from flashinfer_cake.jit import env
 
-SIZES = [(S, C) for C in (8, 16, 24, 32, 40, 64, 72, 128, 136, 512, 1024, 2048, 4096, 8192, 65536)
-         for S in (0, 1, 63, 64, 65, 127, 128, 129, 1000, 1024, 4096, 8000, 8192, 16383, 16384, 32768, 65536,
+SIZES = [(S, C) for C in (8, 16, 24, 32, 40, 64, 72, 128, 136, 512, 1024, 2048, 4096, 4352, 6144, 8192, 65536)
+         for S in (0, 1, 63, 64, 65, 127, 128, 129, 1000, 1024, 4096, 8000, 8192, 16383, 16384, 20000, 32768, 65536,
                    131072, 2**29 + 5, 2**30 - 1)
          if S * C < 2**34]
+# Dense around the plan's wave choice, whose rounding near group boundaries the grid above would miss.
+SIZES += [(S, C) for C in (136, 1000, 3720, 4352, 6144, 12416) for S in range(0, 40000, 37)]
 
 PROBE = r"""
 #include <cstdio>
@@ -94,6 +96,17 @@ def test_backward_plan_matches(header):
     for S, C, groups, bound, item_tokens, ws_bytes in header["plan"]:
         python = (_plan.groups(S, C), _plan.groups_bound(S, C), _plan.item_tokens(S, C), _plan.workspace_bytes(S, C))
         assert python == (groups, bound, item_tokens, ws_bytes), (S, C)
+
+
+@pytest.mark.parametrize("S, C, item_tokens", [
+    (16384, 4352, 768), (16384, 6144, 768), (32768, 4352, 768), (8192, 4352, 768),  # r155's wins
+    (16384, 4096, 1024), (8192, 4096, 512), (131072, 4096, 1024), (16384, 8192, 1024),  # one wave or many: kept
+    (200000, 1000, 1024)])
+def test_backward_plan_wave_choice(S, C, item_tokens):
+    """Token groups of 768 where the first choice's grid ran just past a whole number of waves of
+    4 x 132 128-channel items (r155, H200: 16384x4352 172.6 -> 158.6 us, 16384x6144 208.0 -> 163.9,
+    32768x4352 273.7 -> 238.5, 8192x4352 93.5 -> 82.3); the first choice where it fills its waves."""
+    assert _plan.item_tokens(S, C) == item_tokens
 
 
 @pytest.mark.parametrize("C", sorted({C for _, C in SIZES}))

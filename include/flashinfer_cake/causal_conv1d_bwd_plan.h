@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include <algorithm>
+#include <initializer_list>
 
 namespace flashinfer_cake {
 
@@ -29,18 +30,33 @@ constexpr int kBwdPlanFullTileTokens = 256;
 // are as long as groups get.
 constexpr int kBwdPlanNarrowMaxC = 32;
 
+// CTA slots of the full-width routes in 128-channel items: 4 CTAs of 128 channels (Wide) or 2 of 256
+// (WideVec8) on each of the 132 SMs of an H100 SXM / H200 (the launcher asserts the 4 for its shipped
+// geometry). bwd_groups sizes the grid's waves by it; on a 114-SM H100 PCIe the waves it counts are
+// not the GPU's, but the plan stays a function of (S, C) only.
+constexpr int kBwdPlanWaveItems = 4 * 132;
+
 // Fan-in of the reduction tree: each node adds the rows of up to this many nodes of the level
 // below (level 0: the token groups), level after level up to a single root.
 constexpr int kBwdChunk = 8;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The most token groups a backward of S tokens x C channels may use: about 1024 work items
-// (groups x 128-channel tiles) of 128 to 1024 tokens (fewer when S itself is shorter).
-// Non-decreasing in S, so the workspace sized from it for the largest S serves every smaller one.
-inline int64_t bwd_groups_bound(int64_t S, int64_t C) {
+// Token groups for about 1024 work items (groups x 128-channel tiles) of 128 to 1024 tokens (fewer
+// when S itself is shorter): bwd_groups' first choice.
+inline int64_t bwd_groups_for_items(int64_t S, int64_t C) {
   const int64_t for_items = ceil_div(1024, ceil_div(C, 128));
   return std::min(ceil_div(S, 128), std::max(ceil_div(S, kBwdMaxItemTokens), for_items));
+}
+
+// The most token groups a backward of S tokens x C channels may use: that, or what bwd_groups' wave
+// choice may take at C > 64: groups of 512 tokens, at most 14 waves of them (a grid of more waves
+// never gains its 1/8). Non-decreasing in S, so the workspace sized from it for the largest S serves
+// every smaller one.
+inline int64_t bwd_groups_bound(int64_t S, int64_t C) {
+  const int64_t wave_choice =
+      C > kBwdPlanWideMinC ? std::min(ceil_div(S, 512), ceil_div(14 * kBwdPlanWaveItems, ceil_div(C, 128))) : 0;
+  return std::max(bwd_groups_for_items(S, C), wave_choice);
 }
 
 // Tokens per group when S is split over `groups` groups: whole strips, at most that many groups
@@ -51,7 +67,7 @@ inline int64_t bwd_tokens_per_group(int64_t S, int64_t groups) {
 
 // Token groups of a backward of S tokens x C channels (one partial row of dweight/dbias each).
 // Groups shorter than a full CTA's 256-token sub-tile run on CTAs of half the threads (8 per SM),
-// or with strips of half the length on small grids (the launcher's route rule): bwd_groups_bound's
+// or with strips of half the length on small grids (the launcher's route rule): bwd_groups_for_items'
 // ~1024 items fill the 132 SMs of an H100 SXM / H200 about once. When C > 64
 // and the groups are 256 tokens or longer, CTAs have 128 threads (4 per SM): ~512 items fill those
 // SMs once, where 1024 ran two waves, each SM slot paying a CTA's start and end twice (8192x4096
@@ -60,11 +76,35 @@ inline int64_t bwd_tokens_per_group(int64_t S, int64_t groups) {
 // strips (1024 tokens): ceil(S / 1024) groups of up to 1024 tokens (no idle strip once S >= 1024).
 // A function of (S, C) only, so the summation order, and with it every bit of dweight/dbias, is
 // the same on every GPU.
+// Then the grid's last wave: of that choice and groups of about 1024, 768 or 512 tokens, the one
+// whose waves (ceil(items / kBwdPlanWaveItems)) times tokens per group is least (the first on a tie:
+// the first choice, then the longer groups), when it is 1/8 less than the first choice's. A grid
+// just over a whole number of waves leaves its last wave nearly empty, and its few CTAs run as long
+// as a full wave's: 16384x4352 (Mamba2's xBC width) took 16 groups x 34 items = 544 > 528 (172.6 us,
+// 60 % of copy), in 768-token groups 158.6 us, in 512 146.3 (a tie for the model, which takes 768:
+// 512 lost at the next two); 16384x6144 208.0 -> 163.9 (768; 512 167.1), 32768x4352 273.7 -> 238.5
+// (768; 512 250.2), 8192x4352 in 512-token groups 93.5 -> 82.3 (768); 16384x4096 114.1 in 1024 and
+// 114.6 in 512 (0.97 or 1.94 waves: the same cost, the first choice kept) (tune.py ITEM_TOKENS, H200,
+// 2026-12-04, r155).
 inline int64_t bwd_groups(int64_t S, int64_t C) {
   if (C <= kBwdPlanNarrowMaxC) return ceil_div(S, kBwdMaxItemTokens);
-  const int64_t groups = bwd_groups_bound(S, C);
+  const int64_t groups = bwd_groups_for_items(S, C);
   if (C <= kBwdPlanWideMinC || bwd_tokens_per_group(S, groups) < kBwdPlanFullTileTokens) return groups;
-  return std::max(ceil_div(S, kBwdMaxItemTokens), std::min(groups, ceil_div(512, ceil_div(C, 128))));
+  const int64_t items_per_group = ceil_div(C, 128);
+  const auto launched = [&](int64_t g) { return ceil_div(S, bwd_tokens_per_group(S, g)); };
+  const auto cost = [&](int64_t g) {
+    return bwd_tokens_per_group(S, g) * ceil_div(launched(g) * items_per_group, kBwdPlanWaveItems);
+  };
+  const int64_t first = std::max(ceil_div(S, kBwdMaxItemTokens), std::min(groups, ceil_div(512, items_per_group)));
+  const int64_t bound = bwd_groups_bound(S, C);
+  int64_t best = first;
+  for (const int64_t tokens : {int64_t(kBwdMaxItemTokens), int64_t(768), int64_t(512)}) {
+    const int64_t g = std::min(bound, ceil_div(S, tokens));
+    if (cost(g) < cost(best)) best = g;
+  }
+  // Only a clear gain (1/8) changes the first choice: with many waves the model's differences are
+  // small and unmeasured.
+  return 8 * cost(best) < 7 * cost(first) ? best : first;
 }
 
 // Tokens per group of a backward of S tokens x C channels (the item_tokens argument).
