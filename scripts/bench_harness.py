@@ -44,8 +44,10 @@ except Exception as e:  # noqa: BLE001
 REPO = Path(__file__).resolve().parents[1]
 # Rows of 8 to 128 channels at S >= 1 M (the narrow-row goals of issue 17).
 NARROW_SHAPES = [(1048576, 128), (1048576, 64), (1048576, 16), (2097152, 8)]
+# 16384x4352: Mamba2's xBC width (d_inner 4096 + 2 x 128), whose grid does not fill whole waves the way the
+# power-of-two shapes' do (the backward plan's wave choice, NOTES_bwd session 39).
 FULL_SHAPES = [(4096, 4096), (16384, 8192), (32768, 8192), (65536, 2048),
-               (32768, 4096), (8192, 2048), (1024, 8192), (131072, 4096), *NARROW_SHAPES]
+               (32768, 4096), (8192, 2048), (1024, 8192), (131072, 4096), (16384, 4352), *NARROW_SHAPES]
 QUICK_SHAPES = [(4096, 4096), (32768, 8192), (1024, 8192)]
 MIXES = ("1", "rand", "many", "tiny")
 # (taps dtype, bias on); the bias has the taps' dtype. Peers run on PEER_VARIANT only.
