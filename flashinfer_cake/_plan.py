@@ -24,10 +24,18 @@ def _groups_for_items(S: int, C: int) -> int:
     return min(_ceil_div(S, 128), max(_ceil_div(S, MAX_ITEM_TOKENS), for_items))
 
 
-def groups_bound(S: int, C: int) -> int:
-    """bwd_groups_bound: the most token groups (sizes the workspace)."""
+def _uniform_groups_bound(S: int, C: int) -> int:
+    """bwd_uniform_groups_bound: the most uniform token groups (the wave choice's candidates)."""
     wave_choice = min(_ceil_div(S, 512), _ceil_div(14 * WAVE_ITEMS, _ceil_div(C, 128))) if C > WIDE_MIN_C else 0
     return max(_groups_for_items(S, C), wave_choice)
+
+
+def groups_bound(S: int, C: int) -> int:
+    """bwd_groups_bound: the most token groups, the tail's split included (sizes the workspace)."""
+    uniform = _uniform_groups_bound(S, C)
+    if C <= WIDE_MIN_C:
+        return uniform
+    return max(uniform, min(_ceil_div(S, FULL_TILE_TOKENS), uniform - 1 + _ceil_div(WAVE_ITEMS, _ceil_div(C, 128))))
 
 
 def _tokens_per_group(S: int, groups: int) -> int:
@@ -35,8 +43,8 @@ def _tokens_per_group(S: int, groups: int) -> int:
     return max(_ceil_div(S, STRIP_LEN * max(groups, 1)) * STRIP_LEN, STRIP_LEN)
 
 
-def groups(S: int, C: int) -> int:
-    """bwd_groups: token groups of a backward of S tokens x C channels (the wave choice included)."""
+def _uniform_groups(S: int, C: int) -> int:
+    """bwd_uniform_groups: item_tokens-token groups before the tail's split (the wave choice included)."""
     if C <= NARROW_MAX_C:
         return _ceil_div(S, MAX_ITEM_TOKENS)
     n = _groups_for_items(S, C)
@@ -48,7 +56,7 @@ def groups(S: int, C: int) -> int:
         tokens = _tokens_per_group(S, g)
         return tokens * _ceil_div(_ceil_div(S, tokens) * items, WAVE_ITEMS)
     first = best = max(_ceil_div(S, MAX_ITEM_TOKENS), min(n, _ceil_div(512, items)))
-    bound = groups_bound(S, C)
+    bound = _uniform_groups_bound(S, C)
     for tokens in (MAX_ITEM_TOKENS, 768, 512):
         g = min(bound, _ceil_div(S, tokens))
         if cost(g) < cost(best):
@@ -57,8 +65,38 @@ def groups(S: int, C: int) -> int:
 
 
 def item_tokens(S: int, C: int) -> int:
-    """bwd_item_tokens: tokens per group, whole strips."""
-    return _tokens_per_group(S, groups(S, C))
+    """bwd_item_tokens: tokens per group (the long groups after the tail's split), whole strips."""
+    return _tokens_per_group(S, _uniform_groups(S, C))
+
+
+def tail(S: int, C: int, item_tokens: int) -> tuple[int, int]:
+    """bwd_tail: (big_groups, tail_tokens), the split of the grid's last wave; (0, item_tokens): none."""
+    uniform = (0, item_tokens)
+    if C <= WIDE_MIN_C or item_tokens < FULL_TILE_TOKENS or S <= item_tokens:
+        return uniform
+    units, n = _ceil_div(C, 128), _ceil_div(S, item_tokens)
+    whole_waves = n * units // WAVE_ITEMS
+    big = whole_waves * WAVE_ITEMS // units
+    if big == 0 or big >= n:
+        return uniform
+    rest = S - big * item_tokens
+    tail_tokens = _ceil_div(_ceil_div(rest * units, WAVE_ITEMS), FULL_TILE_TOKENS) * FULL_TILE_TOKENS
+    tail_waves = _ceil_div(_ceil_div(rest, tail_tokens) * units, WAVE_ITEMS)
+    cost = whole_waves * item_tokens + tail_waves * tail_tokens
+    uniform_cost = _ceil_div(n * units, WAVE_ITEMS) * item_tokens
+    return (big, tail_tokens) if 8 * cost < 7 * uniform_cost else uniform
+
+
+def group_count(S: int, item_tokens: int, split: tuple[int, int]) -> int:
+    """bwd_group_count: token groups of S tokens in item_tokens-token groups split by `split` (tail())."""
+    big, tail_tokens = split
+    return big + _ceil_div(S - big * item_tokens, tail_tokens)
+
+
+def groups(S: int, C: int) -> int:
+    """bwd_groups: token groups as launched (the wave choice and the tail's split included)."""
+    n = item_tokens(S, C)
+    return group_count(S, n, tail(S, C, n))
 
 
 def workspace_bytes(S: int, C: int) -> int:

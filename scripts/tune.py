@@ -5,7 +5,8 @@ Each config overrides the launcher's CAKE_FWD_* / CAKE_BWD_* defaults (threads, 
 ring rows (backward: of the routes above 4 channel lanes; NARROW_RING=N sets the warp-filled
 2- and 4-lane routes'), min CTAs per SM, optionally the channels per thread (backward: 4 or 8; the forward
 takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME macro; backward: ITEM_TOKENS=N
-launches with token groups of N tokens instead of the plan's (a whole number of strips); INC=NAME compiles the
+launches with token groups of N tokens instead of the plan's (a whole number of strips; the launcher's split of
+the last wave, bwd_tail, applies to them; TAIL=0 turns it off); INC=NAME compiles the
 headers of --inc NAME=DIR instead of this checkout's, e.g. an older commit's for an A/B in one run:
 their C entries must take this checkout's arguments) for one
 variant (default fp32 taps + fp32 bias); all are built in parallel, then timed against a device
@@ -248,7 +249,7 @@ def summation_order(cfg: str) -> tuple:
     routes of another strip length (not its ring, CTAs per SM or other macros)."""
     threads, strip, _ring, _min_ctas, *rest = cfg.split("/")
     vec = [v for v in rest if "=" not in v]
-    order = [kv for kv in rest if kv.startswith(("ITEM_TOKENS=", "SMALL_GRID_WARPS="))]
+    order = [kv for kv in rest if kv.startswith(("ITEM_TOKENS=", "SMALL_GRID_WARPS=", "TAIL="))]
     return threads, strip, tuple(vec), tuple(order)
 
 

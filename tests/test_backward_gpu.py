@@ -649,7 +649,7 @@ def test_dweight_is_the_fixed_tree_of_the_partial_rows(S, C, passes, weight_dtyp
     grads = backward_into(x, w, cu, dy, b, "bf16", workspace=ws)
     sync()
     assert_grads_match_reference(grads, x, w, cu, dy, b, "bf16")
-    groups = -(-S // _plan.item_tokens(S, C))
+    groups = _plan.groups(S, C)
     assert (passes == 1) == (groups <= 64) and groups <= 4096 and (passes == 1 or groups > 3 * 64), groups
     rows = ws[:groups * 5 * C].view(groups, 5, C)
     nodes = tree_fold(rows if passes == 1 else rows[::64])
@@ -658,6 +658,52 @@ def test_dweight_is_the_fixed_tree_of_the_partial_rows(S, C, passes, weight_dtyp
     root = nodes[0]
     assert same_bits(grads[1], root[:4].t().contiguous().to(weight_dtype)), "dweight is not the tree's root"
     assert same_bits(grads[2], root[4].contiguous()), "dbias is not the tree's root"
+
+
+@pytest.mark.parametrize("S, C", [
+    pytest.param(16384, 4352, id="S16384-C4352-wide-vec8"),  # 15 groups of 768 tokens, 10 of 512
+    pytest.param(8768, 7432, id="S8768-C7432-wide"),  # 8 of 768, 6 of 512 (the last 64 tokens)
+])
+def test_token_groups_of_a_split_last_wave(S, C):
+    """bwd_tail's split: where the uniform grid runs just past a whole wave, long groups fill the
+    waves and the rest of S runs in shorter groups. Each group's partial rows (intact in the
+    workspace: one reduction pass) must be the sums over exactly its tokens, [start, end) as the
+    plan places them (an FP64 reference of the window, the "fp32" policy so that g has no BF16
+    rounding cliff); dweight / dbias the tree over those rows; the rest as every backward."""
+    from flashinfer_cake import _plan
+
+    item_tokens = _plan.item_tokens(S, C)
+    big, tail_tokens = _plan.tail(S, C, item_tokens)
+    assert 0 < big and tail_tokens < item_tokens, (item_tokens, big, tail_tokens)  # the case splits
+    groups = _plan.groups(S, C)
+    starts = [min(S, g * item_tokens if g <= big else big * item_tokens + (g - big) * tail_tokens)
+              for g in range(groups + 1)]
+    assert starts[-1] == S and starts[-2] < S and groups <= 64, (starts, groups)  # every group has tokens
+    x, w, b, dy = make_inputs(S, C, seed=95, weight_dtype=F32, bias_dtype=F32)
+    cu = make_cu(S, one_doc(S, None))
+    ws = garbage(workspace_bytes(S, C, device()) // 4, seed=7)
+    grads = backward_into(x, w, cu, dy, b, "fp32", workspace=ws)
+    sync()
+    assert_grads_match_reference(grads, x, w, cu, dy, b, "fp32")
+    rows = ws[:groups * 5 * C].view(groups, 5, C).double()
+    for g in range(groups):
+        t0, t1 = starts[g], starts[g + 1]
+        w0 = max(0, t0 - 3)  # the window: the group's tokens and the 3 their taps read before them
+        dy_win = dy[w0:t1].clone()
+        dy_win[:t0 - w0] = 0  # g = 0 there: the sums of the group's tokens only
+        cu_win = torch.tensor([0, t1 - w0], dtype=torch.int32, device=DEV)
+        _, ref_dw, ref_db = causal_conv1d_backward_reference(x[w0:t1], w, cu_win, dy_win, b, silu_grad_preactivation="fp32")
+        xa, ga = x[w0:t1].double().abs(), 1.1 * dy_win.double().abs()  # |g| <= 1.1 |dy|
+        n = t1 - w0
+        mag = torch.stack([(ga[3 - k:] * xa[:n - 3 + k]).sum(0) for k in range(4)] + [ga.sum(0)])
+        ref = torch.cat([ref_dw.t(), ref_db[None]])
+        err = (rows[g] - ref).abs() - (2.0**-12 * mag + 1e-6)
+        assert err.max().item() <= 0, f"group {g} (tokens {t0}..{t1}): partial rows off by {err.max().item():.3g} past the bound"
+    nodes = tree_fold(ws[:groups * 5 * C].view(groups, 5, C))
+    while nodes.shape[0] > 1:
+        nodes = tree_fold(nodes)
+    assert same_bits(grads[1], nodes[0][:4].t().contiguous()), "dweight is not the tree's root"
+    assert same_bits(grads[2], nodes[0][4].contiguous()), "dbias is not the tree's root"
 
 
 # ---------------------------------------------------------------------------------------------

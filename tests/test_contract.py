@@ -40,8 +40,10 @@ int main() {
   long long S, C;
   const char* sep = "";
   while (std::scanf("%lld %lld", &S, &C) == 2) {
-    std::printf("%s[%lld, %lld, %lld, %lld, %lld, %lld]", sep, S, C, (long long)bwd_groups(S, C), (long long)bwd_groups_bound(S, C),
-                (long long)bwd_item_tokens(S, C), (long long)bwd_workspace_bytes(S, C));
+    const BwdTail tail = bwd_tail(S, C, bwd_item_tokens(S, C));
+    std::printf("%s[%lld, %lld, %lld, %lld, %lld, %lld, %lld, %lld]", sep, S, C, (long long)bwd_groups(S, C),
+                (long long)bwd_groups_bound(S, C), (long long)bwd_item_tokens(S, C), (long long)bwd_workspace_bytes(S, C),
+                (long long)tail.big_groups, (long long)tail.tail_tokens);
     sep = ", ";
   }
   std::printf("]}\n");
@@ -93,9 +95,11 @@ def test_context_parallel_constants_match(header):
 
 
 def test_backward_plan_matches(header):
-    for S, C, groups, bound, item_tokens, ws_bytes in header["plan"]:
-        python = (_plan.groups(S, C), _plan.groups_bound(S, C), _plan.item_tokens(S, C), _plan.workspace_bytes(S, C))
-        assert python == (groups, bound, item_tokens, ws_bytes), (S, C)
+    for S, C, groups, bound, item_tokens, ws_bytes, big, tail_tokens in header["plan"]:
+        python = (_plan.groups(S, C), _plan.groups_bound(S, C), _plan.item_tokens(S, C), _plan.workspace_bytes(S, C),
+                  _plan.tail(S, C, _plan.item_tokens(S, C)))
+        assert python == (groups, bound, item_tokens, ws_bytes, (big, tail_tokens)), (S, C)
+    assert any(row[6] for row in header["plan"]), "no shape of the grid splits its last wave"
 
 
 @pytest.mark.parametrize("S, C, item_tokens", [
@@ -109,14 +113,34 @@ def test_backward_plan_wave_choice(S, C, item_tokens):
     assert _plan.item_tokens(S, C) == item_tokens
 
 
+@pytest.mark.parametrize("S, C, split", [
+    (16384, 4352, (768, 15, 512)),  # 25 groups: 15 fill a wave of 528 128-channel items (510), 10 after
+    (20480, 4096, (768, 16, 512)),
+    (8768, 7432, (768, 8, 512)),  # the last group 64 tokens
+    (16384, 4096, (1024, 0, 1024)), (16384, 8192, (1024, 0, 1024)), (131072, 4096, (1024, 0, 1024)),
+    (16384, 6144, (768, 0, 768)), (32768, 4352, (768, 0, 768)), (1048576, 128, (1024, 0, 1024))])
+def test_backward_plan_tail(S, C, split):
+    """bwd_tail splits the last wave where the uniform grid runs just past whole waves (16384x4352:
+    22 groups of 768 tokens x 34 items = 1.42 waves); the power-of-two shapes and those whose waves
+    the wave choice fills keep uniform groups."""
+    item_tokens = _plan.item_tokens(S, C)
+    assert (item_tokens, *_plan.tail(S, C, item_tokens)) == split
+
+
 @pytest.mark.parametrize("C", sorted({C for _, C in SIZES}))
 def test_backward_plan_properties(C):
     previous = 0
     for S in sorted(S for S, c in SIZES if c == C):
         item_tokens, ws_bytes = _plan.item_tokens(S, C), _plan.workspace_bytes(S, C)
         assert item_tokens % 64 == 0 and 64 <= item_tokens <= 1024, (S, C, item_tokens)
-        groups = -(-S // item_tokens)
-        assert groups <= _plan.groups(S, C) <= _plan.groups_bound(S, C), (S, C)  # the tokens cover S
+        groups = _plan.groups(S, C)
+        big, tail_tokens = _plan.tail(S, C, item_tokens)
+        if big:  # long groups, then shorter ones of whole 256-token sub-tiles; the last has tokens
+            assert 256 <= tail_tokens < item_tokens and tail_tokens % 256 == 0 and 0 < big < groups, (S, C)
+            assert big * item_tokens + (groups - big - 1) * tail_tokens < S <= big * item_tokens + (groups - big) * tail_tokens
+        else:
+            assert tail_tokens == item_tokens and groups == -(-S // item_tokens), (S, C)
+        assert groups <= _plan.groups_bound(S, C), (S, C)
         assert ws_bytes >= groups * 5 * C * 4, (S, C)  # a partial row set per group
         # A buffer for the largest S serves every smaller one.
         assert ws_bytes >= previous, (S, C)

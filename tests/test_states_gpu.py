@@ -375,6 +375,10 @@ BWD_CASES = [
     # runs of 2 pieces per strip (groups of 448 and 320 tokens): Wide, and Mid (16 lanes)
     pytest.param(100003, 200, piece_edge_docs, F32, F32, "bf16", id="S100003-C200-piece-edges"),
     pytest.param(262147, 64, piece_edge_docs, BF16, None, "fp32", id="S262147-C64-piece-edges"),
+    # A split last wave (bwd_tail: 15 groups of 768 tokens, 10 of 512): the item choice (1 document)
+    # and Wide's per-step kernel (~300 documents).
+    pytest.param(16384, 4352, one_doc, F32, F32, "fp32", id="S16384-C4352-one-split-wave"),
+    pytest.param(16384, 4352, piece_edge_docs, BF16, F32, "bf16", id="S16384-C4352-piece-edges-split-wave"),
 ]
 
 
@@ -397,6 +401,7 @@ def test_backward_document_mixes_with_states(S, C, mix, weight_dtype, bias_dtype
     pytest.param(131075, 256, long_docs, BF16, BF16, "fp32", id="S131075-C256"),  # one channel tile, groups of 576 tokens
     # 363 documents, starting 0-3 tokens after piece boundaries (the rows a strip's window starts with)
     pytest.param(200003, 256, piece_edge_docs, F32, F32, "bf16", id="S200003-C256-piece-edges"),
+    pytest.param(16384, 4352, long_docs, F32, F32, "bf16", id="S16384-C4352-split-wave"),  # 15 x 768 + 10 x 512 tokens
 ])
 def test_backward_states_in_16_byte_rows(S, C, mix, weight_dtype, bias_dtype, policy):
     """With states, at C a multiple of 256, documents of 512 tokens or more on average and fewer than
@@ -410,7 +415,7 @@ def test_backward_states_in_16_byte_rows(S, C, mix, weight_dtype, bias_dtype, po
     lengths = mix(S, random.Random(seed))
     D = len(lengths)
     tokens = _plan.item_tokens(S, C)
-    groups = -(-S // tokens)  # as the launcher counts them
+    groups = _plan.groups(S, C)  # as the launcher counts them
     assert S >= 512 * D and groups < 16 * D and tokens >= 256, "the case must take WideVec8"
     extra = S // 512 + 1 - D  # S < 512 * (D + extra)
     cu = make_cu(S, lengths, device=DEV)

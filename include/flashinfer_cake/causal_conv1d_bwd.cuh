@@ -10,7 +10,8 @@
 // plus the final states' gradient, added to the dx (or dinit) rows the final states came from.
 // Framework-free: raw device pointers, sizes, row strides and a cudaStream_t.
 //
-// Two kernels. The first streams x and dy once: a CTA owns an item of item_tokens tokens x
+// Two kernels. The first streams x and dy once: a CTA owns an item of one token group (item_tokens
+// tokens, or tail_tokens past a split last wave: bwd_tail) x
 // kTileChannels channels; a thread owns kVec channels (4: an 8-byte row vector, so the windows,
 // taps and sums of the backward fit in ~110-128 registers, 4 CTAs of 128 threads per SM; 8 on the
 // full-width route at C a multiple of 256, stateless or with long documents, 16-byte rows in ~210
@@ -68,8 +69,10 @@ struct CausalConv1dBwdParams {
   int32_t S;
   int32_t C;
   int32_t num_docs;
-  int32_t item_tokens;  // tokens of one token group, a multiple of kStripLen
-  int32_t groups;       // ceil(S / item_tokens)
+  int32_t item_tokens;  // tokens of a token group below big_groups (all of them when big_groups is 0)
+  int32_t big_groups;   // bwd_tail: groups of item_tokens tokens, then groups of tail_tokens
+  int32_t tail_tokens;  // item_tokens when big_groups is 0; both multiples of kStripLen
+  int32_t groups;       // bwd_group_count
   int32_t tiles_c;      // channel tiles per token group
   int32_t round_preact;  // 1: silu' at the pre-activation rounded to BF16; 0: at the FP32 value
   // Row strides in kVec-channel vectors of the launched route (launch_causal_conv1d_bwd_route sets
@@ -218,14 +221,18 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
 
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;
-  // The last token group runs first: with states it holds the end of the batch's last document,
-  // whose strips wait on the final states' gradient (loaded where it was added, before v27); run
-  // last, that wait extended the whole kernel (1 document: 1.11-1.19x the stateless time,
-  // 1.02-1.08x so; tune.py --states, H200; not re-measured since v27 loads it 3 rows ahead). The
-  // reduction adds groups by index, not launch order.
+  // Launch order: the long groups of a split last wave (bwd_tail), then the last token group, then the
+  // rest. The last group runs first among groups of its length: with states it holds the end of the
+  // batch's last document, whose strips wait on the final states' gradient (loaded where it was added,
+  // before v27); run last, that wait extended the whole kernel (1 document: 1.11-1.19x the stateless
+  // time, 1.02-1.08x so; tune.py --states, H200; not re-measured since v27 loads it 3 rows ahead). A
+  // short group ahead of the long ones would start a long one late. The reduction adds groups by
+  // index, not launch order.
   const int launch_group = blockIdx.x / p.tiles_c;
   const int tile_c = blockIdx.x - launch_group * p.tiles_c;
-  const int group = launch_group == 0 ? p.groups - 1 : launch_group - 1;
+  const int group = launch_group < p.big_groups    ? launch_group
+                    : launch_group == p.big_groups ? p.groups - 1
+                                                   : launch_group - 1;
   const int vec = tile_c * Traits::kLanesC + lane_c;  // my row-vector column
   const uint32_t vecs_per_row = p.C / V;
   const bool active = static_cast<uint32_t>(vec) < vecs_per_row;
@@ -233,8 +240,10 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // route that has them, WideVec8, whose C is a multiple of its 256-channel tile).
   [[maybe_unused]] const bool tile_full = static_cast<uint32_t>((tile_c + 1) * Traits::kLanesC) <= vecs_per_row;
   const int t_lim = active ? p.S : INT32_MIN;  // tokens < t_lim are read and written
-  const int item_t0 = group * p.item_tokens;
-  const int item_end = min(item_t0 + p.item_tokens, p.S);
+  const bool big_group = group < p.big_groups;
+  const int group_tokens = big_group ? p.item_tokens : p.tail_tokens;
+  const int item_t0 = big_group ? group * p.item_tokens : p.big_groups * p.item_tokens + (group - p.big_groups) * p.tail_tokens;
+  const int item_end = min(item_t0 + group_tokens, p.S);
   const Row* __restrict__ xv = reinterpret_cast<const Row*>(p.x);
   const Row* __restrict__ dyv = reinterpret_cast<const Row*>(p.dy);
   Row* __restrict__ dxv = reinterpret_cast<Row*>(p.dx);
@@ -369,7 +378,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     };
     const auto scan = [&](auto blocks) {
       detail::scan_documents<T, Traits::kPosTokens, Traits::kLanesC>(p.cu_seqlens, p.num_docs, p.S, item_t0,
-                                                                    p.item_tokens + 3, item_end, s_first_idx, s_last_idx,
+                                                                    group_tokens + 3, item_end, s_first_idx, s_last_idx,
                                                                     s_pos, s_doc, blocks, p.frag_info, on_empty);
     };
     if constexpr (kItemChoice) {
@@ -378,7 +387,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       scan(nullptr);
     }
   } else {
-    detail::scan_positions<T>(p.cu_seqlens, p.num_docs, item_t0, p.item_tokens + 3, s_flags, s_pos, first_round,
+    detail::scan_positions<T>(p.cu_seqlens, p.num_docs, item_t0, group_tokens + 3, s_flags, s_pos, first_round,
                               s_entries);
   }
   __syncthreads();

@@ -166,6 +166,10 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 #define CAKE_BWD_WIDE_VEC8 1
 #endif
 
+#ifndef CAKE_BWD_TAIL
+#define CAKE_BWD_TAIL 1  // 0: uniform token groups, without bwd_tail's split of the last wave (tune.py: TAIL=0)
+#endif
+
 // Token groups (the item_tokens argument) must be a multiple of this.
 constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
 
@@ -261,7 +265,7 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                     (16 * kVec == kBwdPlanWideMinC && WideT::kTileTokens == kBwdPlanFullTileTokens &&
                      8 * kVec == kBwdPlanNarrowMaxC && Narrow8::Traits::kTileTokens == kBwdMaxItemTokens &&
                      Narrow4::Traits::kTileTokens == kBwdMaxItemTokens && Narrow2::Traits::kTileTokens == kBwdMaxItemTokens &&
-                     kBwdPlanWaveItems == 132 * kMinCtas && 2 * WideVec8::Traits::kMinCtasPerSm == kMinCtas),
+                     kBwdPlanWaveItems == 132 * kMinCtas && (!kWideVec8 || 2 * WideVec8::Traits::kMinCtasPerSm == kMinCtas)),
                 "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
     if (p.item_tokens >= WideT::kTileTokens) {
@@ -303,7 +307,9 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
   }
   if (a.round_preact != 0 && a.round_preact != 1) return fail(cudaErrorInvalidValue, "round_preact must be 0 or 1, got %lld", (long long)a.round_preact);
   if (a.device < 0 || a.device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)a.device);
-  const int64_t need = bwd_workspace_bytes(a.S, a.C, a.item_tokens);
+  const BwdTail tail = CAKE_BWD_TAIL ? bwd_tail(a.S, a.C, a.item_tokens) : BwdTail{0, a.item_tokens};
+  const int64_t groups = bwd_group_count(a.S, a.item_tokens, tail);
+  const int64_t need = bwd_workspace_bytes_for_groups(a.C, groups);
   if (a.workspace_bytes < need) {
     return fail(cudaErrorInvalidValue, "workspace: expected at least %lld bytes, got %lld", (long long)need, (long long)a.workspace_bytes);
   }
@@ -363,7 +369,9 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
   p.C = static_cast<int32_t>(a.C);
   p.num_docs = static_cast<int32_t>(a.num_docs);
   p.item_tokens = static_cast<int32_t>(a.item_tokens);
-  p.groups = static_cast<int32_t>(ceil_div(a.S, a.item_tokens));
+  p.big_groups = static_cast<int32_t>(tail.big_groups);
+  p.tail_tokens = static_cast<int32_t>(tail.tail_tokens);
+  p.groups = static_cast<int32_t>(groups);
   p.round_preact = static_cast<int32_t>(a.round_preact);
   return on_device(static_cast<int>(a.device),
                    [&] { return launch_causal_conv1d_bwd<WeightT, BiasT>(p, as_ptr<CUstream_st>(a.stream)); });

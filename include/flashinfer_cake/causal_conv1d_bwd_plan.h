@@ -49,14 +49,23 @@ inline int64_t bwd_groups_for_items(int64_t S, int64_t C) {
   return std::min(ceil_div(S, 128), std::max(ceil_div(S, kBwdMaxItemTokens), for_items));
 }
 
-// The most token groups a backward of S tokens x C channels may use: that, or what bwd_groups' wave
-// choice may take at C > 64: groups of 512 tokens, at most 14 waves of them (a grid of more waves
-// never gains its 1/8). Non-decreasing in S, so the workspace sized from it for the largest S serves
-// every smaller one.
-inline int64_t bwd_groups_bound(int64_t S, int64_t C) {
+// The most uniform token groups a backward of S tokens x C channels may use: the first choice, or what
+// bwd_uniform_groups' wave choice may take at C > 64: groups of 512 tokens, at most 14 waves of them
+// (a grid of more waves never gains its 1/8). Non-decreasing in S.
+inline int64_t bwd_uniform_groups_bound(int64_t S, int64_t C) {
   const int64_t wave_choice =
       C > kBwdPlanWideMinC ? std::min(ceil_div(S, 512), ceil_div(14 * kBwdPlanWaveItems, ceil_div(C, 128))) : 0;
   return std::max(bwd_groups_for_items(S, C), wave_choice);
+}
+
+// The most token groups a backward of S tokens x C channels may use: that, or with bwd_tail's split of
+// the last wave at C > 64 (at most ceil(kBwdPlanWaveItems / ceil(C / 128)) groups in the place of one
+// or more, every group of at least 256 tokens). Non-decreasing in S, so the workspace sized from it
+// for the largest S serves every smaller one.
+inline int64_t bwd_groups_bound(int64_t S, int64_t C) {
+  const int64_t uniform = bwd_uniform_groups_bound(S, C);
+  if (C <= kBwdPlanWideMinC) return uniform;
+  return std::max(uniform, std::min(ceil_div(S, kBwdPlanFullTileTokens), uniform - 1 + ceil_div(kBwdPlanWaveItems, ceil_div(C, 128))));
 }
 
 // Tokens per group when S is split over `groups` groups: whole strips, at most that many groups
@@ -65,7 +74,8 @@ inline int64_t bwd_tokens_per_group(int64_t S, int64_t groups) {
   return std::max<int64_t>(ceil_div(S, kBwdPlanStripLen * std::max<int64_t>(groups, 1)) * kBwdPlanStripLen, kBwdPlanStripLen);
 }
 
-// Token groups of a backward of S tokens x C channels (one partial row of dweight/dbias each).
+// Uniform token groups of a backward of S tokens x C channels: how many item_tokens-token groups cover
+// S before bwd_tail splits the grid's last wave.
 // Groups shorter than a full CTA's 256-token sub-tile run on CTAs of half the threads (8 per SM),
 // or with strips of half the length on small grids (the launcher's route rule): bwd_groups_for_items'
 // ~1024 items fill the 132 SMs of an H100 SXM / H200 about once. When C > 64
@@ -86,7 +96,7 @@ inline int64_t bwd_tokens_per_group(int64_t S, int64_t groups) {
 // (768; 512 250.2), 8192x4352 in 512-token groups 93.5 -> 82.3 (768); 16384x4096 114.1 in 1024 and
 // 114.6 in 512 (0.97 or 1.94 waves: the same cost, the first choice kept) (tune.py ITEM_TOKENS, H200,
 // 2026-12-04, r155).
-inline int64_t bwd_groups(int64_t S, int64_t C) {
+inline int64_t bwd_uniform_groups(int64_t S, int64_t C) {
   if (C <= kBwdPlanNarrowMaxC) return ceil_div(S, kBwdMaxItemTokens);
   const int64_t groups = bwd_groups_for_items(S, C);
   if (C <= kBwdPlanWideMinC || bwd_tokens_per_group(S, groups) < kBwdPlanFullTileTokens) return groups;
@@ -96,7 +106,7 @@ inline int64_t bwd_groups(int64_t S, int64_t C) {
     return bwd_tokens_per_group(S, g) * ceil_div(launched(g) * items_per_group, kBwdPlanWaveItems);
   };
   const int64_t first = std::max(ceil_div(S, kBwdMaxItemTokens), std::min(groups, ceil_div(512, items_per_group)));
-  const int64_t bound = bwd_groups_bound(S, C);
+  const int64_t bound = bwd_uniform_groups_bound(S, C);
   int64_t best = first;
   for (const int64_t tokens : {int64_t(kBwdMaxItemTokens), int64_t(768), int64_t(512)}) {
     const int64_t g = std::min(bound, ceil_div(S, tokens));
@@ -107,18 +117,57 @@ inline int64_t bwd_groups(int64_t S, int64_t C) {
   return 8 * cost(best) < 7 * cost(first) ? best : first;
 }
 
-// Tokens per group of a backward of S tokens x C channels (the item_tokens argument).
-inline int64_t bwd_item_tokens(int64_t S, int64_t C) { return bwd_tokens_per_group(S, bwd_groups(S, C)); }
+// Tokens per group of a backward of S tokens x C channels (the item_tokens argument: the groups
+// before bwd_tail's split, and the long groups after it).
+inline int64_t bwd_item_tokens(int64_t S, int64_t C) { return bwd_tokens_per_group(S, bwd_uniform_groups(S, C)); }
+
+// The split of the grid's last wave: the first big_groups token groups have item_tokens tokens, the
+// others tail_tokens (the batch's last group: up to them). big_groups == 0: uniform groups
+// (tail_tokens == item_tokens).
+struct BwdTail {
+  int64_t big_groups;
+  int64_t tail_tokens;
+};
+
+// Token groups of S tokens in item_tokens-token groups split by `tail`.
+inline int64_t bwd_group_count(int64_t S, int64_t item_tokens, BwdTail tail) {
+  return tail.big_groups + ceil_div(S - tail.big_groups * item_tokens, tail.tail_tokens);
+}
+
+// The grid's last wave, split (the launcher applies it to any item_tokens). Uniform groups whose grid
+// runs a little past a whole number of waves leave the last wave's few CTAs walking a whole group
+// while most SMs idle. Instead: as many item_tokens-token groups as fill the whole waves, then the
+// rest of S in groups of tail_tokens (whole 256-token sub-tiles, enough for about one wave), which
+// the block scheduler starts as the long groups end, with the batch's last group the first of them
+// (the kernel's launch order). Taken when the model (tokens per group x waves: whole waves of long
+// groups, then those of the tail) says 1/8 less than the uniform grid's, at C > 64 on groups of a
+// whole sub-tile (the full-width routes, whose waves kBwdPlanWaveItems counts).
+inline BwdTail bwd_tail(int64_t S, int64_t C, int64_t item_tokens) {
+  const BwdTail uniform{0, item_tokens};
+  if (C <= kBwdPlanWideMinC || item_tokens < kBwdPlanFullTileTokens || S <= item_tokens) return uniform;
+  const int64_t units = ceil_div(C, 128), groups = ceil_div(S, item_tokens);
+  const int64_t whole_waves = groups * units / kBwdPlanWaveItems;
+  const int64_t big = whole_waves * kBwdPlanWaveItems / units;
+  if (big == 0 || big >= groups) return uniform;
+  const int64_t rest = S - big * item_tokens;
+  const int64_t tail = ceil_div(ceil_div(rest * units, kBwdPlanWaveItems), kBwdPlanFullTileTokens) * kBwdPlanFullTileTokens;
+  const int64_t tail_waves = ceil_div(ceil_div(rest, tail) * units, kBwdPlanWaveItems);
+  const int64_t cost = whole_waves * item_tokens + tail_waves * tail;
+  const int64_t uniform_cost = ceil_div(groups * units, kBwdPlanWaveItems) * item_tokens;
+  return 8 * cost < 7 * uniform_cost ? BwdTail{big, tail} : uniform;
+}
+
+// Token groups of a backward of S tokens x C channels as launched (one partial row of dweight/dbias
+// each): bwd_item_tokens' groups, split by bwd_tail.
+inline int64_t bwd_groups(int64_t S, int64_t C) {
+  const int64_t item_tokens = bwd_item_tokens(S, C);
+  return bwd_group_count(S, item_tokens, bwd_tail(S, C, item_tokens));
+}
 
 // The workspace: FP32 partial rows [groups][kBwdPartialRows][C]. Any content: every row a call
 // reads was written by the same call first (the streaming kernel, or an earlier reduction pass).
 inline int64_t bwd_workspace_bytes_for_groups(int64_t C, int64_t groups) {
   return groups * kBwdPartialRows * C * int64_t(sizeof(float));
-}
-
-// Workspace bytes a backward of S tokens x C channels in token groups of item_tokens tokens uses.
-inline int64_t bwd_workspace_bytes(int64_t S, int64_t C, int64_t item_tokens) {
-  return bwd_workspace_bytes_for_groups(C, ceil_div(S, item_tokens));
 }
 
 // What the caller provides: enough for bwd_groups_bound(S, C) token groups (at least
