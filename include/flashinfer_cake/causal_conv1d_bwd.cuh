@@ -71,7 +71,7 @@ struct CausalConv1dBwdParams {
   int32_t num_docs;
   int32_t item_tokens;  // tokens of a token group below big_groups (all of them when big_groups is 0)
   int32_t big_groups;   // bwd_tail: groups of item_tokens tokens, then groups of tail_tokens
-  int32_t tail_tokens;  // item_tokens when big_groups is 0; both multiples of kStripLen
+  int32_t tail_tokens;  // item_tokens when big_groups is 0; both multiples of kStripLen (the launcher checks)
   int32_t groups;       // bwd_group_count
   int32_t tiles_c;      // channel tiles per token group
   int32_t round_preact;  // 1: silu' at the pre-activation rounded to BF16; 0: at the FP32 value

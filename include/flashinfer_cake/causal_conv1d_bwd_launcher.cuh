@@ -307,7 +307,11 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
   }
   if (a.round_preact != 0 && a.round_preact != 1) return fail(cudaErrorInvalidValue, "round_preact must be 0 or 1, got %lld", (long long)a.round_preact);
   if (a.device < 0 || a.device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)a.device);
-  const BwdTail tail = CAKE_BWD_TAIL ? bwd_tail(a.S, a.C, a.item_tokens) : BwdTail{0, a.item_tokens};
+  // The split's groups are whole 256-token sub-tiles: whole strips of the shipped geometry; a tune.py
+  // geometry of longer strips keeps uniform groups (a strip walks whole pieces: a group of part of one
+  // would overlap the next).
+  BwdTail tail = CAKE_BWD_TAIL ? bwd_tail(a.S, a.C, a.item_tokens) : BwdTail{0, a.item_tokens};
+  if (tail.tail_tokens % kBwdStripLen != 0) tail = BwdTail{0, a.item_tokens};
   const int64_t groups = bwd_group_count(a.S, a.item_tokens, tail);
   const int64_t need = bwd_workspace_bytes_for_groups(a.C, groups);
   if (a.workspace_bytes < need) {
