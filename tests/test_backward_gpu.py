@@ -339,6 +339,11 @@ def test_document_mixes_match_reference(S, C, mix, weight_dtype, bias_dtype, pol
     pytest.param(2049, 4096, (4, 32, 64, 64), id="S2049-C4096-wide-short"),  # 17 groups: 1088 warps
     pytest.param(8192, 4096, (8, 32, 128, 64), id="S8192-C4096-wide-vec8"),  # groups of 512 tokens, 16-byte rows
     pytest.param(131072, 256, (8, 32, 128, 64), id="S131072-C256-wide-vec8"),  # one 256-channel tile
+    # 16-byte rows only where their 256-channel CTAs load the busiest SM at most 1/32 more than Wide's:
+    # 11 groups x 17 CTAs put 2 on 55 SMs (512 channels) where Wide's put at most 3 of 128 (384)
+    pytest.param(8192, 4352, (4, 32, 128, 64), id="S8192-C4352-wide-balance"),
+    pytest.param(16384, 4352, (4, 32, 128, 64), id="S16384-C4352-wide-balance"),  # the split: 1.11
+    pytest.param(20480, 4096, (8, 32, 128, 64), id="S20480-C4096-wide-vec8"),  # the split, equal loads
     pytest.param(262144, 136, (4, 32, 128, 64), id="S262144-C136-wide"),  # C not a multiple of 256: 8-byte rows
     pytest.param(262144, 128, (4, 32, 128, 64), id="S262144-C128-wide"),
     pytest.param(65536, 64, (4, 16, 64, 32), id="S65536-C64-mid-half"),  # groups of 128 tokens
@@ -347,7 +352,8 @@ def test_document_mixes_match_reference(S, C, mix, weight_dtype, bias_dtype, pol
 def test_route_rule(S, C, route):
     """The launcher's rule: for short token groups strips of half the length in the full CTA on a
     grid of at most 1024 warps of the half CTA (always at 32 < C <= 64), the half CTA above it; 16-byte
-    rows for groups of 256 tokens or more at C a multiple of 256 (without states). The results match the
+    rows for groups of 256 tokens or more at C a multiple of 256 (without states) where their grid balances
+    the SMs about as well as Wide's (bwd_vec8_balanced). The results match the
     reference either way (test_document_mixes_match_reference)."""
     x, w, b, dy = make_inputs(S, C, seed=S + C)
     cu = make_cu(S, [S])
@@ -356,6 +362,7 @@ def test_route_rule(S, C, route):
 
 @pytest.mark.parametrize("S, C, docs, vec, stateful_vec", [
     pytest.param(8192, 4096, 1, 8, 4, id="S8192-C4096"),  # 16 groups for 1 document: Wide's item choice
+    pytest.param(8192, 4352, 1, 4, 4, id="S8192-C4352"),  # 11 groups: Wide (the SMs' balance), its per-step kernel
     pytest.param(4100, 8192, 7, 8, 8, id="S4100-C8192"),  # 585 tokens per document; a last group part-filled
     pytest.param(131072, 256, 300, 8, 4, id="S131072-C256"),  # 437 tokens per document
     pytest.param(131072, 200, 40, 4, 4, id="S131072-C200"),  # C not a multiple of 256: Wide
@@ -661,7 +668,8 @@ def test_dweight_is_the_fixed_tree_of_the_partial_rows(S, C, passes, weight_dtyp
 
 
 @pytest.mark.parametrize("S, C", [
-    pytest.param(16384, 4352, id="S16384-C4352-wide-vec8"),  # 15 groups of 768 tokens, 10 of 512
+    pytest.param(20480, 4096, id="S20480-C4096-wide-vec8"),  # 16 groups of 768 tokens, 8 of 512 (the last 256)
+    pytest.param(16384, 4352, id="S16384-C4352-wide"),  # 15 of 768, 10 of 512 (Wide: the SMs' balance)
     pytest.param(8768, 7432, id="S8768-C7432-wide"),  # 8 of 768, 6 of 512 (the last 64 tokens)
 ])
 def test_token_groups_of_a_split_last_wave(S, C):

@@ -34,7 +34,8 @@ constexpr int kBwdPlanNarrowMaxC = 32;
 // (WideVec8) on each of the 132 SMs of an H100 SXM / H200 (the launcher asserts the 4 for its shipped
 // geometry). bwd_groups sizes the grid's waves by it; on a 114-SM H100 PCIe the waves it counts are
 // not the GPU's, but the plan stays a function of (S, C) only.
-constexpr int kBwdPlanWaveItems = 4 * 132;
+constexpr int kBwdPlanSms = 132;
+constexpr int kBwdPlanWaveItems = 4 * kBwdPlanSms;
 
 // Fan-in of the reduction tree: each node adds the rows of up to this many nodes of the level
 // below (level 0: the token groups), level after level up to a single root.
