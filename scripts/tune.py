@@ -33,7 +33,8 @@ its repeat read within 0.25 % at 32 M elements and more, r127 and r128), and opt
          STATES_NARROW_ABOVE_C: with states, C above it up to 64 takes the 8-lane strip kernel, 64 = never)
     python scripts/tune.py --op bwd --configs 128/64/8/4/4,128/64/8/4/8
         (the route at C % 256 == 0 has 8 channels per thread whatever VEC says (WideVec8: stateless,
-         or with states and documents of STATES_VEC8_MIN_DOC_TOKENS tokens or more on average; with
+         or with states and documents of STATES_VEC8_MIN_DOC_TOKENS tokens or more on average; only
+         where its busiest SM carries at most 1/VEC8_BALANCE_DIV more than Wide's, 0: always; with
          VEC=8 it differs from Wide only in its CTAs per SM); WIDE_VEC8=0 turns it off, which rings of
          12 rows or CTAs of 256 threads need: its kernels would exceed 48 KiB of shared memory)
     python scripts/tune.py --op bwd --states --configs 128/64/8/4 [--shapes 8192x4096x1,8192x4096x1024]

@@ -369,6 +369,7 @@ def test_route_rule(S, C, route):
 ])
 def test_stateless_wide_route_is_bitwise_the_stateful_kernel(S, C, docs, vec, stateful_vec):
     """Token groups of 256 tokens or more at C a multiple of 256 run, without states, in 16-byte rows
+    where their grid balances the SMs as Wide's does (8192x4352 does not: Wide)
     (WideVec8: items of 256 channels; its strips inside [0, S) walk a loop without bounds tests), with
     states in them too where documents average 512 tokens or more and the item choice does not apply,
     else on the Wide kernels of 8-byte rows (128 channels).

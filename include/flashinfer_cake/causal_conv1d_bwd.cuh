@@ -14,7 +14,8 @@
 // tokens, or tail_tokens past a split last wave: bwd_tail) x
 // kTileChannels channels; a thread owns kVec channels (4: an 8-byte row vector, so the windows,
 // taps and sums of the backward fit in ~110-128 registers, 4 CTAs of 128 threads per SM; 8 on the
-// full-width route at C a multiple of 256, stateless or with long documents, 16-byte rows in ~210
+// full-width route at C a multiple of 256 on a grid that balances the SMs, stateless or with long
+// documents, 16-byte rows in ~210
 // (stateful 227-240) registers, 2 CTAs of 128 threads: fewer instructions per channel, the
 // launcher's WideVec8) of one strip. A strip walks Lw tokens at a time, x[t0 - 3, t0 + Lw + 3) and
 // dy[t0, t0 + Lw + 3), through a per-thread cp.async ring: on the routes of 256-token sub-tiles its
