@@ -11,7 +11,9 @@ STRIP_LEN = 64  # kBwdPlanStripLen
 WIDE_MIN_C = 64  # kBwdPlanWideMinC
 FULL_TILE_TOKENS = 256  # kBwdPlanFullTileTokens
 NARROW_MAX_C = 32  # kBwdPlanNarrowMaxC
-WAVE_ITEMS = 4 * 132  # kBwdPlanWaveItems
+SMS = 132  # kBwdPlanSms
+WAVE_ITEMS = 4 * SMS  # kBwdPlanWaveItems
+VEC8_BALANCE_DIV = 32  # kBwdVec8BalanceDiv
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -97,6 +99,23 @@ def groups(S: int, C: int) -> int:
     """bwd_groups: token groups as launched (the wave choice and the tail's split included)."""
     n = item_tokens(S, C)
     return group_count(S, n, tail(S, C, n))
+
+
+def _busiest_sm_work(C: int, n_groups: int, item_tokens: int, split: tuple[int, int], channels: int) -> int:
+    """bwd_busiest_sm_work: the busiest SM's channel-tokens in items of `channels` channels."""
+    big, tail_tokens = split
+    tiles = _ceil_div(C, channels)
+    return (_ceil_div(big * tiles, SMS) * channels * item_tokens
+            + _ceil_div((n_groups - big) * tiles, SMS) * channels * tail_tokens)
+
+
+def vec8_balanced(S: int, C: int) -> bool:
+    """bwd_vec8_balanced on the plan's groups: whether the launcher may take 16-byte rows (WideVec8) at
+    C % 256 == 0 rather than 8-byte rows (Wide) by the SMs' balance (the same bits either way)."""
+    n = item_tokens(S, C)
+    split = tail(S, C, n)
+    g = group_count(S, n, split)
+    return VEC8_BALANCE_DIV * _busiest_sm_work(C, g, n, split, 256) <= (VEC8_BALANCE_DIV + 1) * _busiest_sm_work(C, g, n, split, 128)
 
 
 def workspace_bytes(S: int, C: int) -> int:

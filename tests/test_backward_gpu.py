@@ -307,7 +307,7 @@ DOC_CASES = [
     # 192 tokens (a second sub-tile half walked). The short groups of larger grids: S33000-C136.
     pytest.param(2048, 4096, boundary_mix, BF16, F32, "bf16", id="S2048-C4096-boundary-mix"),
     # The plan's wave choice (groups of 768 tokens where 1024 or 512 left a last wave nearly empty):
-    # 16-byte rows at Mamba2's xBC width (11 groups, the last of 512 tokens), and 8-byte rows.
+    # Mamba2's xBC width (11 groups, the last of 512 tokens; 8-byte rows by the SMs' balance), and C = 3720.
     pytest.param(8192, 4352, short_docs, F32, F32, "bf16", id="S8192-C4352-short-wave-choice"),
     pytest.param(9000, 3720, boundary_mix, BF16, None, "fp32", id="S9000-C3720-boundary-mix-wave-choice"),
     pytest.param(131073, 64, short_docs, F32, F32, "fp32", id="S131073-C64-short"),
@@ -690,6 +690,8 @@ def test_token_groups_of_a_split_last_wave(S, C):
     assert starts[-1] == S and starts[-2] < S and groups <= 64, (starts, groups)  # every group has tokens
     x, w, b, dy = make_inputs(S, C, seed=95, weight_dtype=F32, bias_dtype=F32)
     cu = make_cu(S, one_doc(S, None))
+    vec = 8 if C % 256 == 0 and _plan.vec8_balanced(S, C) else 4
+    assert launched_route(lambda: backward(x, w, cu, dy, b, "fp32")) == (vec, 32, 128, 64)  # the case's route
     ws = garbage(workspace_bytes(S, C, device()) // 4, seed=7)
     grads = backward_into(x, w, cu, dy, b, "fp32", workspace=ws)
     sync()

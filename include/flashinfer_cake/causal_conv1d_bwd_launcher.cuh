@@ -138,7 +138,8 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 #define CAKE_BWD_VEC 4  // channels per thread (WideVec8's: 8)
 #endif
 #ifndef CAKE_BWD_STATES_VEC8_MIN_DOC_TOKENS
-// With states, WideVec8's shapes take its per-step kernel when the documents average at least this many
+// With states, WideVec8's shapes (C % 256 == 0, bwd_vec8_balanced) take its per-step kernel when the
+// documents average at least this many
 // tokens (num_docs counts empty documents and, in the CP backward, fragments) and the item choice does
 // not apply; otherwise Wide's kernels. Its stateless steps gain what the 16-byte rows gain, its steps
 // with state events lose: 2 CTAs of 4 warps per SM hide the dependent loads of state rows less than
@@ -169,7 +170,7 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 #ifndef CAKE_BWD_VEC8_BALANCE_DIV
 // WideVec8 only where its busiest SM carries at most 1/N more work than Wide's (bwd_vec8_balanced);
 // 0: wherever C % 256 == 0 (tune.py: VEC8_BALANCE_DIV=0).
-#define CAKE_BWD_VEC8_BALANCE_DIV 32
+#define CAKE_BWD_VEC8_BALANCE_DIV kBwdVec8BalanceDiv
 #endif
 
 #ifndef CAKE_BWD_TAIL
@@ -219,27 +220,11 @@ constexpr int kBwdNarrowRouteMinGroups = 512;
 #define CAKE_BWD_SMALL_GRID_WARPS 1024
 #endif
 
-// The busiest SM's work on a grid of `channels`-channel items, in channel-tokens: each phase of the
-// launch (bwd_tail's long groups, then the rest) puts ceil(CTAs / kBwdPlanSms) CTAs on some SM.
-inline int64_t bwd_busiest_sm_work(const CausalConv1dBwdParams& p, int64_t channels) {
-  const int64_t tiles = ceil_div(p.C, channels);
-  const auto phase = [&](int64_t groups, int64_t tokens) { return ceil_div(groups * tiles, kBwdPlanSms) * channels * tokens; };
-  return phase(p.big_groups, p.item_tokens) + phase(int64_t(p.groups) - p.big_groups, p.tail_tokens);
-}
-
-// Whether WideVec8's 256-channel items balance the SMs about as well as Wide's 128-channel ones. Its
-// 16-byte rows gain 3-6 % where both grids load the SMs alike; where WideVec8's coarser items leave its
-// busiest SM more work than Wide's, Wide wins. tune.py, H200, 2026-12-04, 1 document, rested, WideVec8
-// -> Wide (WIDE_VEC8=0), µs, by the ratio of the busiest SMs' work (r160, r161):
-//   4 : 3: 8192x4352 (11 groups: WideVec8's 187 CTAs put 2 of 256 channels on 55 SMs, Wide's 374 at
-//   most 3 of 128) 81.8 -> 71.4, 4096x12288 111.6 -> 92.1; 1.14: 8192x10240 159.6 -> 152.0, 16384x7168
-//   210.5 -> 198.5, 24576x3584 161.3 -> 152.3; 1.11: 16384x4352 (the split) 136.5 -> 132.9, 32768x2304
-//   136.8 -> 132.8; 1.09: 24576x7168 310.3 -> 302.4; 1.07: 24576x10240 410.9 -> 404.6; 1.06: 28672x10240
-//   504.7 -> 457.4; 1.05: 26624x6144 271.0 -> 265.4, 30720x5120 268.6 -> 264.5;
-//   1.02: 20480x10240 327.1 -> 337.6; 1 (equal): 16384x4096 113.1 -> 119.9, 16384x8192 216.1 -> 226.2.
+// Whether the launch's grid takes WideVec8 over Wide by the SMs' balance (bwd_vec8_balanced).
 inline bool bwd_vec8_balanced(const CausalConv1dBwdParams& p, int64_t vec8_channels, int64_t wide_channels) {
-  constexpr int64_t kDiv = CAKE_BWD_VEC8_BALANCE_DIV;
-  return kDiv == 0 || kDiv * bwd_busiest_sm_work(p, vec8_channels) <= (kDiv + 1) * bwd_busiest_sm_work(p, wide_channels);
+  static_assert(CAKE_BWD_VEC8_BALANCE_DIV >= 0, "CAKE_BWD_VEC8_BALANCE_DIV: 0 (always WideVec8) or N > 0");
+  return bwd_vec8_balanced(p.C, p.groups, p.item_tokens, BwdTail{p.big_groups, p.tail_tokens}, vec8_channels, wide_channels,
+                           CAKE_BWD_VEC8_BALANCE_DIV);
 }
 
 // Routes, from shapes only: channel lanes per CTA 32; 16 when C <= 16 * kVec, in CTAs of half the
@@ -257,7 +242,7 @@ inline bool bwd_vec8_balanced(const CausalConv1dBwdParams& p, int64_t vec8_chann
 // backward had ~4 warps per SM: graph-replayed 1024x4096 17.3 -> 14.4 us, 65536x64 19.3 -> 15.9,
 // 1024x8192 22.3 -> 21.2, and at 2048 warps 4096x4096 35.0 -> 37.8 (tune.py, H200, 2026-12-03).
 // Without states, items of 256 tokens or more at C a multiple of 256 run in 16-byte rows where their
-// grid balances the SMs as Wide's does (bwd_vec8_balanced) (WideVec8:
+// grid balances the SMs as Wide's does, by bwd_vec8_balanced (WideVec8:
 // 8 channels per thread, items of 256 channels, ~210 registers, 2 CTAs of 128 threads per SM;
 // bitwise Wide's results), whose strips below S walk a loop without the rows' bounds tests (the
 // kernel's inside strips): the bf16 policy's 4-row loop is 936 SASS instructions for 8 channels a
@@ -295,7 +280,7 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                     (16 * kVec == kBwdPlanWideMinC && WideT::kTileTokens == kBwdPlanFullTileTokens &&
                      8 * kVec == kBwdPlanNarrowMaxC && Narrow8::Traits::kTileTokens == kBwdMaxItemTokens &&
                      Narrow4::Traits::kTileTokens == kBwdMaxItemTokens && Narrow2::Traits::kTileTokens == kBwdMaxItemTokens &&
-                     kBwdPlanWaveItems == 132 * kMinCtas && (!kWideVec8 || 2 * WideVec8::Traits::kMinCtasPerSm == kMinCtas)),
+                     kBwdPlanWaveItems == kBwdPlanSms * kMinCtas && (!kWideVec8 || 2 * WideVec8::Traits::kMinCtasPerSm == kMinCtas)),
                 "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
     if (p.item_tokens >= WideT::kTileTokens) {

@@ -33,7 +33,8 @@ constexpr int kBwdPlanNarrowMaxC = 32;
 // CTA slots of the full-width routes in 128-channel items: 4 CTAs of 128 channels (Wide) or 2 of 256
 // (WideVec8) on each of the 132 SMs of an H100 SXM / H200 (the launcher asserts the 4 for its shipped
 // geometry). bwd_groups sizes the grid's waves by it; on a 114-SM H100 PCIe the waves it counts are
-// not the GPU's, but the plan stays a function of (S, C) only.
+// not the GPU's, but the plan stays a function of (S, C) only. bwd_busiest_sm_work counts the same SMs
+// for the launcher's choice between 16- and 8-byte rows.
 constexpr int kBwdPlanSms = 132;
 constexpr int kBwdPlanWaveItems = 4 * kBwdPlanSms;
 
@@ -163,6 +164,35 @@ inline BwdTail bwd_tail(int64_t S, int64_t C, int64_t item_tokens) {
 inline int64_t bwd_groups(int64_t S, int64_t C) {
   const int64_t item_tokens = bwd_item_tokens(S, C);
   return bwd_group_count(S, item_tokens, bwd_tail(S, C, item_tokens));
+}
+
+// The busiest SM's work when the launch's token groups (groups of them: item_tokens-token ones, split
+// by `tail`) run in items of `channels` channels, in channel-tokens: each phase of the launch
+// (bwd_tail's long groups, then the rest) puts ceil(CTAs / kBwdPlanSms) CTAs on some SM.
+inline int64_t bwd_busiest_sm_work(int64_t C, int64_t groups, int64_t item_tokens, BwdTail tail, int64_t channels) {
+  const int64_t tiles = ceil_div(C, channels);
+  const auto phase = [&](int64_t n, int64_t tokens) { return ceil_div(n * tiles, kBwdPlanSms) * channels * tokens; };
+  return phase(tail.big_groups, item_tokens) + phase(groups - tail.big_groups, tail.tail_tokens);
+}
+
+// The launcher's choice between its two full-width routes at C a multiple of 256 (the same bits either
+// way, so not the plan's summation order, but a function of the same shape): 16-byte rows (WideVec8,
+// 256-channel items, 2 CTAs per SM) only where their busiest SM carries at most 1/div more work than
+// the 8-byte rows' (Wide, 128-channel items, 4 per SM); div 0: always. The 16-byte rows gain 3-6 %
+// where both grids load the SMs alike; where their coarser items leave the busiest SM more work, Wide
+// wins. tune.py, H200, 2026-12-04, 1 document, rested, WideVec8 -> Wide (WIDE_VEC8=0), µs, by the ratio
+// of the busiest SMs' work (r160, r161):
+//   4 : 3: 8192x4352 (11 groups: WideVec8's 187 CTAs put 2 of 256 channels on 55 SMs, Wide's 374 at
+//   most 3 of 128) 81.8 -> 71.4, 4096x12288 111.6 -> 92.1; 1.14: 8192x10240 159.6 -> 152.0, 16384x7168
+//   210.5 -> 198.5, 24576x3584 161.3 -> 152.3; 1.11: 16384x4352 (the split) 136.5 -> 132.9, 32768x2304
+//   136.8 -> 132.8; 1.09: 24576x7168 310.3 -> 302.4; 1.07: 24576x10240 410.9 -> 404.6; 1.06: 28672x10240
+//   504.7 -> 457.4; 1.05: 26624x6144 271.0 -> 265.4, 30720x5120 268.6 -> 264.5;
+//   1.02: 20480x10240 327.1 -> 337.6; 1 (equal): 16384x4096 113.1 -> 119.9, 16384x8192 216.1 -> 226.2.
+constexpr int64_t kBwdVec8BalanceDiv = 32;
+inline bool bwd_vec8_balanced(int64_t C, int64_t groups, int64_t item_tokens, BwdTail tail, int64_t vec8_channels = 256,
+                              int64_t wide_channels = 128, int64_t div = kBwdVec8BalanceDiv) {
+  return div == 0 || div * bwd_busiest_sm_work(C, groups, item_tokens, tail, vec8_channels) <=
+                         (div + 1) * bwd_busiest_sm_work(C, groups, item_tokens, tail, wide_channels);
 }
 
 // The workspace: FP32 partial rows [groups][kBwdPartialRows][C]. Any content: every row a call
