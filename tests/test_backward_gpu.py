@@ -668,22 +668,32 @@ def test_dweight_is_the_fixed_tree_of_the_partial_rows(S, C, passes, weight_dtyp
     assert same_bits(grads[2], root[4].contiguous()), "dbias is not the tree's root"
 
 
-@pytest.mark.parametrize("S, C", [
-    pytest.param(20480, 4096, id="S20480-C4096-wide-vec8"),  # 16 groups of 768 tokens, 8 of 512 (the last 256)
-    pytest.param(16384, 4352, id="S16384-C4352-wide"),  # 15 of 768, 10 of 512 (Wide: the SMs' balance)
-    pytest.param(8768, 7432, id="S8768-C7432-wide"),  # 8 of 768, 6 of 512 (the last 64 tokens)
+@pytest.mark.parametrize("S, C, split", [
+    pytest.param(20480, 4096, True, id="S20480-C4096-wide-vec8"),  # 16 groups of 768 tokens, 8 of 512 (the last 256)
+    pytest.param(16384, 4352, True, id="S16384-C4352-wide"),  # 15 of 768, 10 of 512 (Wide: the SMs' balance)
+    pytest.param(8768, 7432, True, id="S8768-C7432-wide"),  # 8 of 768, 6 of 512 (the last 64 tokens: runs of 16)
+    # Groups of whole strips but not whole sub-tiles, each strip an even run of the group's tokens:
+    # 21 of 576 (runs of 144) and the last of 192 (48) in 16-byte rows; 60 of 832 (208) and the last
+    # of 80 (20) on Wide (C not a multiple of 256).
+    pytest.param(12288, 3072, False, id="S12288-C3072-wide-vec8-runs-144"),
+    pytest.param(50000, 1000, False, id="S50000-C1000-wide-runs-208"),
 ])
-def test_token_groups_of_a_split_last_wave(S, C):
-    """bwd_tail's split: where the uniform grid runs just past a whole wave, long groups fill the
-    waves and the rest of S runs in shorter groups. Each group's partial rows (intact in the
-    workspace: one reduction pass) must be the sums over exactly its tokens, [start, end) as the
-    plan places them (an FP64 reference of the window, the "fp32" policy so that g has no BF16
-    rounding cliff); dweight / dbias the tree over those rows; the rest as every backward."""
+def test_token_groups_partial_rows(S, C, split):
+    """The plan's token groups as the kernels walk them: uniform groups walked in even runs (a
+    strip's share of a group that is not a whole sub-tile), or bwd_tail's split, where the uniform
+    grid runs just past a whole wave (long groups fill the waves and the rest of S runs in shorter
+    groups). Each group's partial rows (intact in the workspace: one reduction pass) must be the
+    sums over exactly its tokens, [start, end) as the plan places them (an FP64 reference of the
+    window, the "fp32" policy so that g has no BF16 rounding cliff); dweight / dbias the tree over
+    those rows; the rest as every backward."""
     from flashinfer_cake import _plan
 
     item_tokens = _plan.item_tokens(S, C)
     big, tail_tokens = _plan.tail(S, C, item_tokens)
-    assert 0 < big and tail_tokens < item_tokens, (item_tokens, big, tail_tokens)  # the case splits
+    if split:
+        assert 0 < big and tail_tokens < item_tokens, (item_tokens, big, tail_tokens)  # the case splits
+    else:  # uniform groups that are not whole 256-token sub-tiles
+        assert big == 0 and item_tokens % 256 != 0 and S % item_tokens != 0, (item_tokens, big)
     groups = _plan.groups(S, C)
     starts = [min(S, g * item_tokens if g <= big else big * item_tokens + (g - big) * tail_tokens)
               for g in range(groups + 1)]

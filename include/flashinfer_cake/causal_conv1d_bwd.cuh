@@ -324,26 +324,33 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // The position scan's first load, ahead of the rows (stateless; unused, so not loaded, with states).
   const int32_t first_round = detail::load_first_round<T>(p.cu_seqlens, p.num_docs);
   // The strip's walks. Routes that fill their rings per thread (all but kWarpFill) give each strip one
-  // run of the item's consecutive L-token pieces, walked at once (kLongWalk): its ring streams on from
-  // one piece to the next. Walked a piece at a time (the CTA's strips side by side, TT tokens a
-  // sub-tile, as the other routes still do), each walk re-read and recomputed a 3-token halo on both
-  // sides and refilled its ring only once the walk before had consumed it. tune.py, H200,
-  // 2026-12-03, rested, 1024-token groups (a strip's 4 walks one): 16384x8192 223.4 -> 218.4 us (86
-  // -> 88 % of copy), 65536x2048 (32 documents) 223.3 -> 214.3, 131072x4096 (32) 857.6 -> 824.6,
-  // 1048576x128 232.9 -> 228.4; dx bitwise, dweight and dbias summed in another (fixed) order (r141).
+  // run of the item's consecutive tokens, walked at once (kLongWalk): its ring streams on through the
+  // run. Walked a piece at a time (the CTA's strips side by side, TT tokens a sub-tile, as the other
+  // routes still do), each walk re-read and recomputed a 3-token halo on both sides and refilled its
+  // ring only once the walk before had consumed it. tune.py, H200, 2026-12-03, rested, 1024-token
+  // groups (a strip's 4 walks one): 16384x8192 223.4 -> 218.4 us (86 -> 88 % of copy), 65536x2048 (32
+  // documents) 223.3 -> 214.3, 131072x4096 (32) 857.6 -> 824.6, 1048576x128 232.9 -> 228.4; dx bitwise,
+  // dweight and dbias summed in another (fixed) order (r141).
+  // The runs split the item evenly: ceil(tokens / kStrips) rounded up to a whole step of 4 rows (a
+  // step reads its 4 codes as one word). A CTA lasts as long as its longest strip, and runs of whole
+  // L-token pieces (until r173) walked a 576-token group as 192, 128, 128, 128 tokens and an 832-token
+  // one as 256, 256, 256, 64. tune.py, H200, 2026-12-04, rested, 1 document, main -> even runs (r173):
+  // 16384x3328 (832-token groups) 105.9 -> 91.6 us (77 -> 89 % of copy), 12288x3072 (576) 81.7 -> 65.9,
+  // 50000x1024 (832) 105.7 -> 88.5, 8192x5120 (640) 82.5 -> 74.3, 100003x512 (832) 108.2 -> 90.4. Groups
+  // of whole sub-tiles walk the runs they walked before (the same dweight / dbias bits; r172:
+  // 16384x4096 112.9 / 113.0, 16384x8192 217.5 / 217.6).
   // Only where a strip may get more than one piece: not on the small-grid routes, whose sub-tiles of
   // 128 tokens serve groups under 256 (1 or 2 pieces a strip; the long walk's code was 2-2.7 % slower
   // there, r142, graph-replayed: 4096x4096 33.5 -> 34.4 us, 1024x8192 19.8 -> 20.2, 8192x2048 33.8
   // -> 34.6), nor where one sub-tile is a longest group (Narrow8: one piece a strip, always).
   constexpr bool kLongWalk =
       !kWarpFill && Traits::kTileTokens >= kBwdPlanFullTileTokens && Traits::kTileTokens < kBwdMaxItemTokens;
-  const int item_pieces = (item_end - item_t0 + L - 1) / L;
-  const int run_pieces = kLongWalk ? (item_pieces + Traits::kStrips - 1) / Traits::kStrips : 1;
-  const int first_t0 = item_t0 + strip * run_pieces * L;
-  // Tokens of dx a walk emits (a multiple of L; the item's last piece may pass S) and the step to the
+  const int run_tokens = kLongWalk ? ((item_end - item_t0 + Traits::kStrips - 1) / Traits::kStrips + 3) / 4 * 4 : L;
+  const int first_t0 = item_t0 + strip * run_tokens;
+  // Tokens of dx a walk emits (a multiple of 4; the item's last walk may pass S) and the step to the
   // strip's next walk (kLongWalk: past the item).
-  const int walk_len = kLongWalk ? min(run_pieces * L, (item_end - first_t0 + L - 1) / L * L) : L;
-  const int walk_step = kLongWalk ? Traits::kStrips * run_pieces * L : TT;
+  const int walk_len = kLongWalk ? min(run_tokens, (item_end - first_t0 + 3) / 4 * 4) : L;
+  const int walk_step = kLongWalk ? Traits::kStrips * run_tokens : TT;
   // kWarpFill: the warp walks while its first strip has tokens (a strip past the item's end walks
   // zeros; its lanes fill the others' rings).
   const auto walks = [&](int t0) { return (kWarpFill ? warp_t0_of(t0) : t0) < item_end; };
