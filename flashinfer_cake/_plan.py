@@ -14,6 +14,8 @@ NARROW_MAX_C = 32  # kBwdPlanNarrowMaxC
 SMS = 132  # kBwdPlanSms
 WAVE_ITEMS = 4 * SMS  # kBwdPlanWaveItems
 VEC8_BALANCE_DIV = 32  # kBwdVec8BalanceDiv
+RUN_GROUP_TOKENS = 16  # kBwdPlanRunGroupTokens
+ITEM_COST_TOKENS = 96  # kBwdPlanItemCostTokens
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -27,7 +29,8 @@ def _groups_for_items(S: int, C: int) -> int:
 
 
 def _uniform_groups_bound(S: int, C: int) -> int:
-    """bwd_uniform_groups_bound: the most uniform token groups (the wave choice's candidates)."""
+    """bwd_uniform_groups_bound: the most uniform token groups (the wave choice's and the even-run choice's
+    candidates)."""
     wave_choice = min(_ceil_div(S, 512), _ceil_div(14 * WAVE_ITEMS, _ceil_div(C, 128))) if C > WIDE_MIN_C else 0
     return max(_groups_for_items(S, C), wave_choice)
 
@@ -67,8 +70,32 @@ def _uniform_groups(S: int, C: int) -> int:
 
 
 def item_tokens(S: int, C: int) -> int:
-    """bwd_item_tokens: tokens per group (the long groups after the tail's split), whole strips."""
-    return _tokens_per_group(S, _uniform_groups(S, C))
+    """bwd_item_tokens: tokens per group (the long groups after the tail's split): whole strips, or the
+    even-run choice's multiple of RUN_GROUP_TOKENS."""
+    first = _tokens_per_group(S, _uniform_groups(S, C))
+    if C <= WIDE_MIN_C or C % 128 != 0 or first < FULL_TILE_TOKENS:
+        return first
+    bound, first_cost = _uniform_groups_bound(S, C), _even_run_cost(S, C, first)
+    best, best_cost = first, first_cost
+    t = MAX_ITEM_TOKENS
+    while t >= FULL_TILE_TOKENS and _ceil_div(S, t) <= bound:
+        cost = _even_run_cost(S, C, t)
+        if cost < best_cost:
+            best, best_cost = t, cost
+        t -= RUN_GROUP_TOKENS
+    return best if 16 * best_cost < 15 * first_cost else first
+
+
+def _even_run_cost(S: int, C: int, tokens: int) -> int:
+    """bwd_even_run_cost: per CTA slot, waves x (tokens of a group + ITEM_COST_TOKENS), 16-byte rows x1.03."""
+    split = tail(S, C, tokens)
+    big, tail_tokens = split
+    n = group_count(S, tokens, split)
+    vec8 = C % 256 == 0 and _vec8_balanced(C, n, tokens, split)
+    tiles, slots = _ceil_div(C, 256 if vec8 else 128), WAVE_ITEMS // 2 if vec8 else WAVE_ITEMS
+    per_slot = (_ceil_div(big * tiles, slots) * (tokens + ITEM_COST_TOKENS)
+                + _ceil_div((n - big) * tiles, slots) * (tail_tokens + ITEM_COST_TOKENS))
+    return per_slot * (103 if vec8 else 100)
 
 
 def tail(S: int, C: int, item_tokens: int) -> tuple[int, int]:
@@ -109,13 +136,18 @@ def _busiest_sm_work(C: int, n_groups: int, item_tokens: int, split: tuple[int, 
             + _ceil_div((n_groups - big) * tiles, SMS) * channels * tail_tokens)
 
 
+def _vec8_balanced(C: int, n_groups: int, tokens: int, split: tuple[int, int]) -> bool:
+    """bwd_vec8_balanced."""
+    return (VEC8_BALANCE_DIV * _busiest_sm_work(C, n_groups, tokens, split, 256)
+            <= (VEC8_BALANCE_DIV + 1) * _busiest_sm_work(C, n_groups, tokens, split, 128))
+
+
 def vec8_balanced(S: int, C: int) -> bool:
     """bwd_vec8_balanced on the plan's groups: whether the launcher may take 16-byte rows (WideVec8) at
     C % 256 == 0 rather than 8-byte rows (Wide) by the SMs' balance (the same bits either way)."""
     n = item_tokens(S, C)
     split = tail(S, C, n)
-    g = group_count(S, n, split)
-    return VEC8_BALANCE_DIV * _busiest_sm_work(C, g, n, split, 256) <= (VEC8_BALANCE_DIV + 1) * _busiest_sm_work(C, g, n, split, 128)
+    return _vec8_balanced(C, group_count(S, n, split), n, split)
 
 
 def workspace_bytes(S: int, C: int) -> int:

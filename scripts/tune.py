@@ -5,7 +5,7 @@ Each config overrides the launcher's CAKE_FWD_* / CAKE_BWD_* defaults (threads, 
 ring rows (backward: of the routes above 4 channel lanes; NARROW_RING=N sets the warp-filled
 2- and 4-lane routes'), min CTAs per SM, optionally the channels per thread (backward: 4 or 8; the forward
 takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME macro; backward: ITEM_TOKENS=N
-launches with token groups of N tokens instead of the plan's (a whole number of strips; the launcher's split of
+launches with token groups of N tokens instead of the plan's (whole strips, or at C > 32 from 256 tokens on a multiple of 16; the launcher's split of
 the last wave, bwd_tail, applies to them; TAIL=0 turns it off); INC=NAME compiles the
 headers of --inc NAME=DIR instead of this checkout's, e.g. an older commit's for an A/B in one run:
 their C entries must take this checkout's arguments) for one
@@ -213,8 +213,14 @@ def buffers(S: int, C: int, docs: int, pad: int, args) -> argparse.Namespace:
 
 def item_tokens(cfg: str, b: argparse.Namespace) -> int:
     """The config's ITEM_TOKENS, else the plan's (at least one strip, _plan.STRIP_LEN tokens: the
-    workspace is sized for one-strip groups)."""
-    n = int(dict(kv.split("=") for kv in cfg.split("/") if "=" in kv).get("ITEM_TOKENS", b.item_tokens))
+    workspace is sized for one-strip groups). The plan's even-run groups (multiples of
+    _plan.RUN_GROUP_TOKENS) are the shipped geometry's: a config of other threads or strips, or of an
+    INC= tree (whose C entry may take whole strips only), gets them rounded up to whole strips."""
+    kv = dict(kv.split("=", 1) for kv in cfg.split("/") if "=" in kv)
+    threads, strip = cfg.split("/")[:2]
+    shipped = threads == "128" and strip == str(_plan.STRIP_LEN) and "INC" not in kv
+    plan = b.item_tokens if shipped else min(-(-b.item_tokens // _plan.STRIP_LEN) * _plan.STRIP_LEN, _plan.MAX_ITEM_TOKENS)
+    n = int(kv.get("ITEM_TOKENS", plan))
     if n < _plan.STRIP_LEN:
         raise SystemExit(f"{cfg}: ITEM_TOKENS must be at least {_plan.STRIP_LEN}, got {n}")
     return n

@@ -306,9 +306,9 @@ DOC_CASES = [
     # MidHalf), here at the threshold (16 groups x 32 channel tiles x 2 warps) and with groups of
     # 192 tokens (a second sub-tile half walked). The short groups of larger grids: S33000-C136.
     pytest.param(2048, 4096, boundary_mix, BF16, F32, "bf16", id="S2048-C4096-boundary-mix"),
-    # The plan's wave choice (groups of 768 tokens where 1024 or 512 left a last wave nearly empty):
-    # Mamba2's xBC width (11 groups, the last of 512 tokens; 8-byte rows by the SMs' balance), and C = 3720.
-    pytest.param(8192, 4352, short_docs, F32, F32, "bf16", id="S8192-C4352-short-wave-choice"),
+    # The plan's even-run choice: Mamba2's xBC width in 15 groups of 560 tokens (runs of 140; the last
+    # group 352), 16-byte rows; and the wave choice at C = 3720 (groups of 768 tokens).
+    pytest.param(8192, 4352, short_docs, F32, F32, "bf16", id="S8192-C4352-short-even-runs"),
     pytest.param(9000, 3720, boundary_mix, BF16, None, "fp32", id="S9000-C3720-boundary-mix-wave-choice"),
     pytest.param(131073, 64, short_docs, F32, F32, "fp32", id="S131073-C64-short"),
     # 16 channel lanes (32 < C <= 64) in 64-thread CTAs: groups of >= 256 tokens (320 here), two
@@ -340,9 +340,11 @@ def test_document_mixes_match_reference(S, C, mix, weight_dtype, bias_dtype, pol
     pytest.param(8192, 4096, (8, 32, 128, 64), id="S8192-C4096-wide-vec8"),  # groups of 512 tokens, 16-byte rows
     pytest.param(131072, 256, (8, 32, 128, 64), id="S131072-C256-wide-vec8"),  # one 256-channel tile
     # 16-byte rows only where their 256-channel CTAs load the busiest SM at most 1/32 more than Wide's:
-    # 11 groups x 17 CTAs put 2 on 55 SMs (512 channels) where Wide's put at most 3 of 128 (384)
-    pytest.param(8192, 4352, (4, 32, 128, 64), id="S8192-C4352-wide-balance"),
-    pytest.param(16384, 4352, (4, 32, 128, 64), id="S16384-C4352-wide-balance"),  # the split: 1.11
+    # 9 groups of 768 tokens and 7 of 512 (bwd_tail's split): WideVec8's busiest SM 1.11x Wide's
+    pytest.param(10240, 7168, (4, 32, 128, 64), id="S10240-C7168-wide-balance"),
+    # the even-run choice's groups fill the 16-byte rows' waves: 15 x 560 and 31 x 544 tokens
+    pytest.param(8192, 4352, (8, 32, 128, 64), id="S8192-C4352-wide-vec8-even-runs"),
+    pytest.param(16384, 4352, (8, 32, 128, 64), id="S16384-C4352-wide-vec8-even-runs"),
     pytest.param(20480, 4096, (8, 32, 128, 64), id="S20480-C4096-wide-vec8"),  # the split, equal loads
     pytest.param(262144, 136, (4, 32, 128, 64), id="S262144-C136-wide"),  # C not a multiple of 256: 8-byte rows
     pytest.param(262144, 128, (4, 32, 128, 64), id="S262144-C128-wide"),
@@ -362,14 +364,15 @@ def test_route_rule(S, C, route):
 
 @pytest.mark.parametrize("S, C, docs, vec, stateful_vec", [
     pytest.param(8192, 4096, 1, 8, 4, id="S8192-C4096"),  # 16 groups for 1 document: Wide's item choice
-    pytest.param(8192, 4352, 1, 4, 4, id="S8192-C4352"),  # 11 groups: Wide (the SMs' balance), its per-step kernel
+    pytest.param(8192, 4352, 1, 8, 8, id="S8192-C4352"),  # 15 groups of 560 tokens: WideVec8, its per-step kernel
+    pytest.param(10240, 7168, 1, 4, 4, id="S10240-C7168"),  # Wide by the SMs' balance; 16 groups: the item choice
     pytest.param(4100, 8192, 7, 8, 8, id="S4100-C8192"),  # 585 tokens per document; a last group part-filled
     pytest.param(131072, 256, 300, 8, 4, id="S131072-C256"),  # 437 tokens per document
     pytest.param(131072, 200, 40, 4, 4, id="S131072-C200"),  # C not a multiple of 256: Wide
 ])
 def test_stateless_wide_route_is_bitwise_the_stateful_kernel(S, C, docs, vec, stateful_vec):
     """Token groups of 256 tokens or more at C a multiple of 256 run, without states, in 16-byte rows
-    where their grid balances the SMs as Wide's does (8192x4352 does not: Wide)
+    where their grid balances the SMs as Wide's does (10240x7168 does not: Wide)
     (WideVec8: items of 256 channels; its strips inside [0, S) walk a loop without bounds tests), with
     states in them too where documents average 512 tokens or more and the item choice does not apply,
     else on the Wide kernels of 8-byte rows (128 channels).
@@ -397,13 +400,13 @@ def test_stateless_wide_route_is_bitwise_the_stateful_kernel(S, C, docs, vec, st
     pytest.param(70001, 64, id="S70001-C64"),  # 32-token strips, 16 lanes (MidHalf)
     pytest.param(5003, 32, id="S5003-C32"),  # 8 lanes (Narrow8)
     pytest.param(9000, 200, id="S9000-C200"),  # 8-byte rows, a last channel tile with idle lanes (regression)
-    # long walks (a strip walks a run of its group's 64-token pieces at once) in the last group, of
-    # 323 tokens: runs of 2, 2 and 2 pieces, the last run 67 tokens below S (16 lanes, Mid; Wide)
+    # long walks (a strip walks one even run of its group) in a last group of 323 tokens: runs of 84,
+    # the last crossing S (16 lanes, Mid, groups of 384 tokens; Wide, the even-run choice's 400)
     pytest.param(330563, 64, id="S330563-C64"),
-    pytest.param(206403, 128, id="S206403-C128"),
-    # 16-byte rows, the last group's runs 2, 2, 1 pieces: the second ends 3 tokens before S (the
-    # inside loop's gate exactly: t0 + Lw + 3 == S), the third passes S
-    pytest.param(98371, 256, id="S98371-C256"),
+    pytest.param(206723, 128, id="S206723-C128"),
+    # 16-byte rows, groups of 384 tokens, the last of 19: runs of 8, the second ending 3 tokens before
+    # S (the inside loop's gate exactly: t0 + Lw + 3 == S), the third passing S
+    pytest.param(98707, 256, id="S98707-C256"),
 ])
 def test_no_dx_row_past_S_is_written(S, C):
     """dx as the first S rows of a longer buffer: its rows after S keep their NaN. The walks that
@@ -669,12 +672,16 @@ def test_dweight_is_the_fixed_tree_of_the_partial_rows(S, C, passes, weight_dtyp
 
 
 @pytest.mark.parametrize("S, C, split", [
-    pytest.param(20480, 4096, True, id="S20480-C4096-wide-vec8"),  # 16 groups of 768 tokens, 8 of 512 (the last 256)
-    pytest.param(16384, 4352, True, id="S16384-C4352-wide"),  # 15 of 768, 10 of 512 (Wide: the SMs' balance)
+    pytest.param(20480, 4096, True, id="S20480-C4096-wide-vec8"),  # 16 groups of 768 tokens, 16 of 512
+    pytest.param(16384, 10240, True, id="S16384-C10240-wide-vec8"),  # 13 of 1024, 6 of 512
+    # the even-run choice's 29 groups of 880 tokens (runs of 220), then 29 of 256, the last of 80
+    pytest.param(32768, 2304, True, id="S32768-C2304-wide-vec8-runs-220"),
     pytest.param(8768, 7432, True, id="S8768-C7432-wide"),  # 8 of 768, 6 of 512 (the last 64 tokens: runs of 16)
-    # Groups of whole strips but not whole sub-tiles, each strip an even run of the group's tokens:
-    # 21 of 576 (runs of 144) and the last of 192 (48) in 16-byte rows; 60 of 832 (208) and the last
-    # of 80 (20) on Wide (C not a multiple of 256).
+    # Groups that are not whole sub-tiles, each strip an even run of the group's tokens: the even-run
+    # choice's 30 of 544 (runs of 136, not whole strips) and the last of 64 (16); 21 of 576 (144) and the
+    # last of 192 (48), in 16-byte rows; 60 of 832 (208) and the last of 80 (20) on Wide (C not a
+    # multiple of 256).
+    pytest.param(16384, 4352, False, id="S16384-C4352-wide-vec8-runs-136"),
     pytest.param(12288, 3072, False, id="S12288-C3072-wide-vec8-runs-144"),
     pytest.param(50000, 1000, False, id="S50000-C1000-wide-runs-208"),
 ])
@@ -695,6 +702,7 @@ def test_token_groups_partial_rows(S, C, split):
     else:  # uniform groups that are not whole 256-token sub-tiles
         assert big == 0 and item_tokens % 256 != 0 and S % item_tokens != 0, (item_tokens, big)
     groups = _plan.groups(S, C)
+    assert (item_tokens % 64 != 0) == (C in (4352, 2304)), item_tokens  # the even-run choice's groups: not whole strips
     starts = [min(S, g * item_tokens if g <= big else big * item_tokens + (g - big) * tail_tokens)
               for g in range(groups + 1)]
     assert starts[-1] == S and starts[-2] < S and groups <= 64, (starts, groups)  # every group has tokens

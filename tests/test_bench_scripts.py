@@ -125,6 +125,21 @@ def test_tune_register_lines_are_the_configs_own(monkeypatch):
     assert tune.resource_lines(log, other) == ["ptxas info    : Used 99 registers"]
 
 
+def test_tune_item_tokens_per_config(monkeypatch):
+    # The plan's even-run groups (544 tokens at 16384x4352, not whole strips) go to the shipped geometry
+    # only; another geometry or an INC= tree, whose C entry may take whole strips only, gets them rounded
+    # up to whole 64-token strips; ITEM_TOKENS wins over both.
+    tune = _tune(monkeypatch)
+    from flashinfer_cake import _plan
+    b = argparse.Namespace(item_tokens=_plan.item_tokens(16384, 4352))
+    assert b.item_tokens == 544
+    assert tune.item_tokens("128/64/8/4", b) == 544
+    assert tune.item_tokens("128/64/8/4/8", b) == 544  # VEC: the same geometry
+    assert tune.item_tokens("256/64/8/4", b) == tune.item_tokens("128/32/8/4", b) == 576
+    assert tune.item_tokens("128/64/8/4/INC=main", b) == 576
+    assert tune.item_tokens("128/64/8/4/ITEM_TOKENS=768", b) == tune.item_tokens("256/64/8/4/ITEM_TOKENS=768", b) == 768
+
+
 @pytest.mark.parametrize("flag", ["--rounds=0", "--rest-ms=-1", "--settle-ms=-5", "--rest-ms=nan", "--settle-ms=inf"])
 def test_tune_rejects_bad_timing_options(monkeypatch, capsys, flag):
     tune = _tune(monkeypatch)

@@ -105,33 +105,41 @@ def test_backward_plan_matches(header):
 
 
 @pytest.mark.parametrize("S, C, item_tokens", [
-    (16384, 4352, 768), (16384, 6144, 768), (32768, 4352, 768), (8192, 4352, 768),  # r155's wins
+    (16384, 6144, 768), (32768, 4352, 768),  # r155's wave choice: groups of 768 where 1024 overran a wave
+    # the even-run choice (r173, H200: the fastest of seven group lengths timed on each)
+    (16384, 4352, 544), (8192, 4352, 560), (24576, 3584, 672), (16384, 7168, 912), (32768, 3328, 832),
+    (16384, 5376, 656),
     (16384, 4096, 1024), (8192, 4096, 512), (131072, 4096, 1024), (16384, 8192, 1024),  # one wave or many: kept
+    (8768, 7432, 768),  # C % 128 != 0: whole strips (the even-run model's pick, 528, read 3 % slower)
     (200000, 1000, 1024)])
-def test_backward_plan_wave_choice(S, C, item_tokens):
+def test_backward_plan_item_tokens(S, C, item_tokens):
     """Token groups of 768 where the first choice's grid ran just past a whole number of waves of
-    4 x 132 128-channel items (r155, H200: 16384x4352 172.6 -> 158.6 us, 16384x6144 208.0 -> 163.9,
-    32768x4352 273.7 -> 238.5, 8192x4352 93.5 -> 82.3); the first choice where it fills its waves."""
+    4 x 132 128-channel items (r155, H200: 16384x6144 208.0 -> 163.9 us, 32768x4352 273.7 -> 238.5); groups
+    of any multiple of 16 tokens where bwd_even_run_cost says 1/16 less (r173: 16384x4352 132.6 -> 120.0,
+    8192x4352 71.6 -> 63.7, 32768x3328 198.3 -> 174.3); the first choice where it fills its waves."""
     assert _plan.item_tokens(S, C) == item_tokens
 
 
 @pytest.mark.parametrize("S, C, split", [
-    (16384, 4352, (768, 15, 512)),  # 25 groups: 15 fill a wave of 528 128-channel items (510), 10 after
-    (20480, 4096, (768, 16, 512)),
+    (20480, 4096, (768, 16, 512)),  # 32 groups: 16 fill a wave of 264 256-channel items (256), 16 after
+    (16384, 10240, (1024, 13, 512)),  # the even-run choice with a split
     (8768, 7432, (768, 8, 512)),  # the last group 64 tokens
     (16384, 4096, (1024, 0, 1024)), (16384, 8192, (1024, 0, 1024)), (131072, 4096, (1024, 0, 1024)),
-    (16384, 6144, (768, 0, 768)), (32768, 4352, (768, 0, 768)), (1048576, 128, (1024, 0, 1024))])
+    (16384, 6144, (768, 0, 768)), (32768, 4352, (768, 0, 768)), (1048576, 128, (1024, 0, 1024)),
+    (16384, 4352, (544, 0, 544))])  # the even-run choice: 2 waves of 16-byte rows (31 x 17 = 527 of 528 items)
 def test_backward_plan_tail(S, C, split):
-    """bwd_tail splits the last wave where the uniform grid runs just past whole waves (16384x4352:
-    22 groups of 768 tokens x 34 items = 1.42 waves); the power-of-two shapes and those whose waves
-    the wave choice fills keep uniform groups."""
+    """bwd_tail splits the last wave where the uniform grid runs just past whole waves (20480x4096:
+    27 groups of 768 tokens x 16 items = 1.64 waves of 264); the power-of-two shapes and those whose waves
+    the wave choice or the even-run choice fills keep uniform groups."""
     item_tokens = _plan.item_tokens(S, C)
     assert (item_tokens, *_plan.tail(S, C, item_tokens)) == split
 
 
 @pytest.mark.parametrize("S, C, balanced", [
-    (8192, 4352, False), (4096, 12288, False), (16384, 4352, False),  # 4 : 3, 4 : 3, 1.11 (the split)
-    (28672, 10240, False), (26624, 6144, False),  # 1.059, 1.053: Wide 10 % and 2 % faster (r161)
+    (24576, 10240, False), (45056, 4096, False), (41984, 4352, False),
+    # the even-run choice's groups, which fill the 16-byte rows' waves (r161 measured these at the groups
+    # before it: 28672x10240 and 26624x6144 on Wide, 4 : 3 at 8192x4352 and 4096x12288)
+    (8192, 4352, True), (4096, 12288, True), (16384, 4352, True), (28672, 10240, True), (26624, 6144, True),
     (20480, 10240, True),  # 1.02: WideVec8 3 % faster (r161)
     (16384, 4096, True), (16384, 8192, True), (20480, 4096, True), (131072, 256, True)])  # equal loads
 def test_backward_vec8_balance(S, C, balanced):
@@ -145,7 +153,9 @@ def test_backward_plan_properties(C):
     previous = 0
     for S in sorted(S for S, c in SIZES if c == C):
         item_tokens, ws_bytes = _plan.item_tokens(S, C), _plan.workspace_bytes(S, C)
-        assert item_tokens % 64 == 0 and 64 <= item_tokens <= 1024, (S, C, item_tokens)
+        assert 64 <= item_tokens <= 1024, (S, C, item_tokens)
+        # whole strips, or a multiple of 16 on the full-width routes (C > 64, 256+ tokens) at C % 128 == 0
+        assert item_tokens % 64 == 0 or (C > 64 and C % 128 == 0 and item_tokens >= 256 and item_tokens % 16 == 0), (S, C)
         groups = _plan.groups(S, C)
         big, tail_tokens = _plan.tail(S, C, item_tokens)
         if big:  # long groups, then shorter ones of whole 256-token sub-tiles; the last has tokens

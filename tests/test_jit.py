@@ -455,7 +455,8 @@ def test_built_module_entries(built_cache, name, monkeypatch):
         ({"S": 2**30}, "S must be in [0, 2^30) for the backward"),
         ({"C": 12}, "C must be a positive multiple of 8"),
         ({"item_tokens": 96}, "item_tokens must be a positive multiple of 64"),
-        ({"item_tokens": 1088}, "item_tokens must be a positive multiple of 64 up to 1024"),
+        ({"item_tokens": 1088}, "item_tokens must be a positive multiple of 64 (or, at C > 32 from 256 tokens on, of 16) up to 1024, got 1088"),
+        ({"item_tokens": 272}, "got 272"),  # a multiple of 16 at C = 8 (whole strips there)
         ({"round_preact": 2**32 + 1}, "round_preact must be 0 or 1"),
         ({"workspace_bytes": 5 * 8 * 4 * 2 - 4}, "workspace: expected at least 320 bytes"),  # 2 groups' rows
         ({"workspace": aligned + 4}, "workspace: expected a non-null 16-byte aligned pointer"),  # 16-byte loads

@@ -376,10 +376,10 @@ BWD_CASES = [
     # runs of 2 pieces per strip (groups of 448 and 320 tokens): Wide, and Mid (16 lanes)
     pytest.param(100003, 200, piece_edge_docs, F32, F32, "bf16", id="S100003-C200-piece-edges"),
     pytest.param(262147, 64, piece_edge_docs, BF16, None, "fp32", id="S262147-C64-piece-edges"),
-    # A split last wave (bwd_tail: 15 groups of 768 tokens, 10 of 512): the item choice (1 document)
-    # and Wide's per-step kernel (~300 documents).
-    pytest.param(16384, 4352, one_doc, F32, F32, "fp32", id="S16384-C4352-one-split-wave"),
-    pytest.param(16384, 4352, piece_edge_docs, BF16, F32, "bf16", id="S16384-C4352-piece-edges-split-wave"),
+    # The even-run choice's groups (31 of 544 tokens, runs of 136: not whole strips): the item choice
+    # (1 document) and Wide's per-step kernel (~300 documents).
+    pytest.param(16384, 4352, one_doc, F32, F32, "fp32", id="S16384-C4352-one-even-runs"),
+    pytest.param(16384, 4352, piece_edge_docs, BF16, F32, "bf16", id="S16384-C4352-piece-edges-even-runs"),
 ]
 
 
@@ -396,13 +396,13 @@ def test_backward_document_mixes_with_states(S, C, mix, weight_dtype, bias_dtype
 
 
 @pytest.mark.parametrize("S, C, mix, weight_dtype, bias_dtype, policy", [
-    pytest.param(100003, 512, long_docs, BF16, F32, "bf16", id="S100003-C512"),  # groups of 832 tokens: runs of 4 pieces a strip
-    pytest.param(8195, 4096, long_docs, F32, None, "fp32", id="S8195-C4096"),  # groups of 576 tokens, the last part-filled
+    pytest.param(100003, 512, long_docs, BF16, F32, "bf16", id="S100003-C512"),  # groups of 768 tokens: runs of 192
+    pytest.param(8195, 4096, long_docs, F32, None, "fp32", id="S8195-C4096"),  # groups of 528 tokens (runs of 132: not whole strips), the last part-filled
     pytest.param(65539, 1024, long_docs, F32, BF16, "bf16", id="S65539-C1024"),  # groups of 1024 tokens, the last of 3
-    pytest.param(131075, 256, long_docs, BF16, BF16, "fp32", id="S131075-C256"),  # one channel tile, groups of 576 tokens
+    pytest.param(131075, 256, long_docs, BF16, BF16, "fp32", id="S131075-C256"),  # one channel tile, groups of 512 tokens, the last of 3
     # 363 documents, starting 0-3 tokens after piece boundaries (the rows a strip's window starts with)
     pytest.param(200003, 256, piece_edge_docs, F32, F32, "bf16", id="S200003-C256-piece-edges"),
-    pytest.param(20480, 4096, long_docs, F32, F32, "bf16", id="S20480-C4096-split-wave"),  # 16 x 768 + 8 x 512 tokens
+    pytest.param(20480, 4096, long_docs, F32, F32, "bf16", id="S20480-C4096-split-wave"),  # 16 x 768 + 16 x 512 tokens
 ])
 def test_backward_states_in_16_byte_rows(S, C, mix, weight_dtype, bias_dtype, policy):
     """With states, at C a multiple of 256, documents of 512 tokens or more on average and fewer than
@@ -676,7 +676,7 @@ STRIDE_CASES = [
     pytest.param(3001, 32, False, [(8, 16), (0, 8), (32, 0), (8, 8)], id="S3001-C32"),
     pytest.param(3003, 16, False, [(8, 0), (0, 16), (16, 8), (8, 8)], id="S3003-C16"),
     pytest.param(2999, 128, True, [(0, 8), (64, 0), (8, 24), (0, 64)], id="S2999-C128-3d"),
-    # groups of 576 tokens, S = 2 mod 64: 16-byte rows (WideVec8) without states and with them (7
+    # groups of 528 tokens, S = 2 mod 64: 16-byte rows (WideVec8) without states and with them (7
     # documents, 585 tokens on average)
     pytest.param(4098, 8192, False, [(0, 256), (8, 8), (64, 0), (16, 56)], id="S4098-C8192"),
 ]

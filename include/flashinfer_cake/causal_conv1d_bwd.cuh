@@ -72,7 +72,8 @@ struct CausalConv1dBwdParams {
   int32_t num_docs;
   int32_t item_tokens;  // tokens of a token group below big_groups (all of them when big_groups is 0)
   int32_t big_groups;   // bwd_tail: groups of item_tokens tokens, then groups of tail_tokens
-  int32_t tail_tokens;  // item_tokens when big_groups is 0; both multiples of kStripLen (the launcher checks)
+  int32_t tail_tokens;  // item_tokens when big_groups is 0; whole strips, or steps of 4 rows per strip on the
+                        // routes that walk even runs (the launcher checks)
   int32_t groups;       // bwd_group_count
   int32_t tiles_c;      // channel tiles per token group
   int32_t round_preact;  // 1: silu' at the pre-activation rounded to BF16; 0: at the FP32 value
@@ -109,6 +110,10 @@ struct BwdTraits {
   // 129 -> 89 us, 1048576x16 with 4096 documents 66.3 -> 71.0 us (the stateful kernel spills 4-8
   // bytes at 128 registers). With 8 lanes (C = 32, 4 strips per warp) 1-2 % slower: not taken.
   static constexpr bool kWarpFill = kLanesC <= 4;
+  // A strip walks one even run of its group's tokens (the kernel says why): not where the warp fills its
+  // strips' rings together, nor on the small-grid sub-tiles (under 256 tokens) or where one sub-tile is a
+  // longest group (Narrow8). Such routes take groups of any multiple of 4 kStrips tokens (the launcher).
+  static constexpr bool kLongWalk = !kWarpFill && kTileTokens >= kBwdPlanFullTileTokens && kTileTokens < kBwdMaxItemTokens;
   static_assert(kVec == 4 || kVec == 8, "rows of 8 or 16 bytes");
   static_assert(kThreads % kLanesC == 0 && kThreads % 32 == 0, "CTA must be whole warps");
   static_assert(kRing >= 4 && kRing % 4 == 0, "the loop steps 4 rows, so 4 ring slots, at a time");
@@ -339,12 +344,11 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // 50000x1024 (832) 105.7 -> 88.5, 8192x5120 (640) 82.5 -> 74.3, 100003x512 (832) 108.2 -> 90.4. Groups
   // of whole sub-tiles walk the runs they walked before (the same dweight / dbias bits; r172:
   // 16384x4096 112.9 / 113.0, 16384x8192 217.5 / 217.6).
-  // Only where a strip may get more than one piece: not on the small-grid routes, whose sub-tiles of
-  // 128 tokens serve groups under 256 (1 or 2 pieces a strip; the long walk's code was 2-2.7 % slower
-  // there, r142, graph-replayed: 4096x4096 33.5 -> 34.4 us, 1024x8192 19.8 -> 20.2, 8192x2048 33.8
-  // -> 34.6), nor where one sub-tile is a longest group (Narrow8: one piece a strip, always).
-  constexpr bool kLongWalk =
-      !kWarpFill && Traits::kTileTokens >= kBwdPlanFullTileTokens && Traits::kTileTokens < kBwdMaxItemTokens;
+  // Only where a strip may get more than one piece (Traits::kLongWalk): not on the small-grid routes,
+  // whose sub-tiles of 128 tokens serve groups under 256 (1 or 2 pieces a strip; the long walk's code was
+  // 2-2.7 % slower there, r142, graph-replayed: 4096x4096 33.5 -> 34.4 us, 1024x8192 19.8 -> 20.2,
+  // 8192x2048 33.8 -> 34.6), nor where one sub-tile is a longest group (Narrow8: one piece a strip).
+  constexpr bool kLongWalk = Traits::kLongWalk;
   const int run_tokens = kLongWalk ? ((item_end - item_t0 + Traits::kStrips - 1) / Traits::kStrips + 3) / 4 * 4 : L;
   const int first_t0 = item_t0 + strip * run_tokens;
   // Tokens of dx a walk emits (a multiple of 4; the item's last walk may pass S) and the step to the

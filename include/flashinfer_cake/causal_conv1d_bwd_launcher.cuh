@@ -123,7 +123,7 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 #define CAKE_BWD_THREADS 128
 #endif
 #ifndef CAKE_BWD_STRIP_LEN
-#define CAKE_BWD_STRIP_LEN 64  // a multiple of 8 (WideHalf and MidHalf walk half of it); bwd_item_tokens rounds groups to it
+#define CAKE_BWD_STRIP_LEN 64  // a multiple of 8 (WideHalf and MidHalf walk half of it); the plan's groups are whole strips of it but for its even-run choice
 #endif
 #ifndef CAKE_BWD_RING
 #define CAKE_BWD_RING 8  // at most CAKE_BWD_STRIP_LEN / 2 + 7 (BwdTraits of WideHalf, MidHalf)
@@ -177,7 +177,8 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 #define CAKE_BWD_TAIL 1  // 0: uniform token groups, without bwd_tail's split of the last wave (tune.py: TAIL=0)
 #endif
 
-// Token groups (the item_tokens argument) must be a multiple of this.
+// Token groups (the item_tokens argument) must be a multiple of this, but on the routes that walk even
+// runs (bwd_even_run_groups).
 constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
 
 // A route: a tile geometry, its stateless and stateful (per-step) kernels, and whether it has a
@@ -209,6 +210,21 @@ using Narrow8 = BwdRoute<BwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>>;
 using Narrow4 = BwdRoute<BwdTraits<kVec, 4, kThreads / 2, kStrip, kNarrowRing, 2 * kMinCtas>>;
 using Narrow2 = BwdRoute<BwdTraits<kVec, 2, kThreads / 4, kStrip, kNarrowRing, 4 * kMinCtas>>;
 }  // namespace bwd_routes
+
+// Whether the route that takes token groups of item_tokens tokens at C channels walks them in even runs
+// (BwdTraits::kLongWalk), which lets a group be any multiple of a 4-row step per strip; the other routes
+// walk whole strips (a group of part of one would overlap the next). It follows launch_causal_conv1d_bwd's
+// first two branches (C > 16 kVec: Wide or WideVec8 from a sub-tile of tokens on; C > 8 kVec: Mid): a
+// change there changes this too.
+inline bool bwd_even_run_groups(int64_t C, int64_t item_tokens) {
+  using namespace bwd_routes;
+  const auto walks_evenly = [&](auto route) {
+    using Tr = typename decltype(route)::Traits;
+    return Tr::kLongWalk && item_tokens >= Tr::kTileTokens && item_tokens % (4 * Tr::kStrips) == 0;
+  };
+  if (C > 16 * kVec) return walks_evenly(Wide{}) && walks_evenly(WideVec8{});
+  return C > 8 * kVec && walks_evenly(Mid{});
+}
 
 // The 4- and 2-lane routes' smallest grid: ~4 CTAs per SM on 132 SMs.
 constexpr int kBwdNarrowRouteMinGroups = 512;
@@ -280,7 +296,9 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                     (16 * kVec == kBwdPlanWideMinC && WideT::kTileTokens == kBwdPlanFullTileTokens &&
                      8 * kVec == kBwdPlanNarrowMaxC && Narrow8::Traits::kTileTokens == kBwdMaxItemTokens &&
                      Narrow4::Traits::kTileTokens == kBwdMaxItemTokens && Narrow2::Traits::kTileTokens == kBwdMaxItemTokens &&
-                     kBwdPlanWaveItems == kBwdPlanSms * kMinCtas && (!kWideVec8 || 2 * WideVec8::Traits::kMinCtasPerSm == kMinCtas)),
+                     kBwdPlanWaveItems == kBwdPlanSms * kMinCtas && (!kWideVec8 || 2 * WideVec8::Traits::kMinCtasPerSm == kMinCtas) &&
+                     WideT::kLongWalk && WideVec8::Traits::kLongWalk && Mid::Traits::kLongWalk &&
+                     kBwdPlanRunGroupTokens == 4 * WideT::kStrips && kBwdPlanRunGroupTokens == 4 * Mid::Traits::kStrips),
                 "the plan's thresholds must match the routes");
   if (p.C > 16 * kVec) {
     if (p.item_tokens >= WideT::kTileTokens) {
@@ -318,14 +336,18 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
   if (a.C <= 0 || a.C % 8 != 0 || a.C >= kMaxC) return fail(cudaErrorInvalidValue, "x: C must be a positive multiple of 8 below 2^28, got %lld", (long long)a.C);
   if (a.S * a.C >= kBwdMaxElements) return fail(cudaErrorInvalidValue, "x: S * C must be below 2^34 for the backward, got %lld", (long long)(a.S * a.C));
   if (a.num_docs < 0 || a.num_docs >= kMaxCuSeqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 2], got %lld", (long long)a.num_docs);
-  if (a.item_tokens <= 0 || a.item_tokens % kBwdStripLen != 0 || a.item_tokens > kBwdMaxItemTokens) {
-    return fail(cudaErrorInvalidValue, "item_tokens must be a positive multiple of %d up to %d, got %lld", kBwdStripLen, kBwdMaxItemTokens, (long long)a.item_tokens);
+  if (a.item_tokens <= 0 || a.item_tokens > kBwdMaxItemTokens ||
+      (a.item_tokens % kBwdStripLen != 0 && !bwd_even_run_groups(a.C, a.item_tokens))) {
+    return fail(cudaErrorInvalidValue,
+                "item_tokens must be a positive multiple of %d (or, at C > %d from %d tokens on, of %d) up to %d, got %lld",
+                kBwdStripLen, 8 * bwd_routes::kVec, kBwdPlanFullTileTokens, kBwdPlanRunGroupTokens, kBwdMaxItemTokens,
+                (long long)a.item_tokens);
   }
   if (a.round_preact != 0 && a.round_preact != 1) return fail(cudaErrorInvalidValue, "round_preact must be 0 or 1, got %lld", (long long)a.round_preact);
   if (a.device < 0 || a.device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)a.device);
   // The split's groups are whole 256-token sub-tiles: whole strips of the shipped geometry; a tune.py
-  // geometry of longer strips keeps uniform groups (a strip walks whole pieces: a group of part of one
-  // would overlap the next).
+  // geometry of longer strips keeps uniform groups (off the even-run routes a strip walks whole pieces:
+  // a group of part of one would overlap the next).
   BwdTail tail = CAKE_BWD_TAIL ? bwd_tail(a.S, a.C, a.item_tokens) : BwdTail{0, a.item_tokens};
   if (tail.tail_tokens % kBwdStripLen != 0) tail = BwdTail{0, a.item_tokens};
   const int64_t groups = bwd_group_count(a.S, a.item_tokens, tail);

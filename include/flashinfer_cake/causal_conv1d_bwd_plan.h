@@ -18,8 +18,14 @@ constexpr int kBwdPartialRows = 5;
 // and their 3-token lookahead sit in shared memory for the whole group.
 constexpr int kBwdMaxItemTokens = 1024;
 
-// Token groups are whole multiples of this many tokens (the shipped strip, CAKE_BWD_STRIP_LEN).
+// Token groups are whole multiples of this many tokens (the shipped strip, CAKE_BWD_STRIP_LEN), but for the
+// even-run choice's (bwd_item_tokens).
 constexpr int kBwdPlanStripLen = 64;
+
+// Token groups of the routes that walk even runs (the kernel's kLongWalk: Wide, WideVec8 and Mid, on groups
+// of a 256-token sub-tile or more) may be any multiple of this many tokens: a 4-row step for each of
+// their 4 strips. The others walk whole strips.
+constexpr int kBwdPlanRunGroupTokens = 16;
 
 // The routes of the shipped geometry (causal_conv1d_bwd_launcher.cuh checks): C above this many
 // channels runs 32 channel lanes, in CTAs of 128 threads when a token group has at least
@@ -53,7 +59,8 @@ inline int64_t bwd_groups_for_items(int64_t S, int64_t C) {
 
 // The most uniform token groups a backward of S tokens x C channels may use: the first choice, or what
 // bwd_uniform_groups' wave choice may take at C > 64: groups of 512 tokens, at most 14 waves of them
-// (a grid of more waves never gains its 1/8). Non-decreasing in S.
+// (a grid of more waves never gains its 1/8). bwd_item_tokens' even-run choice stays within it too.
+// Non-decreasing in S.
 inline int64_t bwd_uniform_groups_bound(int64_t S, int64_t C) {
   const int64_t wave_choice =
       C > kBwdPlanWideMinC ? std::min(ceil_div(S, 512), ceil_div(14 * kBwdPlanWaveItems, ceil_div(C, 128))) : 0;
@@ -119,10 +126,6 @@ inline int64_t bwd_uniform_groups(int64_t S, int64_t C) {
   return 8 * cost(best) < 7 * cost(first) ? best : first;
 }
 
-// Tokens per group of a backward of S tokens x C channels (the item_tokens argument: the groups
-// before bwd_tail's split, and the long groups after it).
-inline int64_t bwd_item_tokens(int64_t S, int64_t C) { return bwd_tokens_per_group(S, bwd_uniform_groups(S, C)); }
-
 // The split of the grid's last wave: the first big_groups token groups have item_tokens tokens, the
 // others tail_tokens (the batch's last group: up to them). big_groups == 0: uniform groups
 // (tail_tokens == item_tokens).
@@ -159,13 +162,6 @@ inline BwdTail bwd_tail(int64_t S, int64_t C, int64_t item_tokens) {
   return 8 * cost < 7 * uniform_cost ? BwdTail{big, tail} : uniform;
 }
 
-// Token groups of a backward of S tokens x C channels as launched (one partial row of dweight/dbias
-// each): bwd_item_tokens' groups, split by bwd_tail.
-inline int64_t bwd_groups(int64_t S, int64_t C) {
-  const int64_t item_tokens = bwd_item_tokens(S, C);
-  return bwd_group_count(S, item_tokens, bwd_tail(S, C, item_tokens));
-}
-
 // The busiest SM's work when the launch's token groups (groups of them: item_tokens-token ones, split
 // by `tail`) run in items of `channels` channels, in channel-tokens: each phase of the launch
 // (bwd_tail's long groups, then the rest) puts ceil(CTAs / kBwdPlanSms) CTAs on some SM.
@@ -181,7 +177,8 @@ inline int64_t bwd_busiest_sm_work(int64_t C, int64_t groups, int64_t item_token
 // the 8-byte rows' (Wide, 128-channel items, 4 per SM); div 0: always. The 16-byte rows gain 3-6 %
 // where both grids load the SMs alike; where their coarser items leave the busiest SM more work, Wide
 // wins. tune.py, H200, 2026-12-04, 1 document, rested, WideVec8 -> Wide (WIDE_VEC8=0), µs, by the ratio
-// of the busiest SMs' work (r160, r161):
+// of the busiest SMs' work (r160, r161; the plan's groups then, before the even-run choice, which has since
+// given the 4352-channel shapes groups that balance the 16-byte rows):
 //   4 : 3: 8192x4352 (11 groups: WideVec8's 187 CTAs put 2 of 256 channels on 55 SMs, Wide's 374 at
 //   most 3 of 128) 81.8 -> 71.4, 4096x12288 111.6 -> 92.1; 1.14: 8192x10240 159.6 -> 152.0, 16384x7168
 //   210.5 -> 198.5, 24576x3584 161.3 -> 152.3; 1.11: 16384x4352 (the split) 136.5 -> 132.9, 32768x2304
@@ -193,6 +190,59 @@ inline bool bwd_vec8_balanced(int64_t C, int64_t groups, int64_t item_tokens, Bw
                               int64_t wide_channels = 128, int64_t div = kBwdVec8BalanceDiv) {
   return div == 0 || div * bwd_busiest_sm_work(C, groups, item_tokens, tail, vec8_channels) <=
                          (div + 1) * bwd_busiest_sm_work(C, groups, item_tokens, tail, wide_channels);
+}
+
+// The even-run choice's cost of groups of item_tokens tokens (bwd_tail's split applied, on the route the
+// launcher takes for them): per CTA slot (4 Wide CTAs or 2 WideVec8 CTAs per SM), waves of the grid times
+// the tokens of a group plus kBwdPlanItemCostTokens (a CTA's start and end: its position scan, its first
+// rows' latency, its partial rows), the 16-byte rows' waves 3 % dearer (fitted to r172's 66 timings; the
+// model's ranking, not its values, is what the choice uses).
+constexpr int64_t kBwdPlanItemCostTokens = 96;
+inline int64_t bwd_even_run_cost(int64_t S, int64_t C, int64_t item_tokens) {
+  const BwdTail tail = bwd_tail(S, C, item_tokens);
+  const int64_t groups = bwd_group_count(S, item_tokens, tail);
+  const bool vec8 = C % 256 == 0 && bwd_vec8_balanced(C, groups, item_tokens, tail);
+  const int64_t tiles = ceil_div(C, vec8 ? 256 : 128), slots = vec8 ? kBwdPlanWaveItems / 2 : kBwdPlanWaveItems;
+  const auto waves = [&](int64_t n) { return ceil_div(n * tiles, slots); };
+  const int64_t per_slot = waves(tail.big_groups) * (item_tokens + kBwdPlanItemCostTokens) +
+                           waves(groups - tail.big_groups) * (tail.tail_tokens + kBwdPlanItemCostTokens);
+  return per_slot * (vec8 ? 103 : 100);
+}
+
+// Tokens per group of a backward of S tokens x C channels (the item_tokens argument: the groups before
+// bwd_tail's split, and the long groups after it). bwd_uniform_groups' whole strips, unless, at C a
+// multiple of 128 on the full-width routes (C > 64, groups of 256+ tokens), groups of another multiple of
+// kBwdPlanRunGroupTokens from 1024 down to 256 tokens cost 1/16 less by bwd_even_run_cost (the longest
+// of equal costs; no more groups than bwd_uniform_groups_bound, which sizes the workspace). The CTAs walk
+// a group in 4 even runs, so a group need not be whole sub-tiles, and a grid can fill its last wave
+// where whole strips left it part empty. tune.py, H200, 2026-12-04, rested, 1 document, µs, the plan
+// before -> this choice: 16384x4352 (Mamba2's xBC width) 132.6 -> 120.0 (544 tokens; 78 -> 86 % of
+// copy), 8192x4352 71.6 -> 63.7 (560), 24576x3584 152.3 -> 145.0 (672), 16384x7168 198.0 -> 191.0
+// (912), 32768x3328 198.3 -> 174.3 (832; 80 -> 91 %), each the fastest of seven group lengths timed
+// (r173); out of the fit's sample (r174): 24576x7168 301.4 -> 273.0 (880; 84 -> 93 %), 8192x7168 111.6
+// -> 101.1 (912), 8192x10240 151.8 -> 138.9 (640), 32768x2304 136.6 -> 125.2 (880, split), 16384x10240
+// 268.6 -> 262.7 (1024, split), 4096x12288 92.2 -> 90.7 (832). Not at C % 128 != 0, whose last channel
+// tile is part empty: at 8768x7432 the model's 528 read 124.0 against the plan's 120.2.
+inline int64_t bwd_item_tokens(int64_t S, int64_t C) {
+  const int64_t first = bwd_tokens_per_group(S, bwd_uniform_groups(S, C));
+  if (C <= kBwdPlanWideMinC || C % 128 != 0 || first < kBwdPlanFullTileTokens) return first;
+  const int64_t bound = bwd_uniform_groups_bound(S, C), first_cost = bwd_even_run_cost(S, C, first);
+  int64_t best = first, best_cost = first_cost;
+  for (int64_t t = kBwdMaxItemTokens; t >= kBwdPlanFullTileTokens && ceil_div(S, t) <= bound; t -= kBwdPlanRunGroupTokens) {
+    const int64_t cost = bwd_even_run_cost(S, C, t);
+    if (cost < best_cost) {
+      best = t;
+      best_cost = cost;
+    }
+  }
+  return 16 * best_cost < 15 * first_cost ? best : first;
+}
+
+// Token groups of a backward of S tokens x C channels as launched (one partial row of dweight/dbias
+// each): bwd_item_tokens' groups, split by bwd_tail.
+inline int64_t bwd_groups(int64_t S, int64_t C) {
+  const int64_t item_tokens = bwd_item_tokens(S, C);
+  return bwd_group_count(S, item_tokens, bwd_tail(S, C, item_tokens));
 }
 
 // The workspace: FP32 partial rows [groups][kBwdPartialRows][C]. Any content: every row a call
