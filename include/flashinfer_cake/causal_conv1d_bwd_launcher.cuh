@@ -211,19 +211,32 @@ using Narrow4 = BwdRoute<BwdTraits<kVec, 4, kThreads / 2, kStrip, kNarrowRing, 2
 using Narrow2 = BwdRoute<BwdTraits<kVec, 2, kThreads / 4, kStrip, kNarrowRing, 4 * kMinCtas>>;
 }  // namespace bwd_routes
 
-// Whether the route that takes token groups of item_tokens tokens at C channels walks them in even runs
-// (BwdTraits::kLongWalk), which lets a group be any multiple of a 4-row step per strip; the other routes
-// walk whole strips (a group of part of one would overlap the next). It follows launch_causal_conv1d_bwd's
-// first two branches (C > 16 kVec: Wide or WideVec8 from a sub-tile of tokens on; C > 8 kVec: Mid): a
-// change there changes this too.
+// The routes' families, from C and the token groups alone: 32 channel lanes from a whole sub-tile of
+// the full CTA on (Wide, WideVec8) or below it (WideShort, WideHalf), 16 lanes from a sub-tile on (Mid)
+// or below it (MidHalf), fewer (Narrow8, Narrow4, Narrow2). launch_causal_conv1d_bwd takes the route
+// within the family from the grid; bwd_even_run_groups asks which routes a call may take.
+enum class BwdFamily { kWide, kWideSmall, kMid, kMidSmall, kNarrow };
+inline BwdFamily bwd_family(int64_t C, int64_t item_tokens) {
+  using namespace bwd_routes;
+  if (C > 16 * kVec) return item_tokens >= Wide::Traits::kTileTokens ? BwdFamily::kWide : BwdFamily::kWideSmall;
+  if (C > 8 * kVec) return item_tokens >= Mid::Traits::kTileTokens ? BwdFamily::kMid : BwdFamily::kMidSmall;
+  return BwdFamily::kNarrow;
+}
+
+// Whether every route that may take token groups of item_tokens tokens at C channels walks them in even
+// runs (BwdTraits::kLongWalk), which lets a group be any multiple of a 4-row step per strip; the other
+// routes walk whole strips (a group of part of one would overlap the next).
 inline bool bwd_even_run_groups(int64_t C, int64_t item_tokens) {
   using namespace bwd_routes;
   const auto walks_evenly = [&](auto route) {
     using Tr = typename decltype(route)::Traits;
-    return Tr::kLongWalk && item_tokens >= Tr::kTileTokens && item_tokens % (4 * Tr::kStrips) == 0;
+    return Tr::kLongWalk && item_tokens % (4 * Tr::kStrips) == 0;
   };
-  if (C > 16 * kVec) return walks_evenly(Wide{}) && walks_evenly(WideVec8{});
-  return C > 8 * kVec && walks_evenly(Mid{});
+  switch (bwd_family(C, item_tokens)) {
+    case BwdFamily::kWide: return walks_evenly(Wide{}) && walks_evenly(WideVec8{});
+    case BwdFamily::kMid: return walks_evenly(Mid{});
+    default: return false;
+  }
 }
 
 // The 4- and 2-lane routes' smallest grid: ~4 CTAs per SM on 132 SMs.
@@ -300,8 +313,8 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                      WideT::kLongWalk && WideVec8::Traits::kLongWalk && Mid::Traits::kLongWalk &&
                      kBwdPlanRunGroupTokens == 4 * WideT::kStrips && kBwdPlanRunGroupTokens == 4 * Mid::Traits::kStrips),
                 "the plan's thresholds must match the routes");
-  if (p.C > 16 * kVec) {
-    if (p.item_tokens >= WideT::kTileTokens) {
+  switch (bwd_family(p.C, p.item_tokens)) {
+    case BwdFamily::kWide:
       if (kWideVec8 && p.C % WideVec8::Traits::kTileChannels == 0 &&
           bwd_vec8_balanced(p, WideVec8::Traits::kTileChannels, WideT::kTileChannels) &&
           (!bwd_has_states(p) ||
@@ -309,15 +322,14 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
         return launch_causal_conv1d_bwd_route<WideVec8, WeightT, BiasT>(p, stream);
       }
       return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT>(p, stream);
-    }
-    if (int64_t(p.groups) * bwd_channel_tiles<WideShort::Traits>(p.C) * (WideShort::Traits::kThreads / 32) <= kSmallGridWarps) {
-      return launch_causal_conv1d_bwd_route<WideHalf, WeightT, BiasT>(p, stream);
-    }
-    return launch_causal_conv1d_bwd_route<WideShort, WeightT, BiasT>(p, stream);
-  }
-  if (p.C > 8 * kVec) {
-    if (p.item_tokens >= Mid::Traits::kTileTokens) return launch_causal_conv1d_bwd_route<Mid, WeightT, BiasT>(p, stream);
-    return launch_causal_conv1d_bwd_route<MidHalf, WeightT, BiasT>(p, stream);
+    case BwdFamily::kWideSmall:
+      if (int64_t(p.groups) * bwd_channel_tiles<WideShort::Traits>(p.C) * (WideShort::Traits::kThreads / 32) <= kSmallGridWarps) {
+        return launch_causal_conv1d_bwd_route<WideHalf, WeightT, BiasT>(p, stream);
+      }
+      return launch_causal_conv1d_bwd_route<WideShort, WeightT, BiasT>(p, stream);
+    case BwdFamily::kMid: return launch_causal_conv1d_bwd_route<Mid, WeightT, BiasT>(p, stream);
+    case BwdFamily::kMidSmall: return launch_causal_conv1d_bwd_route<MidHalf, WeightT, BiasT>(p, stream);
+    case BwdFamily::kNarrow: break;
   }
   if (p.groups >= kBwdNarrowRouteMinGroups) {
     if (p.C <= 2 * kVec) return launch_causal_conv1d_bwd_route<Narrow2, WeightT, BiasT>(p, stream);
