@@ -214,7 +214,8 @@ using Narrow2 = BwdRoute<BwdTraits<kVec, 2, kThreads / 4, kStrip, kNarrowRing, 4
 // The routes' families, from C and the token groups alone: 32 channel lanes from a whole sub-tile of
 // the full CTA on (Wide, WideVec8) or below it (WideShort, WideHalf), 16 lanes from a sub-tile on (Mid)
 // or below it (MidHalf), fewer (Narrow8, Narrow4, Narrow2). launch_causal_conv1d_bwd takes the route
-// within the family from the grid; bwd_even_run_groups asks which routes a call may take.
+// within the family from the call's other arguments (the grid, C, states); bwd_even_run_groups asks
+// which routes a call may take.
 enum class BwdFamily { kWide, kWideSmall, kMid, kMidSmall, kNarrow };
 inline BwdFamily bwd_family(int64_t C, int64_t item_tokens) {
   using namespace bwd_routes;
@@ -228,6 +229,7 @@ inline BwdFamily bwd_family(int64_t C, int64_t item_tokens) {
 // routes walk whole strips (a group of part of one would overlap the next).
 inline bool bwd_even_run_groups(int64_t C, int64_t item_tokens) {
   using namespace bwd_routes;
+  static_assert(WideVec8::Traits::kTileTokens == Wide::Traits::kTileTokens, "kWide's test is both routes' sub-tile");
   const auto walks_evenly = [&](auto route) {
     using Tr = typename decltype(route)::Traits;
     return Tr::kLongWalk && item_tokens % (4 * Tr::kStrips) == 0;
@@ -235,8 +237,11 @@ inline bool bwd_even_run_groups(int64_t C, int64_t item_tokens) {
   switch (bwd_family(C, item_tokens)) {
     case BwdFamily::kWide: return walks_evenly(Wide{}) && walks_evenly(WideVec8{});
     case BwdFamily::kMid: return walks_evenly(Mid{});
-    default: return false;
+    case BwdFamily::kWideSmall:
+    case BwdFamily::kMidSmall:
+    case BwdFamily::kNarrow: break;  // routes of whole strips (-Wswitch names a family added later)
   }
+  return false;
 }
 
 // The 4- and 2-lane routes' smallest grid: ~4 CTAs per SM on 132 SMs.
