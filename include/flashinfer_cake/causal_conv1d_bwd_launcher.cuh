@@ -355,10 +355,11 @@ cudaError_t causal_conv1d_bwd_entry(const BwdArgs& a) {
   if (a.num_docs < 0 || a.num_docs >= kMaxCuSeqlens) return fail(cudaErrorInvalidValue, "cu_seqlens: num_docs must be in [0, 2^31 - 2], got %lld", (long long)a.num_docs);
   if (a.item_tokens <= 0 || a.item_tokens > kBwdMaxItemTokens ||
       (a.item_tokens % kBwdStripLen != 0 && !bwd_even_run_groups(a.C, a.item_tokens))) {
+    // This build's even-run routes (Mid and Wide have the same strips, so the same sub-tile and step).
     return fail(cudaErrorInvalidValue,
                 "item_tokens must be a positive multiple of %d (or, at C > %d from %d tokens on, of %d) up to %d, got %lld",
-                kBwdStripLen, 8 * bwd_routes::kVec, kBwdPlanFullTileTokens, kBwdPlanRunGroupTokens, kBwdMaxItemTokens,
-                (long long)a.item_tokens);
+                kBwdStripLen, 8 * bwd_routes::kVec, bwd_routes::Mid::Traits::kTileTokens, 4 * bwd_routes::Mid::Traits::kStrips,
+                kBwdMaxItemTokens, (long long)a.item_tokens);
   }
   if (a.round_preact != 0 && a.round_preact != 1) return fail(cudaErrorInvalidValue, "round_preact must be 0 or 1, got %lld", (long long)a.round_preact);
   if (a.device < 0 || a.device >= kMaxDevices) return fail(cudaErrorInvalidDevice, "device index %lld out of range", (long long)a.device);
