@@ -91,7 +91,7 @@ def _even_run_cost(S: int, C: int, tokens: int) -> int:
     split = tail(S, C, tokens)
     big, tail_tokens = split
     n = group_count(S, tokens, split)
-    vec8 = C % 256 == 0 and _vec8_balanced(C, n, tokens, split)
+    vec8 = _vec8_rows(C, n, tokens, split)
     tiles, slots = _ceil_div(C, 256 if vec8 else 128), WAVE_ITEMS // 2 if vec8 else WAVE_ITEMS
     per_slot = (_ceil_div(big * tiles, slots) * (tokens + ITEM_COST_TOKENS)
                 + _ceil_div((n - big) * tiles, slots) * (tail_tokens + ITEM_COST_TOKENS))
@@ -136,18 +136,19 @@ def _busiest_sm_work(C: int, n_groups: int, item_tokens: int, split: tuple[int, 
             + _ceil_div((n_groups - big) * tiles, SMS) * channels * tail_tokens)
 
 
-def _vec8_balanced(C: int, n_groups: int, tokens: int, split: tuple[int, int]) -> bool:
-    """bwd_vec8_balanced."""
-    return (VEC8_BALANCE_DIV * _busiest_sm_work(C, n_groups, tokens, split, 256)
-            <= (VEC8_BALANCE_DIV + 1) * _busiest_sm_work(C, n_groups, tokens, split, 128))
+def _vec8_rows(C: int, n_groups: int, tokens: int, split: tuple[int, int]) -> bool:
+    """bwd_vec8_rows (bwd_vec8_balanced's test after C % 256)."""
+    return C % 256 == 0 and (VEC8_BALANCE_DIV * _busiest_sm_work(C, n_groups, tokens, split, 256)
+                             <= (VEC8_BALANCE_DIV + 1) * _busiest_sm_work(C, n_groups, tokens, split, 128))
 
 
-def vec8_balanced(S: int, C: int) -> bool:
-    """bwd_vec8_balanced on the plan's groups: whether the launcher may take 16-byte rows (WideVec8) at
-    C % 256 == 0 rather than 8-byte rows (Wide) by the SMs' balance (the same bits either way)."""
+def vec8_rows(S: int, C: int) -> bool:
+    """bwd_vec8_rows on the plan's groups: whether a stateless backward runs in 16-byte rows (WideVec8)
+    rather than 8-byte rows (Wide): C % 256 == 0 and a grid that balances the SMs as well (the same
+    bits either way)."""
     n = item_tokens(S, C)
     split = tail(S, C, n)
-    return _vec8_balanced(C, group_count(S, n, split), n, split)
+    return _vec8_rows(C, group_count(S, n, split), n, split)
 
 
 def workspace_bytes(S: int, C: int) -> int:

@@ -355,7 +355,7 @@ def test_route_rule(S, C, route):
     """The launcher's rule: for short token groups strips of half the length in the full CTA on a
     grid of at most 1024 warps of the half CTA (always at 32 < C <= 64), the half CTA above it; 16-byte
     rows for groups of 256 tokens or more at C a multiple of 256 (without states) where their grid balances
-    the SMs about as well as Wide's (bwd_vec8_balanced). The results match the
+    the SMs about as well as Wide's (bwd_vec8_rows). The results match the
     reference either way (test_document_mixes_match_reference)."""
     x, w, b, dy = make_inputs(S, C, seed=S + C)
     cu = make_cu(S, [S])
@@ -708,7 +708,7 @@ def test_token_groups_partial_rows(S, C, split):
     assert starts[-1] == S and starts[-2] < S and groups <= 64, (starts, groups)  # every group has tokens
     x, w, b, dy = make_inputs(S, C, seed=95, weight_dtype=F32, bias_dtype=F32)
     cu = make_cu(S, one_doc(S, None))
-    vec = 8 if C % 256 == 0 and _plan.vec8_balanced(S, C) else 4
+    vec = 8 if _plan.vec8_rows(S, C) else 4
     assert launched_route(lambda: backward(x, w, cu, dy, b, "fp32")) == (vec, 32, 128, 64)  # the case's route
     ws = garbage(workspace_bytes(S, C, device()) // 4, seed=7)
     grads = backward_into(x, w, cu, dy, b, "fp32", workspace=ws)

@@ -44,7 +44,7 @@ int main() {
     std::printf("%s[%lld, %lld, %lld, %lld, %lld, %lld, %lld, %lld, %d]", sep, S, C, (long long)bwd_groups(S, C),
                 (long long)bwd_groups_bound(S, C), (long long)bwd_item_tokens(S, C), (long long)bwd_workspace_bytes(S, C),
                 (long long)tail.big_groups, (long long)tail.tail_tokens,
-                (int)(S > 0 && bwd_vec8_balanced(C, bwd_groups(S, C), bwd_item_tokens(S, C), tail)));
+                (int)(S > 0 && bwd_vec8_rows(C, bwd_groups(S, C), bwd_item_tokens(S, C), tail)));
     sep = ", ";
   }
   std::printf("]}\n");
@@ -98,7 +98,7 @@ def test_context_parallel_constants_match(header):
 def test_backward_plan_matches(header):
     for S, C, groups, bound, item_tokens, ws_bytes, big, tail_tokens, balanced in header["plan"]:
         python = (_plan.groups(S, C), _plan.groups_bound(S, C), _plan.item_tokens(S, C), _plan.workspace_bytes(S, C),
-                  _plan.tail(S, C, _plan.item_tokens(S, C)), S > 0 and _plan.vec8_balanced(S, C))
+                  _plan.tail(S, C, _plan.item_tokens(S, C)), S > 0 and _plan.vec8_rows(S, C))
         assert python == (groups, bound, item_tokens, ws_bytes, (big, tail_tokens), bool(balanced)), (S, C)
     assert any(row[6] for row in header["plan"]), "no shape of the grid splits its last wave"
     assert {row[8] for row in header["plan"] if row[1] % 256 == 0 and row[0] >= 4096} == {0, 1}, "the balance never moves"
@@ -144,8 +144,8 @@ def test_backward_plan_tail(S, C, split):
     (16384, 4096, True), (16384, 8192, True), (20480, 4096, True), (131072, 256, True)])  # equal loads
 def test_backward_vec8_balance(S, C, balanced):
     """The launcher takes 16-byte rows (WideVec8) at C % 256 == 0 only where their busiest SM carries at
-    most 1/32 more work than the 8-byte rows' (bwd_vec8_balanced; the GPU tests assert the routes)."""
-    assert _plan.vec8_balanced(S, C) == balanced
+    most 1/32 more work than the 8-byte rows' (bwd_vec8_rows; the GPU tests assert the routes)."""
+    assert _plan.vec8_rows(S, C) == balanced
 
 
 @pytest.mark.parametrize("C", sorted({C for _, C in SIZES}))

@@ -418,7 +418,7 @@ def test_backward_states_in_16_byte_rows(S, C, mix, weight_dtype, bias_dtype, po
     D = len(lengths)
     tokens = _plan.item_tokens(S, C)
     groups = _plan.groups(S, C)  # as the launcher counts them
-    assert S >= 512 * D and groups < 16 * D and tokens >= 256 and _plan.vec8_balanced(S, C), "the case must take WideVec8"
+    assert S >= 512 * D and groups < 16 * D and tokens >= 256 and _plan.vec8_rows(S, C), "the case must take WideVec8"
     extra = S // 512 + 1 - D  # S < 512 * (D + extra)
     cu = make_cu(S, lengths, device=DEV)
     cu_more = torch.cat([cu, torch.full((extra,), S, dtype=I32, device=DEV)])

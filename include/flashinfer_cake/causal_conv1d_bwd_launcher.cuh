@@ -138,7 +138,7 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 #define CAKE_BWD_VEC 4  // channels per thread (WideVec8's: 8)
 #endif
 #ifndef CAKE_BWD_STATES_VEC8_MIN_DOC_TOKENS
-// With states, WideVec8's shapes (C % 256 == 0, bwd_vec8_balanced) take its per-step kernel when the
+// With states, WideVec8's shapes (bwd_vec8_rows) take its per-step kernel when the
 // documents average at least this many
 // tokens (num_docs counts empty documents and, in the CP backward, fragments) and the item choice does
 // not apply; otherwise Wide's kernels. Its stateless steps gain what the 16-byte rows gain, its steps
@@ -254,11 +254,11 @@ constexpr int kBwdNarrowRouteMinGroups = 512;
 #define CAKE_BWD_SMALL_GRID_WARPS 1024
 #endif
 
-// Whether the launch's grid takes WideVec8 over Wide by the SMs' balance (bwd_vec8_balanced).
-inline bool bwd_vec8_balanced(const CausalConv1dBwdParams& p, int64_t vec8_channels, int64_t wide_channels) {
+// Whether the launch's grid takes WideVec8 over Wide without states (bwd_vec8_rows).
+inline bool bwd_vec8_rows(const CausalConv1dBwdParams& p, int64_t vec8_channels, int64_t wide_channels) {
   static_assert(CAKE_BWD_VEC8_BALANCE_DIV >= 0, "CAKE_BWD_VEC8_BALANCE_DIV: 0 (always WideVec8) or N > 0");
-  return bwd_vec8_balanced(p.C, p.groups, p.item_tokens, BwdTail{p.big_groups, p.tail_tokens}, vec8_channels, wide_channels,
-                           CAKE_BWD_VEC8_BALANCE_DIV);
+  return bwd_vec8_rows(p.C, p.groups, p.item_tokens, BwdTail{p.big_groups, p.tail_tokens}, vec8_channels, wide_channels,
+                       CAKE_BWD_VEC8_BALANCE_DIV);
 }
 
 // Routes, from shapes only: channel lanes per CTA 32; 16 when C <= 16 * kVec, in CTAs of half the
@@ -276,7 +276,7 @@ inline bool bwd_vec8_balanced(const CausalConv1dBwdParams& p, int64_t vec8_chann
 // backward had ~4 warps per SM: graph-replayed 1024x4096 17.3 -> 14.4 us, 65536x64 19.3 -> 15.9,
 // 1024x8192 22.3 -> 21.2, and at 2048 warps 4096x4096 35.0 -> 37.8 (tune.py, H200, 2026-12-03).
 // Without states, items of 256 tokens or more at C a multiple of 256 run in 16-byte rows where their
-// grid balances the SMs as Wide's does, by bwd_vec8_balanced (WideVec8:
+// grid balances the SMs as Wide's does, by bwd_vec8_rows (WideVec8:
 // 8 channels per thread, items of 256 channels, ~210 registers, 2 CTAs of 128 threads per SM;
 // bitwise Wide's results), whose strips below S walk a loop without the rows' bounds tests (the
 // kernel's inside strips): the bf16 policy's 4-row loop is 936 SASS instructions for 8 channels a
@@ -320,8 +320,7 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                 "the plan's thresholds must match the routes");
   switch (bwd_family(p.C, p.item_tokens)) {
     case BwdFamily::kWide:
-      if (kWideVec8 && p.C % WideVec8::Traits::kTileChannels == 0 &&
-          bwd_vec8_balanced(p, WideVec8::Traits::kTileChannels, WideT::kTileChannels) &&
+      if (kWideVec8 && bwd_vec8_rows(p, WideVec8::Traits::kTileChannels, WideT::kTileChannels) &&
           (!bwd_has_states(p) ||
            (!bwd_item_choice(p) && int64_t(p.S) >= int64_t(CAKE_BWD_STATES_VEC8_MIN_DOC_TOKENS) * p.num_docs))) {
         return launch_causal_conv1d_bwd_route<WideVec8, WeightT, BiasT>(p, stream);

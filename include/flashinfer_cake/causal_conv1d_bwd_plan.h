@@ -192,6 +192,14 @@ inline bool bwd_vec8_balanced(int64_t C, int64_t groups, int64_t item_tokens, Bw
                          (div + 1) * bwd_busiest_sm_work(C, groups, item_tokens, tail, wide_channels);
 }
 
+// Whether a stateless launch of these groups runs in 16-byte rows: C a multiple of their items' channels
+// and bwd_vec8_balanced. The launcher takes its route by it (with states it asks more), the even-run
+// choice's cost prices the grid by it.
+inline bool bwd_vec8_rows(int64_t C, int64_t groups, int64_t item_tokens, BwdTail tail, int64_t vec8_channels = 256,
+                          int64_t wide_channels = 128, int64_t div = kBwdVec8BalanceDiv) {
+  return C % vec8_channels == 0 && bwd_vec8_balanced(C, groups, item_tokens, tail, vec8_channels, wide_channels, div);
+}
+
 // The even-run choice's cost of groups of item_tokens tokens (bwd_tail's split applied, on the route the
 // launcher takes for them): per CTA slot (4 Wide CTAs or 2 WideVec8 CTAs per SM), waves of the grid times
 // the tokens of a group plus kBwdPlanItemCostTokens (a CTA's start and end: its position scan, its first
@@ -201,7 +209,7 @@ constexpr int64_t kBwdPlanItemCostTokens = 96;
 inline int64_t bwd_even_run_cost(int64_t S, int64_t C, int64_t item_tokens) {
   const BwdTail tail = bwd_tail(S, C, item_tokens);
   const int64_t groups = bwd_group_count(S, item_tokens, tail);
-  const bool vec8 = C % 256 == 0 && bwd_vec8_balanced(C, groups, item_tokens, tail);
+  const bool vec8 = bwd_vec8_rows(C, groups, item_tokens, tail);
   const int64_t tiles = ceil_div(C, vec8 ? 256 : 128), slots = vec8 ? kBwdPlanWaveItems / 2 : kBwdPlanWaveItems;
   const auto waves = [&](int64_t n) { return ceil_div(n * tiles, slots); };
   const int64_t per_slot = waves(tail.big_groups) * (item_tokens + kBwdPlanItemCostTokens) +
