@@ -8,7 +8,8 @@ takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME mac
 launches with token groups of N tokens instead of the plan's (whole strips, or at C > 32 from 256 tokens on a multiple of 16; the launcher's split of
 the last wave, bwd_tail, applies to them; TAIL=0 turns it off); INC=NAME compiles the
 headers of --inc NAME=DIR instead of this checkout's, e.g. an older commit's for an A/B in one run:
-their C entries must take this checkout's arguments) for one
+their C entries must take this checkout's arguments; the plan's even-run groups where they take them, else
+whole strips) for one
 variant (default fp32 taps + fp32 bias); all are built in parallel, then timed against a device
 copy of the same DRAM bytes on each shape (forward: read x, write y; backward: read x and dy,
 write dx), and against torch ops moving the op's bytes in its own pattern (buffers' floors: the
@@ -211,16 +212,21 @@ def buffers(S: int, C: int, docs: int, pad: int, args) -> argparse.Namespace:
     return b
 
 
+def whole_strips(tokens: int) -> int:
+    """tokens rounded up to whole strips (at most the longest group)."""
+    return min(-(-tokens // _plan.STRIP_LEN) * _plan.STRIP_LEN, _plan.MAX_ITEM_TOKENS)
+
+
 def item_tokens(cfg: str, b: argparse.Namespace) -> int:
     """The config's ITEM_TOKENS, else the plan's (at least one strip, _plan.STRIP_LEN tokens: the
     workspace is sized for one-strip groups). The plan's even-run groups (multiples of
-    _plan.RUN_GROUP_TOKENS) are the shipped geometry's: a config of other threads or strips, or of an
-    INC= tree (whose C entry may take whole strips only), gets them rounded up to whole strips."""
+    _plan.RUN_GROUP_TOKENS) are the shipped geometry's: a config of other threads or strips gets them
+    rounded up to whole strips (an INC= tree of the shipped geometry keeps them if its C entry takes
+    them: launcher)."""
     kv = dict(kv.split("=", 1) for kv in cfg.split("/") if "=" in kv)
     threads, strip = cfg.split("/")[:2]
-    shipped = threads == "128" and strip == str(_plan.STRIP_LEN) and "INC" not in kv
-    plan = b.item_tokens if shipped else min(-(-b.item_tokens // _plan.STRIP_LEN) * _plan.STRIP_LEN, _plan.MAX_ITEM_TOKENS)
-    n = int(kv.get("ITEM_TOKENS", plan))
+    shipped = threads == "128" and strip == str(_plan.STRIP_LEN)
+    n = int(kv.get("ITEM_TOKENS", b.item_tokens if shipped else whole_strips(b.item_tokens)))
     if n < _plan.STRIP_LEN:
         raise SystemExit(f"{cfg}: ITEM_TOKENS must be at least {_plan.STRIP_LEN}, got {n}")
     return n
@@ -230,6 +236,7 @@ def launcher(m, b: argparse.Namespace, op: str, cfg: str):
     """call(i, states=False): one launch of module m (config cfg) on rotation i through its C entry."""
     dev, S, C, k = torch.cuda.current_device(), b.S, b.C, b.k
     tokens = item_tokens(cfg, b) if op == "bwd" else 0
+    bad_tokens = "item_tokens must be"  # the C entry's message for groups its routes cannot walk
 
     def call(i, states=False):
         stream = torch._C._cuda_getCurrentRawStream(dev)
@@ -248,6 +255,18 @@ def launcher(m, b: argparse.Namespace, op: str, cfg: str):
                                      dy_row_stride=C + b.pad, dx_row_stride=C + b.pad, num_docs=b.docs, item_tokens=tokens,
                                      round_preact=1, device=dev, stream=stream)
         assert rc == 0, m.last_error_message()
+
+    if op == "bwd" and "/INC=" in f"/{cfg}" and "ITEM_TOKENS=" not in cfg and tokens != whole_strips(tokens):
+        # An older include tree's C entry may take whole strips only: the plan's even-run groups where it
+        # takes them (the same groups as this tree's build), else whole strips, said so.
+        try:
+            call(0)
+        except AssertionError as e:
+            if bad_tokens not in str(e):
+                raise
+            print(f"  {cfg}: its C entry takes whole strips only: {whole_strips(tokens)} tokens a group, not {tokens} "
+                  "(its dweight / dbias sum in another order)")
+            tokens = whole_strips(tokens)
     return call
 
 
