@@ -677,6 +677,7 @@ def test_dweight_is_the_fixed_tree_of_the_partial_rows(S, C, passes, weight_dtyp
     # the even-run choice's 29 groups of 880 tokens (runs of 220), then 29 of 256, the last of 80
     pytest.param(32768, 2304, True, id="S32768-C2304-wide-vec8-runs-220"),
     pytest.param(8768, 7432, True, id="S8768-C7432-wide"),  # 8 of 768, 6 of 512 (the last 64 tokens: runs of 16)
+    pytest.param(24576, 7432, True, id="S24576-C7432-wide-last-eighth"),  # 21 of 1024, then 12 of 256 (2.7 waves)
     # Groups that are not whole sub-tiles, each strip an even run of the group's tokens: the even-run
     # choice's 30 of 544 (runs of 136, not whole strips) and the last of 64 (16); 21 of 576 (144) and the
     # last of 192 (48), in 16-byte rows; 60 of 832 (208) and the last of 80 (20) on Wide (C not a
@@ -687,9 +688,9 @@ def test_dweight_is_the_fixed_tree_of_the_partial_rows(S, C, passes, weight_dtyp
 ])
 def test_token_groups_partial_rows(S, C, split):
     """The plan's token groups as the kernels walk them: uniform groups walked in even runs (a
-    strip's share of a group that is not a whole sub-tile), or bwd_tail's split, where the uniform
+    strip's share of a group that is not a whole sub-tile), or bwd_tail's splits, where the uniform
     grid runs just past a whole wave (long groups fill the waves and the rest of S runs in shorter
-    groups). Each group's partial rows (intact in the workspace: one reduction pass) must be the
+    groups) or on Wide's grids of 15/8 waves or more (the last eighth of S in 256-token groups). Each group's partial rows (intact in the workspace: one reduction pass) must be the
     sums over exactly its tokens, [start, end) as the plan places them (an FP64 reference of the
     window, the "fp32" policy so that g has no BF16 rounding cliff); dweight / dbias the tree over
     those rows; the rest as every backward."""

@@ -125,12 +125,17 @@ def test_backward_plan_item_tokens(S, C, item_tokens):
     (16384, 10240, (1024, 13, 512)),  # the even-run choice with a split
     (8768, 7432, (768, 8, 512)),  # the last group 64 tokens
     (16384, 4096, (1024, 0, 1024)), (16384, 8192, (1024, 0, 1024)), (131072, 4096, (1024, 0, 1024)),
-    (16384, 6144, (768, 0, 768)), (32768, 4352, (768, 0, 768)), (1048576, 128, (1024, 0, 1024)),
-    (16384, 4352, (544, 0, 544))])  # the even-run choice: 2 waves of 16-byte rows (31 x 17 = 527 of 528 items)
+    (16384, 6144, (768, 0, 768)), (32768, 4352, (768, 0, 768)),
+    (16384, 4352, (544, 0, 544)),  # the even-run choice: 2 waves of 16-byte rows (31 x 17 = 527 of 528 items)
+    # Wide's grids of 15/8 waves or more: the last eighth of S in 256-token groups (1024 x 128: 1.94 waves)
+    (1048576, 128, (1024, 896, 256)), (2097152, 192, (1024, 1792, 256)), (262144, 384, (768, 298, 256)),
+    (24576, 10240, (1024, 21, 256)),  # C % 256 == 0 on Wide (bwd_vec8_rows: the 16-byte rows' SMs unbalanced)
+    (524288, 128, (1024, 0, 1024)), (1048576, 64, (1024, 0, 1024))])  # 0.97 waves; C <= 64 (Mid)
 def test_backward_plan_tail(S, C, split):
     """bwd_tail splits the last wave where the uniform grid runs just past whole waves (20480x4096:
-    27 groups of 768 tokens x 16 items = 1.64 waves of 264); the power-of-two shapes and those whose waves
-    the wave choice or the even-run choice fills keep uniform groups."""
+    27 groups of 768 tokens x 16 items = 1.64 waves of 264); on Wide's 8-byte rows from 15/8 waves on
+    it runs the last eighth of S in 256-token groups; the power-of-two shapes in 16-byte rows and those
+    whose waves the wave choice or the even-run choice fills keep uniform groups."""
     item_tokens = _plan.item_tokens(S, C)
     assert (item_tokens, *_plan.tail(S, C, item_tokens)) == split
 

@@ -67,10 +67,10 @@ inline int64_t bwd_uniform_groups_bound(int64_t S, int64_t C) {
   return std::max(bwd_groups_for_items(S, C), wave_choice);
 }
 
-// The most token groups a backward of S tokens x C channels may use: that, or with bwd_tail's split of
-// the last wave at C > 64 (at most ceil(kBwdPlanWaveItems / ceil(C / 128)) groups in the place of one
-// or more, every group of at least 256 tokens). Non-decreasing in S, so the workspace sized from it
-// for the largest S serves every smaller one.
+// The most token groups a backward of S tokens x C channels may use: that, or with bwd_last_wave_split's
+// split at C > 64 (at most ceil(kBwdPlanWaveItems / ceil(C / 128)) groups in the place of one or more,
+// every group of at least 256 tokens); bwd_tail's other split keeps within it. Non-decreasing in S, so
+// the workspace sized from it for the largest S serves every smaller one.
 inline int64_t bwd_groups_bound(int64_t S, int64_t C) {
   const int64_t uniform = bwd_uniform_groups_bound(S, C);
   if (C <= kBwdPlanWideMinC) return uniform;
@@ -139,7 +139,7 @@ inline int64_t bwd_group_count(int64_t S, int64_t item_tokens, BwdTail tail) {
   return tail.big_groups + ceil_div(S - tail.big_groups * item_tokens, tail.tail_tokens);
 }
 
-// The grid's last wave, split (the launcher applies it to any item_tokens). Uniform groups whose grid
+// The grid's last wave, split (bwd_tail's first rule). Uniform groups whose grid
 // runs a little past a whole number of waves leave the last wave's few CTAs walking a whole group
 // while most SMs idle. Instead: as many item_tokens-token groups as fill the whole waves, then the
 // rest of S in groups of tail_tokens (whole 256-token sub-tiles, enough for about one wave), which
@@ -147,7 +147,7 @@ inline int64_t bwd_group_count(int64_t S, int64_t item_tokens, BwdTail tail) {
 // (the kernel's launch order). Taken when the model (tokens per group x waves: whole waves of long
 // groups, then those of the tail) says 1/8 less than the uniform grid's, at C > 64 on groups of a
 // whole sub-tile (the full-width routes, whose waves kBwdPlanWaveItems counts).
-inline BwdTail bwd_tail(int64_t S, int64_t C, int64_t item_tokens) {
+inline BwdTail bwd_last_wave_split(int64_t S, int64_t C, int64_t item_tokens) {
   const BwdTail uniform{0, item_tokens};
   if (C <= kBwdPlanWideMinC || item_tokens < kBwdPlanFullTileTokens || S <= item_tokens) return uniform;
   const int64_t units = ceil_div(C, 128), groups = ceil_div(S, item_tokens);
@@ -200,14 +200,42 @@ inline bool bwd_vec8_rows(int64_t C, int64_t groups, int64_t item_tokens, BwdTai
   return C % vec8_channels == 0 && bwd_vec8_balanced(C, groups, item_tokens, tail, vec8_channels, wide_channels, div);
 }
 
-// The even-run choice's cost of groups of item_tokens tokens (bwd_tail's split applied, on the route the
-// launcher takes for them): per CTA slot (4 Wide CTAs or 2 WideVec8 CTAs per SM), waves of the grid times
+// The split of a backward's token groups as launched (the launcher applies it to any item_tokens):
+// bwd_last_wave_split's, else, on a grid of Wide's 8-byte rows (not bwd_vec8_rows, with the split or
+// without) of 15/8 waves or more, the last eighth of S in 256-token groups. The CTAs of a wave do not end
+// together (the slots of an SM finish ~10 % apart, r103), so the last wave's items start at uneven times
+// and its last CTAs walk alone; short items last, started as slots free up, even that out. The model of
+// the other rules (tokens x waves) does not see it: measured. tune.py, H200, 2026-12-04, rested, µs,
+// uniform (TAIL=0) -> the last eighth (r184): 1048576x128 225.9 -> 220.0 (85 -> 87 % of copy; 4096
+// documents 226.3 -> 221.0, with states 229.1 -> 222.4), 2097152x128 428.5 -> 415.9, 262144x384 172.5
+// -> 168.5, 524288x192 221.1 -> 215.6, 24576x7432 311.1 -> 306.5, 24576x10240 400.1 -> 390.7;
+// 1048576x640 (9.7 waves) 1009.2 / 1010.2. The last quarter gained 0.2-2 % less, the last half 0.3-0.6 %
+// slower to 0.6 % faster (r183). In 16-byte rows (2 CTAs per SM, each CTA's start less hidden) 1-5 % slower
+// at 1.94 waves (16384x8192 215.3 -> 217.3 with the last half in 512-token groups, 226.8 with the last
+// quarter in 256, r182) and 1 % faster at 7.8 (131072x4096 815.4 -> 806.1, r183): not taken there.
+// Within bwd_groups_bound, so the workspace is unchanged.
+inline BwdTail bwd_tail(int64_t S, int64_t C, int64_t item_tokens) {
+  const BwdTail split = bwd_last_wave_split(S, C, item_tokens);
+  const int64_t uniform_groups = ceil_div(S, item_tokens);
+  if (split.big_groups != 0 || C <= kBwdPlanWideMinC || item_tokens <= kBwdPlanFullTileTokens ||
+      8 * uniform_groups * ceil_div(C, 128) < 15 * kBwdPlanWaveItems ||
+      bwd_vec8_rows(C, uniform_groups, item_tokens, split)) {
+    return split;
+  }
+  const BwdTail last_eighth{7 * S / (8 * item_tokens), kBwdPlanFullTileTokens};
+  const int64_t groups = bwd_group_count(S, item_tokens, last_eighth);
+  if (groups > bwd_groups_bound(S, C) || bwd_vec8_rows(C, groups, item_tokens, last_eighth)) return split;
+  return last_eighth;
+}
+
+// The even-run choice's cost of groups of item_tokens tokens (bwd_last_wave_split's split applied, on the
+// route the launcher takes for them): per CTA slot (4 Wide CTAs or 2 WideVec8 CTAs per SM), waves of the grid times
 // the tokens of a group plus kBwdPlanItemCostTokens (a CTA's start and end: its position scan, its first
 // rows' latency, its partial rows), the 16-byte rows' waves 3 % dearer (fitted to r172's 66 timings; the
 // model's ranking, not its values, is what the choice uses).
 constexpr int64_t kBwdPlanItemCostTokens = 96;
 inline int64_t bwd_even_run_cost(int64_t S, int64_t C, int64_t item_tokens) {
-  const BwdTail tail = bwd_tail(S, C, item_tokens);
+  const BwdTail tail = bwd_last_wave_split(S, C, item_tokens);
   const int64_t groups = bwd_group_count(S, item_tokens, tail);
   const bool vec8 = bwd_vec8_rows(C, groups, item_tokens, tail);
   const int64_t tiles = ceil_div(C, vec8 ? 256 : 128), slots = vec8 ? kBwdPlanWaveItems / 2 : kBwdPlanWaveItems;
