@@ -127,8 +127,8 @@ def test_tune_register_lines_are_the_configs_own(monkeypatch):
 
 def test_tune_item_tokens_per_config(monkeypatch):
     # The plan's even-run groups (544 tokens at 16384x4352, not whole strips) go to the shipped geometry
-    # only; another geometry or an INC= tree, whose C entry may take whole strips only, gets them rounded
-    # up to whole 64-token strips; ITEM_TOKENS wins over both.
+    # (an INC= tree's too, if its C entry takes them: the launcher's trial call); another geometry gets
+    # them rounded up to whole 64-token strips; ITEM_TOKENS wins over both.
     tune = _tune(monkeypatch)
     from flashinfer_cake import _plan
     b = argparse.Namespace(item_tokens=_plan.item_tokens(16384, 4352))
@@ -136,8 +136,39 @@ def test_tune_item_tokens_per_config(monkeypatch):
     assert tune.item_tokens("128/64/8/4", b) == 544
     assert tune.item_tokens("128/64/8/4/8", b) == 544  # VEC: the same geometry
     assert tune.item_tokens("256/64/8/4", b) == tune.item_tokens("128/32/8/4", b) == 576
-    assert tune.item_tokens("128/64/8/4/INC=main", b) == 576
+    assert tune.item_tokens("128/64/8/4/INC=main", b) == 544
     assert tune.item_tokens("128/64/8/4/ITEM_TOKENS=768", b) == tune.item_tokens("256/64/8/4/ITEM_TOKENS=768", b) == 768
+
+
+def test_tune_include_tree_without_even_runs_gets_whole_strips(monkeypatch):
+    """An INC= tree whose C entry rejects the plan's even-run groups (an include from before them) gets whole
+    strips after one trial call; a tree that takes them keeps them; any other error of the C entry is raised."""
+    tune = _tune(monkeypatch)
+    monkeypatch.setattr(tune.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tune.torch._C, "_cuda_getCurrentRawStream", lambda dev: 0, raising=False)
+    t = tune.torch.zeros(1)
+    b = argparse.Namespace(S=16384, C=4352, k=1, pad=0, docs=1, item_tokens=544, xs=[t], dys=[t], ys=[t], w=t, b=t,
+                           cu=t, init=t, fin=t, fin_out=t, pws=t, dw=t, db=t)
+
+    class Entry:  # the C entry's calling convention: rc, then last_error_message()
+        def __init__(self, error):
+            self.error, self.tokens, self.message = error, [], ""
+
+        def causal_conv1d_bwd(self, item_tokens, **_):
+            self.tokens.append(item_tokens)
+            self.message = self.error(item_tokens)
+            return 1 if self.message else 0
+
+        def last_error_message(self):
+            return self.message
+
+    whole_strips_only = Entry(lambda n: "item_tokens must be a positive multiple of 64, got %d" % n if n % 64 else "")
+    takes_runs = Entry(lambda n: "")
+    tune.launcher(whole_strips_only, b, "bwd", "128/64/8/4/INC=old")(1)
+    tune.launcher(takes_runs, b, "bwd", "128/64/8/4/INC=new")(1)
+    assert whole_strips_only.tokens == [544, 576] and takes_runs.tokens == [544, 544]
+    with pytest.raises(AssertionError, match="workspace"):
+        tune.launcher(Entry(lambda n: "workspace: expected at least 1 bytes"), b, "bwd", "128/64/8/4/INC=x")
 
 
 @pytest.mark.parametrize("flag", ["--rounds=0", "--rest-ms=-1", "--settle-ms=-5", "--rest-ms=nan", "--settle-ms=inf"])
