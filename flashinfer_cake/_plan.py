@@ -100,16 +100,17 @@ def _even_run_cost(S: int, C: int, tokens: int) -> int:
 
 def tail(S: int, C: int, item_tokens: int) -> tuple[int, int]:
     """bwd_tail: (big_groups, tail_tokens), the split of the launched groups; (0, item_tokens): none.
-    _last_wave_split's, else on Wide's grids (either way) of 15/8 waves or more the last eighth of S in 256-token
-    groups."""
-    split, uniform_groups = _last_wave_split(S, C, item_tokens), _ceil_div(S, item_tokens)
-    if (split[0] != 0 or C <= WIDE_MIN_C or item_tokens <= FULL_TILE_TOKENS
-            or 8 * uniform_groups * _ceil_div(C, 128) < 15 * WAVE_ITEMS
-            or _vec8_rows(C, uniform_groups, item_tokens, split)):
+    _last_wave_split's, else on Wide's grids (with the split and without) of 15/8 waves or more the last eighth
+    of S in 256-token groups, within groups_bound and with a long group."""
+    split = _last_wave_split(S, C, item_tokens)
+    if split[0] != 0 or C <= WIDE_MIN_C or item_tokens <= FULL_TILE_TOKENS:
+        return split
+    uniform_groups = _ceil_div(S, item_tokens)
+    if 8 * uniform_groups * _ceil_div(C, 128) < 15 * WAVE_ITEMS or _vec8_rows(C, uniform_groups, item_tokens, split):
         return split
     last_eighth = (7 * S // (8 * item_tokens), FULL_TILE_TOKENS)
     n = group_count(S, item_tokens, last_eighth)
-    if n > groups_bound(S, C) or _vec8_rows(C, n, item_tokens, last_eighth):
+    if last_eighth[0] == 0 or n > groups_bound(S, C) or _vec8_rows(C, n, item_tokens, last_eighth):
         return split
     return last_eighth
 

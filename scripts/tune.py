@@ -6,10 +6,10 @@ ring rows (backward: of the routes above 4 channel lanes; NARROW_RING=N sets the
 2- and 4-lane routes'), min CTAs per SM, optionally the channels per thread (backward: 4 or 8; the forward
 takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME macro; backward: ITEM_TOKENS=N
 launches with token groups of N tokens instead of the plan's (whole strips, or at C > 32 from 256 tokens on a multiple of 16; the launcher's split of
-the last wave, bwd_tail, applies to them; TAIL=0 turns it off); INC=NAME compiles the
+the last wave and the last eighth, bwd_tail, apply to them; TAIL=0 turns both off); INC=NAME compiles the
 headers of --inc NAME=DIR instead of this checkout's, e.g. an older commit's for an A/B in one run:
 their C entries must take this checkout's arguments; the plan's even-run groups where they take them, else
-whole strips) for one
+whole strips, whose dweight / dbias are then compared with the configs of the same groups only) for one
 variant (default fp32 taps + fp32 bias); all are built in parallel, then timed against a device
 copy of the same DRAM bytes on each shape (forward: read x, write y; backward: read x and dy,
 write dx), and against torch ops moving the op's bytes in its own pattern (buffers' floors: the
@@ -233,7 +233,8 @@ def item_tokens(cfg: str, b: argparse.Namespace) -> int:
 
 
 def launcher(m, b: argparse.Namespace, op: str, cfg: str):
-    """call(i, states=False): one launch of module m (config cfg) on rotation i through its C entry."""
+    """call(i, states=False): one launch of module m (config cfg) on rotation i through its C entry (a failed
+    call raises RuntimeError with the entry's message); call.item_tokens: the backward's token groups."""
     dev, S, C, k = torch.cuda.current_device(), b.S, b.C, b.k
     tokens = item_tokens(cfg, b) if op == "bwd" else 0
     bad_tokens = "item_tokens must be"  # the C entry's message for groups its routes cannot walk
@@ -254,19 +255,21 @@ def launcher(m, b: argparse.Namespace, op: str, cfg: str):
                                      dweight=b.dw.data_ptr(), dbias=b.db.data_ptr(), S=S, C=C, x_row_stride=C + b.pad,
                                      dy_row_stride=C + b.pad, dx_row_stride=C + b.pad, num_docs=b.docs, item_tokens=tokens,
                                      round_preact=1, device=dev, stream=stream)
-        assert rc == 0, m.last_error_message()
+        if rc != 0:
+            raise RuntimeError(m.last_error_message())
 
     if op == "bwd" and "/INC=" in f"/{cfg}" and "ITEM_TOKENS=" not in cfg and tokens != whole_strips(tokens):
         # An older include tree's C entry may take whole strips only: the plan's even-run groups where it
         # takes them (the same groups as this tree's build), else whole strips, said so.
         try:
             call(0)
-        except AssertionError as e:
+        except RuntimeError as e:
             if bad_tokens not in str(e):
                 raise
             print(f"  {cfg}: its C entry takes whole strips only: {whole_strips(tokens)} tokens a group, not {tokens} "
                   "(its dweight / dbias sum in another order)")
             tokens = whole_strips(tokens)
+    call.item_tokens = tokens  # the groups it launches: part of its summation order (time_shape)
     return call
 
 
@@ -334,7 +337,7 @@ def time_shape(mods: dict, b: argparse.Namespace, args, differs: list) -> dict:
             ref = refs.setdefault(states, got)
             if args.op == "bwd":
                 got += (b.dw.clone(), b.db.clone())
-                ref += refs.setdefault((states, summation_order(c)), got)[2:]
+                ref += refs.setdefault((states, summation_order(c), call.item_tokens), got)[2:]
             bad = [n for n, r, g in zip(tensors, ref, got) if r is not None and not torch.equal(r, g)]
             if bad:
                 differs.append(f"{b.S}x{b.C} d{b.docs}: {c}{' with states' if states else ''}: {', '.join(bad)} differ from the first")

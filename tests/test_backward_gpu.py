@@ -340,8 +340,10 @@ def test_document_mixes_match_reference(S, C, mix, weight_dtype, bias_dtype, pol
     pytest.param(8192, 4096, (8, 32, 128, 64), id="S8192-C4096-wide-vec8"),  # groups of 512 tokens, 16-byte rows
     pytest.param(131072, 256, (8, 32, 128, 64), id="S131072-C256-wide-vec8"),  # one 256-channel tile
     # 16-byte rows only where their 256-channel CTAs load the busiest SM at most 1/32 more than Wide's:
-    # 9 groups of 768 tokens and 7 of 512 (bwd_tail's split): WideVec8's busiest SM 1.11x Wide's
+    # 9 groups of 768 tokens and 7 of 512 (bwd_last_wave_split): WideVec8's busiest SM 1.11x Wide's
     pytest.param(10240, 7168, (4, 32, 128, 64), id="S10240-C7168-wide-balance"),
+    # Wide by the balance, then the last eighth in 256-token groups (21 of 1024, 12 of 256): still Wide
+    pytest.param(24576, 10240, (4, 32, 128, 64), id="S24576-C10240-wide-last-eighth"),
     # the even-run choice's groups fill the 16-byte rows' waves: 15 x 560 and 31 x 544 tokens
     pytest.param(8192, 4352, (8, 32, 128, 64), id="S8192-C4352-wide-vec8-even-runs"),
     pytest.param(16384, 4352, (8, 32, 128, 64), id="S16384-C4352-wide-vec8-even-runs"),
@@ -678,6 +680,9 @@ def test_dweight_is_the_fixed_tree_of_the_partial_rows(S, C, passes, weight_dtyp
     pytest.param(32768, 2304, True, id="S32768-C2304-wide-vec8-runs-220"),
     pytest.param(8768, 7432, True, id="S8768-C7432-wide"),  # 8 of 768, 6 of 512 (the last 64 tokens: runs of 16)
     pytest.param(24576, 7432, True, id="S24576-C7432-wide-last-eighth"),  # 21 of 1024, then 12 of 256 (2.7 waves)
+    # the last eighth after even-run groups: 38 of 880 (runs of 220), 22 of 256 from token 33440 (32 past a
+    # strip), the last of 59 tokens (runs of 16)
+    pytest.param(39131, 2944, True, id="S39131-C2944-wide-last-eighth-runs-220"),
     # Groups that are not whole sub-tiles, each strip an even run of the group's tokens: the even-run
     # choice's 30 of 544 (runs of 136, not whole strips) and the last of 64 (16); 21 of 576 (144) and the
     # last of 192 (48), in 16-byte rows; 60 of 832 (208) and the last of 80 (20) on Wide (C not a
@@ -703,7 +708,7 @@ def test_token_groups_partial_rows(S, C, split):
     else:  # uniform groups that are not whole 256-token sub-tiles
         assert big == 0 and item_tokens % 256 != 0 and S % item_tokens != 0, (item_tokens, big)
     groups = _plan.groups(S, C)
-    assert (item_tokens % 64 != 0) == (C in (4352, 2304)), item_tokens  # the even-run choice's groups: not whole strips
+    assert (item_tokens % 64 != 0) == (C in (4352, 2304, 2944)), item_tokens  # the even-run choice's groups: not whole strips
     starts = [min(S, g * item_tokens if g <= big else big * item_tokens + (g - big) * tail_tokens)
               for g in range(groups + 1)]
     assert starts[-1] == S and starts[-2] < S and groups <= 64, (starts, groups)  # every group has tokens

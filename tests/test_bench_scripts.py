@@ -164,10 +164,13 @@ def test_tune_include_tree_without_even_runs_gets_whole_strips(monkeypatch):
 
     whole_strips_only = Entry(lambda n: "item_tokens must be a positive multiple of 64, got %d" % n if n % 64 else "")
     takes_runs = Entry(lambda n: "")
-    tune.launcher(whole_strips_only, b, "bwd", "128/64/8/4/INC=old")(1)
-    tune.launcher(takes_runs, b, "bwd", "128/64/8/4/INC=new")(1)
+    old_call = tune.launcher(whole_strips_only, b, "bwd", "128/64/8/4/INC=old")
+    new_call = tune.launcher(takes_runs, b, "bwd", "128/64/8/4/INC=new")
+    old_call(1)
+    new_call(1)
+    assert (old_call.item_tokens, new_call.item_tokens) == (576, 544)  # time_shape's summation-order key
     assert whole_strips_only.tokens == [544, 576] and takes_runs.tokens == [544, 544]
-    with pytest.raises(AssertionError, match="workspace"):
+    with pytest.raises(RuntimeError, match="workspace"):
         tune.launcher(Entry(lambda n: "workspace: expected at least 1 bytes"), b, "bwd", "128/64/8/4/INC=x")
 
 

@@ -11,7 +11,7 @@
 // Framework-free: raw device pointers, sizes, row strides and a cudaStream_t.
 //
 // Two kernels. The first streams x and dy once: a CTA owns an item of one token group (item_tokens
-// tokens, or tail_tokens past a split last wave: bwd_tail) x
+// tokens, or tail_tokens past the long groups of a split: bwd_tail) x
 // kTileChannels channels; a thread owns kVec channels (4: an 8-byte row vector, so the windows,
 // taps and sums of the backward fit in ~110-128 registers, 4 CTAs of 128 threads per SM; 8 on the
 // full-width route at C a multiple of 256 on a grid that balances the SMs, stateless or with long
@@ -132,8 +132,8 @@ namespace detail {
 
 // silu'(a) = r + a r (1 - r) with r = sigmoid(a) = 1 / (1 + 2^(-a log2 e)): ex2 and rcp are the
 // hardware approximations (relative error about 2^-22); r (1 - r) = r - r^2 is one FMA (one rounding),
-// and silu' one more. Written with r - r^2 rather than 2^(-a log2 e) r^2 so that a finite a -> -inf
-// gives r = 0 and silu' = 0 (no inf * 0).
+// and silu' one more. Written with r - r^2 rather than 2^(-a log2 e) r^2 so that a very negative finite
+// a (2^(-a log2 e) overflows to inf) gives r = 0 and silu' = 0, not inf * 0 (a = +-inf gives NaN either way).
 __device__ __forceinline__ float silu_grad(float a) {
   float e, r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(a * -kLog2e));
@@ -228,7 +228,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
 
   const int lane_c = threadIdx.x % Traits::kLanesC;
   const int strip = threadIdx.x / Traits::kLanesC;
-  // Launch order: the long groups of a split last wave (bwd_tail), then the last token group, then the
+  // Launch order: the long groups of a split (bwd_tail), then the last token group, then the
   // rest. The last group runs first among groups of its length: with states it holds the end of the
   // batch's last document, whose strips wait on the final states' gradient (loaded where it was added,
   // before v27); run last, that wait extended the whole kernel (1 document: 1.11-1.19x the stateless

@@ -169,12 +169,13 @@ cudaError_t grads_of_no_tokens(const CausalConv1dBwdParams& p, cudaStream_t stre
 
 #ifndef CAKE_BWD_VEC8_BALANCE_DIV
 // WideVec8 only where its busiest SM carries at most 1/N more work than Wide's (bwd_vec8_balanced);
-// 0: wherever C % 256 == 0 (tune.py: VEC8_BALANCE_DIV=0).
+// 0: wherever C % 256 == 0 (tune.py: VEC8_BALANCE_DIV=0). The plan (bwd_tail, the even-run cost) keeps
+// the shipped kBwdVec8BalanceDiv.
 #define CAKE_BWD_VEC8_BALANCE_DIV kBwdVec8BalanceDiv
 #endif
 
 #ifndef CAKE_BWD_TAIL
-#define CAKE_BWD_TAIL 1  // 0: uniform token groups, without bwd_tail's split of the last wave (tune.py: TAIL=0)
+#define CAKE_BWD_TAIL 1  // 0: uniform token groups, without bwd_tail's splits (tune.py: TAIL=0)
 #endif
 
 // Token groups (the item_tokens argument) must be a multiple of this, but on the routes that walk even
@@ -315,6 +316,7 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
                      8 * kVec == kBwdPlanNarrowMaxC && Narrow8::Traits::kTileTokens == kBwdMaxItemTokens &&
                      Narrow4::Traits::kTileTokens == kBwdMaxItemTokens && Narrow2::Traits::kTileTokens == kBwdMaxItemTokens &&
                      kBwdPlanWaveItems == kBwdPlanSms * kMinCtas && (!kWideVec8 || 2 * WideVec8::Traits::kMinCtasPerSm == kMinCtas) &&
+                     WideT::kTileChannels == 128 && (!kWideVec8 || WideVec8::Traits::kTileChannels == 256) &&
                      WideT::kLongWalk && WideVec8::Traits::kLongWalk && Mid::Traits::kLongWalk &&
                      kBwdPlanRunGroupTokens == 4 * WideT::kStrips && kBwdPlanRunGroupTokens == 4 * Mid::Traits::kStrips),
                 "the plan's thresholds must match the routes");

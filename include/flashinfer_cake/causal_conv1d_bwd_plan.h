@@ -84,7 +84,7 @@ inline int64_t bwd_tokens_per_group(int64_t S, int64_t groups) {
 }
 
 // Uniform token groups of a backward of S tokens x C channels: how many item_tokens-token groups cover
-// S before bwd_tail splits the grid's last wave.
+// S before bwd_tail splits them.
 // Groups shorter than a full CTA's 256-token sub-tile run on CTAs of half the threads (8 per SM),
 // or with strips of half the length on small grids (the launcher's route rule): bwd_groups_for_items'
 // ~1024 items fill the 132 SMs of an H100 SXM / H200 about once. When C > 64
@@ -126,7 +126,7 @@ inline int64_t bwd_uniform_groups(int64_t S, int64_t C) {
   return 8 * cost(best) < 7 * cost(first) ? best : first;
 }
 
-// The split of the grid's last wave: the first big_groups token groups have item_tokens tokens, the
+// A split of the token groups (bwd_tail): the first big_groups token groups have item_tokens tokens, the
 // others tail_tokens (the batch's last group: up to them). big_groups == 0: uniform groups
 // (tail_tokens == item_tokens).
 struct BwdTail {
@@ -213,18 +213,20 @@ inline bool bwd_vec8_rows(int64_t C, int64_t groups, int64_t item_tokens, BwdTai
 // slower to 0.6 % faster (r183). In 16-byte rows (2 CTAs per SM, each CTA's start less hidden) 1-5 % slower
 // at 1.94 waves (16384x8192 215.3 -> 217.3 with the last half in 512-token groups, 226.8 with the last
 // quarter in 256, r182) and 1 % faster at 7.8 (131072x4096 815.4 -> 806.1, r183): not taken there.
-// Within bwd_groups_bound, so the workspace is unchanged.
+// Only within bwd_groups_bound (the workspace is unchanged), which ends it at ~11 waves (5898240x128, 100352x7432:
+// uniform groups again); never with no long group (a short S of a very wide C).
 inline BwdTail bwd_tail(int64_t S, int64_t C, int64_t item_tokens) {
   const BwdTail split = bwd_last_wave_split(S, C, item_tokens);
+  if (split.big_groups != 0 || C <= kBwdPlanWideMinC || item_tokens <= kBwdPlanFullTileTokens) return split;
   const int64_t uniform_groups = ceil_div(S, item_tokens);
-  if (split.big_groups != 0 || C <= kBwdPlanWideMinC || item_tokens <= kBwdPlanFullTileTokens ||
-      8 * uniform_groups * ceil_div(C, 128) < 15 * kBwdPlanWaveItems ||
-      bwd_vec8_rows(C, uniform_groups, item_tokens, split)) {
+  if (8 * uniform_groups * ceil_div(C, 128) < 15 * kBwdPlanWaveItems || bwd_vec8_rows(C, uniform_groups, item_tokens, split)) {
     return split;
   }
   const BwdTail last_eighth{7 * S / (8 * item_tokens), kBwdPlanFullTileTokens};
   const int64_t groups = bwd_group_count(S, item_tokens, last_eighth);
-  if (groups > bwd_groups_bound(S, C) || bwd_vec8_rows(C, groups, item_tokens, last_eighth)) return split;
+  if (last_eighth.big_groups == 0 || groups > bwd_groups_bound(S, C) || bwd_vec8_rows(C, groups, item_tokens, last_eighth)) {
+    return split;
+  }
   return last_eighth;
 }
 
