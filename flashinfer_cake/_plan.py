@@ -100,17 +100,24 @@ def _even_run_cost(S: int, C: int, tokens: int) -> int:
 
 def tail(S: int, C: int, item_tokens: int) -> tuple[int, int]:
     """bwd_tail: (big_groups, tail_tokens), the split of the launched groups; (0, item_tokens): none.
-    _last_wave_split's, else on Wide's grids (with the split and without) of 15/8 waves or more the last eighth
-    of S in 256-token groups, within groups_bound and with a long group."""
+    _last_wave_split's, else the last eighth of S in short groups: on Wide's 8-byte rows (with the split and
+    without) from 15/8 waves on in 256-token groups, on grids of 16-byte rows from 9/2 waves on whose last wave
+    is at most 7/8 full in 512-token groups; within groups_bound and with a long group."""
     split = _last_wave_split(S, C, item_tokens)
-    if split[0] != 0 or C <= WIDE_MIN_C or item_tokens <= FULL_TILE_TOKENS:
+    if split[0] != 0 or C <= WIDE_MIN_C:
         return split
     uniform_groups = _ceil_div(S, item_tokens)
-    if 8 * uniform_groups * _ceil_div(C, 128) < 15 * WAVE_ITEMS or _vec8_rows(C, uniform_groups, item_tokens, split):
+    items = uniform_groups * _ceil_div(C, 128)
+    vec8 = _vec8_rows(C, uniform_groups, item_tokens, split)
+    tail_tokens = 2 * FULL_TILE_TOKENS if vec8 else FULL_TILE_TOKENS
+    last_wave = items % WAVE_ITEMS
+    takes = (2 * items >= 9 * WAVE_ITEMS and last_wave != 0 and 8 * last_wave <= 7 * WAVE_ITEMS if vec8
+             else 8 * items >= 15 * WAVE_ITEMS)
+    if not takes or item_tokens <= tail_tokens:
         return split
-    last_eighth = (7 * S // (8 * item_tokens), FULL_TILE_TOKENS)
+    last_eighth = (7 * S // (8 * item_tokens), tail_tokens)
     n = group_count(S, item_tokens, last_eighth)
-    if last_eighth[0] == 0 or n > groups_bound(S, C) or _vec8_rows(C, n, item_tokens, last_eighth):
+    if last_eighth[0] == 0 or n > groups_bound(S, C) or (not vec8 and _vec8_rows(C, n, item_tokens, last_eighth)):
         return split
     return last_eighth
 

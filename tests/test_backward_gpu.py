@@ -683,6 +683,11 @@ def test_dweight_is_the_fixed_tree_of_the_partial_rows(S, C, passes, weight_dtyp
     # the last eighth after even-run groups: 38 of 880 (runs of 220), 22 of 256 from token 33440 (32 past a
     # strip), the last of 59 tokens (runs of 16)
     pytest.param(39131, 2944, True, id="S39131-C2944-wide-last-eighth-runs-220"),
+    # the last eighth of a 16-byte-row grid of 9/2+ waves (its last wave part-empty) in 512-token groups: 7 of
+    # 864 (runs of 216), 4 of 512, the last of 96 (24), in 16-byte rows; 5 of 560 (140), 2 of 512, the last of
+    # 16 (4), on Wide (the split grid would load WideVec8's SMs unevenly)
+    pytest.param(7680, 36352, True, id="S7680-C36352-wide-vec8-last-eighth-runs-216"),
+    pytest.param(3328, 54272, True, id="S3328-C54272-wide-last-eighth-runs-140"),
     # Groups that are not whole sub-tiles, each strip an even run of the group's tokens: the even-run
     # choice's 30 of 544 (runs of 136, not whole strips) and the last of 64 (16); 21 of 576 (144) and the
     # last of 192 (48), in 16-byte rows; 60 of 832 (208) and the last of 80 (20) on Wide (C not a
@@ -695,8 +700,9 @@ def test_token_groups_partial_rows(S, C, split):
     """The plan's token groups as the kernels walk them: uniform groups walked in even runs (a
     strip's share of a group that is not a whole sub-tile), or bwd_tail's splits, where the uniform
     grid runs just past a whole wave (long groups fill the waves and the rest of S runs in shorter
-    groups) or on Wide's grids of 15/8 waves or more (the last eighth of S in 256-token groups). Each group's partial rows (intact in the workspace: one reduction pass) must be the
-    sums over exactly its tokens, [start, end) as the plan places them (an FP64 reference of the
+    groups) or on grids of many waves (the last eighth of S in 256-token groups on Wide's from 15/8
+    waves, in 512-token groups on the 16-byte rows' from 9/2 where the last wave is part-empty). Each
+    group's partial rows (intact in the workspace: one reduction pass) must be the sums over exactly its tokens, [start, end) as the plan places them (an FP64 reference of the
     window, the "fp32" policy so that g has no BF16 rounding cliff); dweight / dbias the tree over
     those rows; the rest as every backward."""
     from flashinfer_cake import _plan
@@ -708,7 +714,7 @@ def test_token_groups_partial_rows(S, C, split):
     else:  # uniform groups that are not whole 256-token sub-tiles
         assert big == 0 and item_tokens % 256 != 0 and S % item_tokens != 0, (item_tokens, big)
     groups = _plan.groups(S, C)
-    assert (item_tokens % 64 != 0) == (C in (4352, 2304, 2944)), item_tokens  # the even-run choice's groups: not whole strips
+    assert (item_tokens % 64 != 0) == (C in (4352, 2304, 2944, 36352, 54272)), item_tokens  # the even-run choice's groups: not whole strips
     starts = [min(S, g * item_tokens if g <= big else big * item_tokens + (g - big) * tail_tokens)
               for g in range(groups + 1)]
     assert starts[-1] == S and starts[-2] < S and groups <= 64, (starts, groups)  # every group has tokens

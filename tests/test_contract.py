@@ -124,7 +124,13 @@ def test_backward_plan_item_tokens(S, C, item_tokens):
     (20480, 4096, (768, 16, 512)),  # 32 groups: 16 fill a wave of 264 256-channel items (256), 16 after
     (16384, 10240, (1024, 13, 512)),  # the even-run choice with a split
     (8768, 7432, (768, 8, 512)),  # the last group 64 tokens
-    (16384, 4096, (1024, 0, 1024)), (16384, 8192, (1024, 0, 1024)), (131072, 4096, (1024, 0, 1024)),
+    (16384, 4096, (1024, 0, 1024)), (16384, 8192, (1024, 0, 1024)),
+    # 16-byte rows from 9/2 waves on: the last eighth in 512-token groups, in 16-byte rows (131072x4096: 7.8
+    # waves) or on Wide where the split grid would load WideVec8's SMs unevenly (49152x8192: 5.8 waves)
+    (131072, 4096, (1024, 112, 512)), (49152, 8192, (1024, 42, 512)), (98304, 8192, (1024, 84, 512)),
+    (32768, 8192, (1024, 0, 1024)), (65536, 2048, (1024, 0, 1024)),  # 3.9 and 1.94 waves: uniform
+    (28672, 10240, (880, 0, 880)), (131072, 2304, (912, 0, 912)),  # the last wave full or nearly (5.0, 4.91 waves)
+    (262144, 4096, (1024, 0, 1024)),  # 15.5 waves: past bwd_groups_bound
     (16384, 6144, (768, 0, 768)), (32768, 4352, (768, 0, 768)),
     (16384, 4352, (544, 0, 544)),  # the even-run choice: 2 waves of 16-byte rows (31 x 17 = 527 of 528 items)
     # Wide's grids of 15/8 waves or more: the last eighth of S in 256-token groups (1024 x 128: 1.94 waves)
@@ -134,8 +140,9 @@ def test_backward_plan_item_tokens(S, C, item_tokens):
 def test_backward_plan_tail(S, C, split):
     """bwd_tail splits the last wave where the uniform grid runs just past whole waves (20480x4096:
     27 groups of 768 tokens x 16 items = 1.64 waves of 264); on Wide's 8-byte rows from 15/8 waves on
-    it runs the last eighth of S in 256-token groups; the power-of-two shapes in 16-byte rows and those
-    whose waves the wave choice or the even-run choice fills keep uniform groups."""
+    it runs the last eighth of S in 256-token groups, on grids of 16-byte rows from 9/2 waves on whose last
+    wave is at most 7/8 full in 512-token groups; the power-of-two shapes in 16-byte rows below that and those whose waves the wave
+    choice or the even-run choice fills keep uniform groups."""
     item_tokens = _plan.item_tokens(S, C)
     assert (item_tokens, *_plan.tail(S, C, item_tokens)) == split
 

@@ -201,30 +201,47 @@ inline bool bwd_vec8_rows(int64_t C, int64_t groups, int64_t item_tokens, BwdTai
 }
 
 // The split of a backward's token groups as launched (the launcher applies it to any item_tokens):
-// bwd_last_wave_split's, else, on a grid of Wide's 8-byte rows (not bwd_vec8_rows, with the split or
-// without) of 15/8 waves or more, the last eighth of S in 256-token groups. The CTAs of a wave do not end
-// together (the slots of an SM finish ~10 % apart, r103), so the last wave's items start at uneven times
-// and its last CTAs walk alone; short items last, started as slots free up, even that out. The model of
-// the other rules (tokens x waves) does not see it: measured. tune.py, H200, 2026-12-04, rested, µs,
-// uniform (TAIL=0) -> the last eighth (r184): 1048576x128 225.9 -> 220.0 (85 -> 87 % of copy; 4096
-// documents 226.3 -> 221.0, with states 229.1 -> 222.4), 2097152x128 428.5 -> 415.9, 262144x384 172.5
-// -> 168.5, 524288x192 221.1 -> 215.6, 24576x7432 311.1 -> 306.5, 24576x10240 400.1 -> 390.7;
-// 1048576x640 (9.7 waves) 1009.2 / 1010.2. The last quarter gained 0.2-2 % less, the last half 0.3-0.6 %
-// slower to 0.6 % faster (r183). In 16-byte rows (2 CTAs per SM, each CTA's start less hidden) 1-5 % slower
-// at 1.94 waves (16384x8192 215.3 -> 217.3 with the last half in 512-token groups, 226.8 with the last
-// quarter in 256, r182) and 1 % faster at 7.8 (131072x4096 815.4 -> 806.1, r183): not taken there.
-// Only within bwd_groups_bound (the workspace is unchanged), which ends it at ~11 waves (5898240x128, 100352x7432:
-// uniform groups again); never with no long group (a short S of a very wide C).
+// bwd_last_wave_split's, else, on a grid of many waves, the last eighth of S in short groups, launched after
+// the long groups: in Wide's 8-byte rows (not bwd_vec8_rows, with the split or without) from 15/8 waves on,
+// in groups of 256 tokens; on a grid of 16-byte rows (bwd_vec8_rows without the split; with it the launcher
+// may take Wide) from 9/2 waves on whose last wave is at most 7/8 full, in groups of 512.
+// The CTAs of a wave do not end together (the slots of an SM finish ~10 % apart, r103), so the last wave's
+// items start at uneven times and its last CTAs walk alone; short items last, started as slots free up, even
+// that out. The model of the other rules (tokens x waves) does not see it: measured. tune.py, H200,
+// 2026-12-04, rested, µs, uniform (TAIL=0) -> the last eighth in 256 (r184): 1048576x128 225.9 -> 220.0 (85
+// -> 87 % of copy; 4096 documents 226.3 -> 221.0, with states 229.1 -> 222.4), 2097152x128 428.5 -> 415.9,
+// 262144x384 172.5 -> 168.5, 524288x192 221.1 -> 215.6, 24576x7432 311.1 -> 306.5, 24576x10240 400.1 ->
+// 390.7; 1048576x640 (9.7 waves) 1009.2 / 1010.2. The last quarter gained 0.2-2 % less, the last half 0.3-0.6 %
+// slower to 0.6 % faster (r183). 16-byte rows (2 CTAs per SM, each CTA's start less hidden), the plan ->
+// the last eighth in 512 / in 256 (r186-r188, exptail's forced split): 1.94 waves 2-4 % / 1-3 % slower
+// (16384x8192 215.2 -> 220.3 / 217.4), 3.9 waves 1-2 % slower / equal to 0.7 % slower (65536x4096 414.0 ->
+// 421.5 / 417.1); 4.85 waves 40960x8192 523.2 -> 514.9 / 513.6, 81920x4096 517.6 -> 514.6 / 513.6; 5.8
+// waves 49152x8192 630.8 -> 614.0 / 614.7, 98304x4096 618.5 -> 614.8 / 613.4, 196608x2048 (32 documents)
+// 621.3 -> 614.5 / 612.8; 7.8 waves 131072x4096 819.5 -> 804.5 / 809.8, 1048576x512 (64) 822.2 -> 809.5 /
+// 814.0; 9.7 waves 81920x8192 1034.2 -> 1014.0 / 1019.5, 163840x4096 1019.3 -> 1000.7 / 1006.4; 11.6 waves
+// 98304x8192 1239.8 -> 1221.6 / 1222.0 (the last quarter in 512: 0.5 % slower to 1.7 % faster). The split
+// grids of 4.85 and 5.8 waves ran on Wide (their 16-byte rows would load the SMs unevenly). A full last wave
+// leaves nothing to fill: the even-run choice's grids of 4.9-5.0 waves lost, main -> the last eighth in 512
+// (r189): 28672x10240 (5.0 waves of 880-token groups) 445.9 -> 452.1, 40960x7168 (4.98) 448.8 -> 454.4,
+// 131072x2304 (4.91) 465.1 -> 477.8; so did 3.9 waves (last wave 0.88 full). Taken (r189, main -> tree):
+// 49152x8192 631.9 -> 614.9, 131072x4096 820.0 -> 805.3, 81920x8192 1034.7 -> 1013.6, 98304x6144 (8.7
+// waves, on Wide) 920.6 -> 909.7, 196608x3072 (32 documents) 924.7 -> 910.6, 1048576x512 (64) 822.1 -> 809.8.
+// Only within bwd_groups_bound (the workspace is unchanged), which ends it at ~11 waves of 8-byte rows
+// (5898240x128, 100352x7432: uniform groups again) and 11-13 of 16-byte rows at C >= 4096; never with no
+// long group (a short S of a very wide C).
 inline BwdTail bwd_tail(int64_t S, int64_t C, int64_t item_tokens) {
   const BwdTail split = bwd_last_wave_split(S, C, item_tokens);
-  if (split.big_groups != 0 || C <= kBwdPlanWideMinC || item_tokens <= kBwdPlanFullTileTokens) return split;
-  const int64_t uniform_groups = ceil_div(S, item_tokens);
-  if (8 * uniform_groups * ceil_div(C, 128) < 15 * kBwdPlanWaveItems || bwd_vec8_rows(C, uniform_groups, item_tokens, split)) {
-    return split;
-  }
-  const BwdTail last_eighth{7 * S / (8 * item_tokens), kBwdPlanFullTileTokens};
+  if (split.big_groups != 0 || C <= kBwdPlanWideMinC) return split;
+  const int64_t uniform_groups = ceil_div(S, item_tokens), items = uniform_groups * ceil_div(C, 128);
+  const bool vec8 = bwd_vec8_rows(C, uniform_groups, item_tokens, split);
+  const int64_t tail_tokens = vec8 ? 2 * kBwdPlanFullTileTokens : kBwdPlanFullTileTokens;
+  const int64_t last_wave = items % kBwdPlanWaveItems;  // the uniform grid's last wave, in 128-channel items
+  const bool takes = vec8 ? 2 * items >= 9 * kBwdPlanWaveItems && last_wave != 0 && 8 * last_wave <= 7 * kBwdPlanWaveItems
+                          : 8 * items >= 15 * kBwdPlanWaveItems;
+  if (!takes || item_tokens <= tail_tokens) return split;
+  const BwdTail last_eighth{7 * S / (8 * item_tokens), tail_tokens};
   const int64_t groups = bwd_group_count(S, item_tokens, last_eighth);
-  if (last_eighth.big_groups == 0 || groups > bwd_groups_bound(S, C) || bwd_vec8_rows(C, groups, item_tokens, last_eighth)) {
+  if (last_eighth.big_groups == 0 || groups > bwd_groups_bound(S, C) || (!vec8 && bwd_vec8_rows(C, groups, item_tokens, last_eighth))) {
     return split;
   }
   return last_eighth;
