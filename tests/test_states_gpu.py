@@ -449,8 +449,24 @@ def test_backward_states_route_rule(docs, vec, item_choice):
     assert launched_item_choice(call) == item_choice
 
 
+@pytest.mark.parametrize("S, C, docs, item_choice", [
+    pytest.param(131072, 136, 32, True, id="S131072-C136-wide-8-per-doc"),  # 256 groups of 512 tokens (Wide)
+    pytest.param(131072, 136, 33, False, id="S131072-C136-wide-7.8-per-doc"),
+    pytest.param(33000, 136, 16, True, id="S33000-C136-short-16-per-doc"),  # 258 groups of 128 (WideShort)
+    pytest.param(33000, 136, 17, False, id="S33000-C136-short-15.2-per-doc"),
+])
+def test_backward_item_choice_threshold(S, C, docs, item_choice):
+    """Wide's grids take the item choice from 8 token groups per document, the small-grid routes from 16
+    (causal_conv1d_bwd_launcher.cuh); the results match the reference either way."""
+    x, w, b, dy, init, dfinal = make_inputs(S, C, docs, seed=docs)
+    cu = make_cu(S, split(S, docs, random.Random(docs)), device=DEV)
+    assert launched_item_choice(lambda: backward(x, w, cu, dy, b, "bf16", init, dfinal)) == item_choice
+    grads = backward_into(x, w, cu, dy, b, "bf16", init, dfinal)
+    assert_grads_match_reference(grads, x, w, cu, dy, b, "bf16", init, dfinal)
+
+
 # The stateful backward has two kernels on the full-width routes (C > 64): with at least 16 token
-# groups per document the launcher takes the one whose CTAs without a state event in their item walk
+# groups per document (8 on Wide's grids) the launcher takes the one whose CTAs without a state event in their item walk
 # a stateless-only loop (causal_conv1d_bwd_launcher.cuh). Empty documents appended to a batch have
 # no token and change no other result, so with as many of them as groups the same batch runs the
 # per-step kernel (groups < num_docs): both must give the same bits and match the reference.

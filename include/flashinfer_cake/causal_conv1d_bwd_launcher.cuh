@@ -7,7 +7,8 @@
 #include "launch_common.cuh"
 
 #ifndef CAKE_BWD_ITEM_CHOICE_GROUPS_PER_DOC
-// The stateful backward of the full-width routes takes the kernel with the item choice when the
+// The stateful backward of the small-grid full-width routes (WideShort, WideHalf; Wide's threshold is
+// CAKE_BWD_WIDE_ITEM_CHOICE_GROUPS_PER_DOC) takes the kernel with the item choice when the
 // token groups are at least this many per document (a document puts state events in 1-2 items at
 // each end). tune.py --states, H200, 2026-12-02, time over the stateless backward, the per-step
 // kernel / the item choice, two runs (r57, r58; random cuts per run):
@@ -22,17 +23,32 @@
 // Where CTAs of both loops share an SM, its instruction cache holds both: the event CTAs slow down.
 // num_docs counts empty documents (a cu_seqlens padded to a fixed length) and, in the CP backward,
 // fragments: the host cannot see which are empty without a sync. A value above any group count
-// (1 << 30) turns the choice off (tune.py: ITEM_CHOICE_GROUPS_PER_DOC=1073741824).
+// (1 << 30) turns the choice off (tune.py: ITEM_CHOICE_GROUPS_PER_DOC=1073741824, and
+// WIDE_ITEM_CHOICE_GROUPS_PER_DOC=1073741824 for Wide's). It also decides between Wide's item choice and
+// WideVec8's per-step kernel (launch_causal_conv1d_bwd): with 8-11 groups per document WideVec8's kernel
+// won, 65536x2048 with 6 documents (10.7 groups each) 224.1 us against the item choice's 235.8, 8 documents
+// 225.7 / 236.5, 32768x1024 with 8 67.1 / 70.3 (tune.py --states, H200, 2026-12-04, rested, r188).
 #define CAKE_BWD_ITEM_CHOICE_GROUPS_PER_DOC 16
+#endif
+#ifndef CAKE_BWD_WIDE_ITEM_CHOICE_GROUPS_PER_DOC
+// On Wide's own grids (128-thread CTAs, 8-byte rows, groups of 256+ tokens: no 16-byte rows to take instead)
+// the item choice wins from 8 groups per document. tune.py --states, H200, 2026-12-04, rested, µs, its
+// per-step kernel -> the item choice (r187, r188; 1408 groups at 1048576x128, 428 at 262144x384):
+// 1048576x128 with 56-88 documents (the last eighth's groups: 16-25 per document) 238.5-239.1 ->
+// 227.2-228.5 (1.035-1.040x the stateless time), 128 documents (11 each) 240.2 -> 229.0, 176 (8) 240.5 ->
+// 230.0; 4 per document a gamble: 1048576x128 with 352 241.7 -> 237.7, 262144x384 with 54 (7.9) 184.1 ->
+// 176.6, with 107 (4) 184.9 -> 187.2. Main (16) -> 8 (r189): 1048576x128 with 128 documents 241.5 -> 229.5
+// (1.091 -> 1.036x), 176 241.5 -> 230.6, 262144x384 with 40 (10.7 each) 184.3 -> 177.4 (1.088 -> 1.046x).
+#define CAKE_BWD_WIDE_ITEM_CHOICE_GROUPS_PER_DOC 8
 #endif
 
 namespace flashinfer_cake {
 
 inline bool bwd_has_states(const CausalConv1dBwdParams& p) { return p.initial_states || p.dfinal_states; }
 
-// Whether a stateful backward on a route with the item choice takes that kernel.
-inline bool bwd_item_choice(const CausalConv1dBwdParams& p) {
-  return bwd_has_states(p) && int64_t(p.groups) >= int64_t(CAKE_BWD_ITEM_CHOICE_GROUPS_PER_DOC) * p.num_docs;
+// Whether a stateful backward takes the item-choice kernel of a route whose threshold is groups_per_doc.
+inline bool bwd_item_choice(const CausalConv1dBwdParams& p, int64_t groups_per_doc) {
+  return bwd_has_states(p) && int64_t(p.groups) >= groups_per_doc * p.num_docs;
 }
 
 // The backward's kernel for the launch's round_preact and states (Route: a BwdRoute).
@@ -40,7 +56,7 @@ template <class Route, class WeightT, class BiasT>
 auto bwd_kernel_for(const CausalConv1dBwdParams& p) {
   using Traits = typename Route::Traits;
   const bool states = bwd_has_states(p);
-  const bool choice = Route::kMayChooseItems && bwd_item_choice(p);
+  const bool choice = Route::kMayChooseItems && bwd_item_choice(p, Route::kItemChoiceGroupsPerDoc);
   const auto pick = [&](auto round_preact) {
     constexpr bool kRound = decltype(round_preact)::value;
     if constexpr (Route::kMayChooseItems) {
@@ -186,10 +202,12 @@ constexpr int kBwdStripLen = CAKE_BWD_STRIP_LEN;
 // kernel with the item choice (Wide and the small-grid full-width routes; at C = 16, where the
 // stateful kernel's shared memory also lowers its CTAs per SM, 1048576x16 with 1 document went
 // 1.070 -> 1.057x and with 64 1.091 -> 1.106x: not worth a kernel per narrow route).
-template <class Traits_, bool kMayChooseItems_ = false>
+// kItemChoiceGroupsPerDoc: the item choice's threshold, 0 for a route without that kernel.
+template <class Traits_, int64_t kItemChoiceGroupsPerDoc_ = 0>
 struct BwdRoute {
   using Traits = Traits_;
-  static constexpr bool kMayChooseItems = kMayChooseItems_;
+  static constexpr int64_t kItemChoiceGroupsPerDoc = kItemChoiceGroupsPerDoc_;
+  static constexpr bool kMayChooseItems = kItemChoiceGroupsPerDoc_ > 0;
 };
 // A new route goes into jit/variant.py's BWD_ROUTE_UNITS too (tests/test_jit.py compares the two), which
 // also spells launch_causal_conv1d_bwd_route's signature for its instantiations.
@@ -197,14 +215,15 @@ namespace bwd_routes {  // launch_causal_conv1d_bwd says which shapes take which
 constexpr int kVec = CAKE_BWD_VEC, kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BWD_STRIP_LEN, kRing = CAKE_BWD_RING,
               kMinCtas = CAKE_BWD_MIN_CTAS, kNarrowRing = CAKE_BWD_NARROW_RING;
 constexpr bool kWideVec8 = CAKE_BWD_WIDE_VEC8 != 0;
-using Wide = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>, /*kMayChooseItems=*/true>;
+constexpr int64_t kItemChoicePerDoc = CAKE_BWD_ITEM_CHOICE_GROUPS_PER_DOC,
+                  kWideItemChoicePerDoc = CAKE_BWD_WIDE_ITEM_CHOICE_GROUPS_PER_DOC;
+using Wide = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>, kWideItemChoicePerDoc>;
 // Wide's strips in 16-byte rows: items of twice the channels, half the CTAs per SM; with states its
 // per-step kernel only (launch_causal_conv1d_bwd).
 using WideVec8 = BwdRoute<std::conditional_t<kWideVec8, BwdTraits<8, 32, kThreads, kStrip, kRing, (kMinCtas + 1) / 2>,
-                                              Wide::Traits>,
-                          /*kMayChooseItems=*/false>;
-using WideShort = BwdRoute<BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>, true>;
-using WideHalf = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip / 2, kRing, kMinCtas>, true>;
+                                              Wide::Traits>>;
+using WideShort = BwdRoute<BwdTraits<kVec, 32, kThreads / 2, kStrip, kRing, 2 * kMinCtas>, kItemChoicePerDoc>;
+using WideHalf = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip / 2, kRing, kMinCtas>, kItemChoicePerDoc>;
 using Mid = BwdRoute<BwdTraits<kVec, 16, kThreads / 2, kStrip, kRing, 2 * kMinCtas>>;
 using MidHalf = BwdRoute<BwdTraits<kVec, 16, kThreads / 2, kStrip / 2, kRing, 2 * kMinCtas>>;
 using Narrow8 = BwdRoute<BwdTraits<kVec, 8, kThreads, kStrip, kRing, kMinCtas>>;
@@ -324,7 +343,7 @@ cudaError_t launch_causal_conv1d_bwd(const CausalConv1dBwdParams& p, cudaStream_
     case BwdFamily::kWide:
       if (kWideVec8 && bwd_vec8_rows(p, WideVec8::Traits::kTileChannels, WideT::kTileChannels) &&
           (!bwd_has_states(p) ||
-           (!bwd_item_choice(p) && int64_t(p.S) >= int64_t(CAKE_BWD_STATES_VEC8_MIN_DOC_TOKENS) * p.num_docs))) {
+           (!bwd_item_choice(p, kItemChoicePerDoc) && int64_t(p.S) >= int64_t(CAKE_BWD_STATES_VEC8_MIN_DOC_TOKENS) * p.num_docs))) {
         return launch_causal_conv1d_bwd_route<WideVec8, WeightT, BiasT>(p, stream);
       }
       return launch_causal_conv1d_bwd_route<Wide, WeightT, BiasT>(p, stream);
