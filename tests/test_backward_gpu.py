@@ -683,7 +683,7 @@ def test_dweight_is_the_fixed_tree_of_the_partial_rows(S, C, passes, weight_dtyp
     # the last eighth after even-run groups: 38 of 880 (runs of 220), 22 of 256 from token 33440 (32 past a
     # strip), the last of 59 tokens (runs of 16)
     pytest.param(39131, 2944, True, id="S39131-C2944-wide-last-eighth-runs-220"),
-    # the last eighth of a 16-byte-row grid of 9/2+ waves (its last wave part-empty) in 512-token groups: 7 of
+    # the last eighth of a 16-byte-row grid of 9/2+ waves (its last wave <= 7/8 full) in 512-token groups: 7 of
     # 864 (runs of 216), 4 of 512, the last of 96 (24), in 16-byte rows; 5 of 560 (140), 2 of 512, the last of
     # 16 (4), on Wide (the split grid would load WideVec8's SMs unevenly)
     pytest.param(7680, 36352, True, id="S7680-C36352-wide-vec8-last-eighth-runs-216"),
@@ -701,7 +701,7 @@ def test_token_groups_partial_rows(S, C, split):
     strip's share of a group that is not a whole sub-tile), or bwd_tail's splits, where the uniform
     grid runs just past a whole wave (long groups fill the waves and the rest of S runs in shorter
     groups) or on grids of many waves (the last eighth of S in 256-token groups on Wide's from 15/8
-    waves, in 512-token groups on the 16-byte rows' from 9/2 where the last wave is part-empty). Each
+    waves, in 512-token groups on the 16-byte rows' from 9/2 where the last wave is at most 7/8 full). Each
     group's partial rows (intact in the workspace: one reduction pass) must be the sums over exactly its tokens, [start, end) as the plan places them (an FP64 reference of the
     window, the "fp32" policy so that g has no BF16 rounding cliff); dweight / dbias the tree over
     those rows; the rest as every backward."""

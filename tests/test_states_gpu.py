@@ -449,18 +449,24 @@ def test_backward_states_route_rule(docs, vec, item_choice):
     assert launched_item_choice(call) == item_choice
 
 
-@pytest.mark.parametrize("S, C, docs, item_choice", [
-    pytest.param(131072, 136, 32, True, id="S131072-C136-wide-8-per-doc"),  # 256 groups of 512 tokens (Wide)
-    pytest.param(131072, 136, 33, False, id="S131072-C136-wide-7.8-per-doc"),
-    pytest.param(33000, 136, 16, True, id="S33000-C136-short-16-per-doc"),  # 258 groups of 128 (WideShort)
-    pytest.param(33000, 136, 17, False, id="S33000-C136-short-15.2-per-doc"),
+@pytest.mark.parametrize("S, C, docs, groups, route, item_choice", [
+    pytest.param(131072, 136, 32, 256, (4, 32, 128, 64), True, id="S131072-C136-wide-8-per-doc"),  # 512 tokens each
+    pytest.param(131072, 136, 33, 256, (4, 32, 128, 64), False, id="S131072-C136-wide-7.8-per-doc"),
+    pytest.param(33000, 136, 16, 258, (4, 32, 64, 64), True, id="S33000-C136-short-16-per-doc"),  # 128 each
+    pytest.param(33000, 136, 17, 258, (4, 32, 64, 64), False, id="S33000-C136-short-15.2-per-doc"),
 ])
-def test_backward_item_choice_threshold(S, C, docs, item_choice):
-    """Wide's grids take the item choice from 8 token groups per document, the small-grid routes from 16
-    (causal_conv1d_bwd_launcher.cuh); the results match the reference either way."""
+def test_backward_item_choice_threshold(S, C, docs, groups, route, item_choice):
+    """Wide's grids take the item choice from 8 token groups per document, the small-grid routes (here
+    WideShort: 1032 warps) from 16 (causal_conv1d_bwd_launcher.cuh); the results match the reference
+    either way."""
+    from flashinfer_cake import _plan
+
+    assert _plan.groups(S, C) == groups
     x, w, b, dy, init, dfinal = make_inputs(S, C, docs, seed=docs)
     cu = make_cu(S, split(S, docs, random.Random(docs)), device=DEV)
-    assert launched_item_choice(lambda: backward(x, w, cu, dy, b, "bf16", init, dfinal)) == item_choice
+    call = lambda: backward(x, w, cu, dy, b, "bf16", init, dfinal)  # noqa: E731
+    assert launched_route(call) == route
+    assert launched_item_choice(call) == item_choice
     grads = backward_into(x, w, cu, dy, b, "bf16", init, dfinal)
     assert_grads_match_reference(grads, x, w, cu, dy, b, "bf16", init, dfinal)
 

@@ -217,6 +217,7 @@ constexpr int kVec = CAKE_BWD_VEC, kThreads = CAKE_BWD_THREADS, kStrip = CAKE_BW
 constexpr bool kWideVec8 = CAKE_BWD_WIDE_VEC8 != 0;
 constexpr int64_t kItemChoicePerDoc = CAKE_BWD_ITEM_CHOICE_GROUPS_PER_DOC,
                   kWideItemChoicePerDoc = CAKE_BWD_WIDE_ITEM_CHOICE_GROUPS_PER_DOC;
+static_assert(kItemChoicePerDoc > 0 && kWideItemChoicePerDoc > 0, "the item choice's thresholds: 1 << 30 turns it off");
 using Wide = BwdRoute<BwdTraits<kVec, 32, kThreads, kStrip, kRing, kMinCtas>, kWideItemChoicePerDoc>;
 // Wide's strips in 16-byte rows: items of twice the channels, half the CTAs per SM; with states its
 // per-step kernel only (launch_causal_conv1d_bwd).

@@ -227,7 +227,7 @@ inline bool bwd_vec8_rows(int64_t C, int64_t groups, int64_t item_tokens, BwdTai
 // 49152x8192 631.9 -> 614.9, 131072x4096 820.0 -> 805.3, 81920x8192 1034.7 -> 1013.6, 98304x6144 (8.7
 // waves, on Wide) 920.6 -> 909.7, 196608x3072 (32 documents) 924.7 -> 910.6, 1048576x512 (64) 822.1 -> 809.8.
 // Only within bwd_groups_bound (the workspace is unchanged), which ends it at ~11 waves of 8-byte rows
-// (5898240x128, 100352x7432: uniform groups again) and 11-13 of 16-byte rows at C >= 4096; never with no
+// (5898240x128, 100352x7432: uniform groups again) and ~13 of 16-byte rows; never with no
 // long group (a short S of a very wide C).
 inline BwdTail bwd_tail(int64_t S, int64_t C, int64_t item_tokens) {
   const BwdTail split = bwd_last_wave_split(S, C, item_tokens);
