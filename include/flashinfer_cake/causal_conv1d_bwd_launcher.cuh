@@ -28,6 +28,9 @@
 // WideVec8's per-step kernel (launch_causal_conv1d_bwd): with 8-11 groups per document WideVec8's kernel
 // won, 65536x2048 with 6 documents (10.7 groups each) 224.1 us against the item choice's 235.8, 8 documents
 // 225.7 / 236.5, 32768x1024 with 8 67.1 / 70.3 (tune.py --states, H200, 2026-12-04, rested, r188).
+// The small-grid routes (WideShort, WideHalf) keep 16: 8 lost at every grid of 8-13 groups per document
+// timed, 16 -> 8 graph-replayed (r193): 4096x4096 with 3 documents 38.1 -> 41.5, 2048x8192 with 2 38.7 -> 42.5,
+// 8192x2048 with 8 39.4 -> 41.8, 1024x8192 with 1 22.6 -> 24.5, 16384x512 with 12 25.9 -> 26.4.
 #define CAKE_BWD_ITEM_CHOICE_GROUPS_PER_DOC 16
 #endif
 #ifndef CAKE_BWD_WIDE_ITEM_CHOICE_GROUPS_PER_DOC
@@ -39,6 +42,10 @@
 // 230.0; 4 per document a gamble: 1048576x128 with 352 241.7 -> 237.7, 262144x384 with 54 (7.9) 184.1 ->
 // 176.6, with 107 (4) 184.9 -> 187.2. Main (16) -> 8 (r189): 1048576x128 with 128 documents 241.5 -> 229.5
 // (1.091 -> 1.036x), 176 241.5 -> 230.6, 262144x384 with 40 (10.7 each) 184.3 -> 177.4 (1.088 -> 1.046x).
+// Wide grids at wide C (most of about one wave), 16 -> 8 (r191, r192): faster at 12 of 15, 10240x7168 with 2 documents
+// (8 groups each) 148.8 -> 133.2, 49152x8192 with 4 660.2 -> 624.3, 8192x4480 with 1 (15) 75.3 -> 71.8,
+// 8192x7432 with 1 (8) 132.8 -> 129.5; equal at 24576x7432 with 4 and 32768x1664 with 4; slower at
+// 8768x7432 with 1 (14 groups: 8 x 768 tokens, then 6 x 512) 129.0 -> 133.8 in both runs.
 #define CAKE_BWD_WIDE_ITEM_CHOICE_GROUPS_PER_DOC 8
 #endif
 
