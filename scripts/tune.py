@@ -180,7 +180,7 @@ def buffers(S: int, C: int, docs: int, pad: int, args) -> argparse.Namespace:
     slices as 16-byte elements (one per row vector; torch's strided copy kernel, where the contiguous
     copy is its plain one)."""
     k = max(1, int(4e8 // (4 * S * C)) + 1)
-    b = argparse.Namespace(S=S, C=C, docs=docs, pad=pad, k=k, item_tokens=_plan.item_tokens(S, C))
+    b = argparse.Namespace(S=S, C=C, docs=docs, pad=pad, k=k, item_tokens=_plan.plan_of(S, C).item_tokens)
 
     def rows(fill):
         t = fill(S, C + pad, device="cuda", dtype=torch.bfloat16)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from doclengths import docs_3000, docs_16_to_64, fill, make_cu, one_doc, split
-from launched import launched_bwd_kernel, launched_route
+from launched import launched_route
 from sanitizer import assert_sanitizer_clean, needs_sanitizer
 from flashinfer_cake import (
     CakeCausalConv1dFunction,
@@ -662,7 +662,7 @@ def test_dweight_is_the_fixed_tree_of_the_partial_rows(S, C, passes, weight_dtyp
     grads = backward_into(x, w, cu, dy, b, "bf16", workspace=ws)
     sync()
     assert_grads_match_reference(grads, x, w, cu, dy, b, "bf16")
-    groups = _plan.groups(S, C)
+    groups = _plan.plan_of(S, C).groups
     assert (passes == 1) == (groups <= 64) and groups <= 4096 and (passes == 1 or groups > 3 * 64), groups
     rows = ws[:groups * 5 * C].view(groups, 5, C)
     nodes = tree_fold(rows if passes == 1 else rows[::64])
@@ -707,20 +707,19 @@ def test_token_groups_partial_rows(S, C, split):
     those rows; the rest as every backward."""
     from flashinfer_cake import _plan
 
-    item_tokens = _plan.item_tokens(S, C)
-    big, tail_tokens = _plan.tail(S, C, item_tokens)
+    plan = _plan.plan_of(S, C)
+    item_tokens, big, tail_tokens, groups = plan.item_tokens, plan.big_groups, plan.tail_tokens, plan.groups
     if split:
         assert 0 < big and tail_tokens < item_tokens, (item_tokens, big, tail_tokens)  # the case splits
     else:  # uniform groups that are not whole 256-token sub-tiles
         assert big == 0 and item_tokens % 256 != 0 and S % item_tokens != 0, (item_tokens, big)
-    groups = _plan.groups(S, C)
     assert (item_tokens % 64 != 0) == (C in (4352, 2304, 2944, 36352, 54272)), item_tokens  # the even-run choice's groups: not whole strips
     starts = [min(S, g * item_tokens if g <= big else big * item_tokens + (g - big) * tail_tokens)
               for g in range(groups + 1)]
     assert starts[-1] == S and starts[-2] < S and groups <= 64, (starts, groups)  # every group has tokens
     x, w, b, dy = make_inputs(S, C, seed=95, weight_dtype=F32, bias_dtype=F32)
     cu = make_cu(S, one_doc(S, None))
-    vec = 8 if _plan.vec8_rows(S, C) else 4
+    vec = 8 if plan.vec8_rows else 4
     assert launched_route(lambda: backward(x, w, cu, dy, b, "fp32")) == (vec, 32, 128, 64)  # the case's route
     ws = garbage(workspace_bytes(S, C, device()) // 4, seed=7)
     grads = backward_into(x, w, cu, dy, b, "fp32", workspace=ws)

@@ -131,7 +131,7 @@ def test_tune_item_tokens_per_config(monkeypatch):
     # them rounded up to whole 64-token strips; ITEM_TOKENS wins over both.
     tune = _tune(monkeypatch)
     from flashinfer_cake import _plan
-    b = argparse.Namespace(item_tokens=_plan.item_tokens(16384, 4352))
+    b = argparse.Namespace(item_tokens=_plan.plan_of(16384, 4352).item_tokens)
     assert b.item_tokens == 544
     assert tune.item_tokens("128/64/8/4", b) == 544
     assert tune.item_tokens("128/64/8/4/8", b) == 544  # VEC: the same geometry

@@ -1,9 +1,11 @@
-"""CPU tests: the Python layer agrees with the C++ contract it mirrors.
+"""CPU tests: the Python layer agrees with the C++ contract it restates, and the backward's plan.
 
 The limits of include/flashinfer_cake/causal_conv1d_contract.h and the backward's plan of
 causal_conv1d_bwd_plan.h are what the launchers and the torch binding compile in; the Python layer
-(flashinfer_cake._checks, flashinfer_cake._plan) must apply the same numbers before anything is
-built. A small program compiled here against the headers prints theirs; any drift fails.
+(flashinfer_cake._checks, flashinfer_cake._plan) must apply the limits and the workspace bound
+before anything is built. A small program compiled here against the headers prints theirs; any
+drift fails. The plan's other rules are read from the header itself (_plan.header_plan) and tested
+against the values measured for them.
 """
 
 from __future__ import annotations
@@ -35,19 +37,10 @@ int main() {
               "\"fwd_workspace_counters\": %lld},\n",
               (long long)kMaxDevices, (long long)kFwdMaxS, (long long)kFwdMaxElements, (long long)kBwdMaxS,
               (long long)kBwdMaxElements, (long long)kMaxC, (long long)kMaxCuSeqlens, (long long)kFwdWorkspaceCounters);
+  std::printf("\"plan_constants\": [%d, %d, %d, %d, %d, %d, %d],\n", kBwdPartialRows, kBwdMaxItemTokens,
+              kBwdPlanStripLen, kBwdPlanRunGroupTokens, kBwdPlanWideMinC, kBwdPlanFullTileTokens, kBwdPlanWaveItems);
   std::printf("\"cp\": [%d, %d],\n", kCpHeadMask, kCpContinues);
-  std::printf("\"fwd_args\": \"%s\", \"bwd_args\": \"%s\", \"plan\": [", kFwdArgNames, kBwdArgNames);
-  long long S, C;
-  const char* sep = "";
-  while (std::scanf("%lld %lld", &S, &C) == 2) {
-    const BwdTail tail = bwd_tail(S, C, bwd_item_tokens(S, C));
-    std::printf("%s[%lld, %lld, %lld, %lld, %lld, %lld, %lld, %lld, %d]", sep, S, C, (long long)bwd_groups(S, C),
-                (long long)bwd_groups_bound(S, C), (long long)bwd_item_tokens(S, C), (long long)bwd_workspace_bytes(S, C),
-                (long long)tail.big_groups, (long long)tail.tail_tokens,
-                (int)(S > 0 && bwd_vec8_rows(C, bwd_groups(S, C), bwd_item_tokens(S, C), tail)));
-    sep = ", ";
-  }
-  std::printf("]}\n");
+  std::printf("\"fwd_args\": \"%s\", \"bwd_args\": \"%s\"}\n", kFwdArgNames, kBwdArgNames);
 }
 """
 
@@ -60,9 +53,13 @@ def header(tmp_path_factory):
     cxx = env.cxx_path()
     subprocess.run([str(cxx), "-std=c++17", f"-I{env.include_dir()}", str(d / "probe.cpp"), "-o", str(d / "probe")],
                    check=True, capture_output=True, text=True)
-    sizes = "".join(f"{S} {C}\n" for S, C in SIZES)
-    out = subprocess.run([str(d / "probe")], input=sizes, check=True, capture_output=True, text=True).stdout
-    return json.loads(out)
+    return json.loads(subprocess.run([str(d / "probe")], check=True, capture_output=True, text=True).stdout)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """causal_conv1d_bwd_plan.h's plan of every (S, C) of SIZES."""
+    return _plan.header_plan(SIZES)
 
 
 def test_limits_match(header):
@@ -95,13 +92,19 @@ def test_context_parallel_constants_match(header):
     assert header["cp"] == [cp_partition.FRAG_HEAD_MASK, cp_partition.FRAG_CONTINUES]
 
 
-def test_backward_plan_matches(header):
-    for S, C, groups, bound, item_tokens, ws_bytes, big, tail_tokens, balanced in header["plan"]:
-        python = (_plan.groups(S, C), _plan.groups_bound(S, C), _plan.item_tokens(S, C), _plan.workspace_bytes(S, C),
-                  _plan.tail(S, C, _plan.item_tokens(S, C)), S > 0 and _plan.vec8_rows(S, C))
-        assert python == (groups, bound, item_tokens, ws_bytes, (big, tail_tokens), bool(balanced)), (S, C)
-    assert any(row[6] for row in header["plan"]), "no shape of the grid splits its last wave"
-    assert {row[8] for row in header["plan"] if row[1] % 256 == 0 and row[0] >= 4096} == {0, 1}, "the balance never moves"
+def test_plan_constants_match(header):
+    assert header["plan_constants"] == [_plan.PARTIAL_ROWS, _plan.MAX_ITEM_TOKENS, _plan.STRIP_LEN,
+                                         _plan.RUN_GROUP_TOKENS, _plan.WIDE_MIN_C, _plan.FULL_TILE_TOKENS,
+                                         _plan.WAVE_ITEMS]
+
+
+def test_workspace_bound_matches(plans):
+    """The one rule Python restates: the token groups' bound, which sizes the workspace."""
+    for (S, C), plan in plans.items():
+        assert (_plan.groups_bound(S, C), _plan.workspace_bytes(S, C)) == (plan.groups_bound, plan.workspace_bytes), (S, C)
+    assert any(plan.big_groups for plan in plans.values()), "no shape of the grid splits its last wave"
+    assert {plan.vec8_rows for (S, C), plan in plans.items() if C % 256 == 0 and S >= 4096} == {False, True}, \
+        "the balance never moves"
 
 
 @pytest.mark.parametrize("S, C, item_tokens", [
@@ -117,7 +120,7 @@ def test_backward_plan_item_tokens(S, C, item_tokens):
     4 x 132 128-channel items (r155, H200: 16384x6144 208.0 -> 163.9 us, 32768x4352 273.7 -> 238.5); groups
     of any multiple of 16 tokens where bwd_even_run_cost says 1/16 less (r173: 16384x4352 132.6 -> 120.0,
     8192x4352 71.6 -> 63.7, 32768x3328 198.3 -> 174.3); the first choice where it fills its waves."""
-    assert _plan.item_tokens(S, C) == item_tokens
+    assert _plan.plan_of(S, C).item_tokens == item_tokens
 
 
 @pytest.mark.parametrize("S, C, split", [
@@ -143,8 +146,8 @@ def test_backward_plan_tail(S, C, split):
     it runs the last eighth of S in 256-token groups, on grids of 16-byte rows from 9/2 waves on whose last
     wave is at most 7/8 full in 512-token groups; the power-of-two shapes in 16-byte rows below that and those whose waves the wave
     choice or the even-run choice fills keep uniform groups."""
-    item_tokens = _plan.item_tokens(S, C)
-    assert (item_tokens, *_plan.tail(S, C, item_tokens)) == split
+    plan = _plan.plan_of(S, C)
+    assert (plan.item_tokens, plan.big_groups, plan.tail_tokens) == split
 
 
 @pytest.mark.parametrize("S, C, balanced", [
@@ -157,26 +160,25 @@ def test_backward_plan_tail(S, C, split):
 def test_backward_vec8_balance(S, C, balanced):
     """The launcher takes 16-byte rows (WideVec8) at C % 256 == 0 only where their busiest SM carries at
     most 1/32 more work than the 8-byte rows' (bwd_vec8_rows; the GPU tests assert the routes)."""
-    assert _plan.vec8_rows(S, C) == balanced
+    assert _plan.plan_of(S, C).vec8_rows == balanced
 
 
 @pytest.mark.parametrize("C", sorted({C for _, C in SIZES}))
-def test_backward_plan_properties(C):
+def test_backward_plan_properties(C, plans):
     previous = 0
     for S in sorted(S for S, c in SIZES if c == C):
-        item_tokens, ws_bytes = _plan.item_tokens(S, C), _plan.workspace_bytes(S, C)
+        plan = plans[S, C]
+        item_tokens, groups, big, tail_tokens = plan.item_tokens, plan.groups, plan.big_groups, plan.tail_tokens
         assert 64 <= item_tokens <= 1024, (S, C, item_tokens)
         # whole strips, or a multiple of 16 on the full-width routes (C > 64, 256+ tokens) at C % 128 == 0
         assert item_tokens % 64 == 0 or (C > 64 and C % 128 == 0 and item_tokens >= 256 and item_tokens % 16 == 0), (S, C)
-        groups = _plan.groups(S, C)
-        big, tail_tokens = _plan.tail(S, C, item_tokens)
         if big:  # long groups, then shorter ones of whole 256-token sub-tiles; the last has tokens
             assert 256 <= tail_tokens < item_tokens and tail_tokens % 256 == 0 and 0 < big < groups, (S, C)
             assert big * item_tokens + (groups - big - 1) * tail_tokens < S <= big * item_tokens + (groups - big) * tail_tokens
         else:
             assert tail_tokens == item_tokens and groups == -(-S // item_tokens), (S, C)
-        assert groups <= _plan.groups_bound(S, C), (S, C)
-        assert ws_bytes >= groups * 5 * C * 4, (S, C)  # a partial row set per group
+        assert groups <= plan.groups_bound, (S, C)
+        assert plan.workspace_bytes >= groups * 5 * C * 4, (S, C)  # a partial row set per group
         # A buffer for the largest S serves every smaller one.
-        assert ws_bytes >= previous, (S, C)
-        previous = ws_bytes
+        assert plan.workspace_bytes >= previous, (S, C)
+        previous = plan.workspace_bytes

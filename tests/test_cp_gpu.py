@@ -179,7 +179,7 @@ def test_ranks_with_few_long_fragments_are_bitwise_the_single_gpu_run(docs, layo
     for r in range(P):
         tokens = len(part.global_tokens(r))
         frags = build_cp_context(part, None, r, DEV).num_fragments
-        assert _plan.groups(tokens, C) >= 16 * frags, (r, tokens, frags)
+        assert _plan.plan_of(tokens, C).groups >= 16 * frags, (r, tokens, frags)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -198,7 +198,8 @@ def test_ranks_with_long_fragments_in_16_byte_rows_are_bitwise_the_single_gpu_ru
     for r in range(P):
         ctx = build_cp_context(part, None, r, DEV)
         tokens, frags = len(part.global_tokens(r)), ctx.num_fragments
-        assert tokens >= 512 * frags and _plan.groups(tokens, C) < 16 * frags and _plan.vec8_rows(tokens, C), (r, tokens, frags)
+        plan = _plan.plan_of(tokens, C)
+        assert tokens >= 512 * frags and plan.groups < 16 * frags and plan.vec8_rows, (r, tokens, frags)
         i = torch.tensor(part.global_tokens(r), dtype=torch.long, device=DEV)
         halo = torch.zeros(frags, 3, C, dtype=BF16, device=DEV)
         call = lambda: cp_by_hand.backward_interior(ctx, (x.index_select(0, i),), (dy.index_select(0, i),), (w,), (b,),  # noqa: E731

@@ -416,9 +416,9 @@ def test_backward_states_in_16_byte_rows(S, C, mix, weight_dtype, bias_dtype, po
     seed = variant_seed(S + C, weight_dtype, bias_dtype, policy)
     lengths = mix(S, random.Random(seed))
     D = len(lengths)
-    tokens = _plan.item_tokens(S, C)
-    groups = _plan.groups(S, C)  # as the launcher counts them
-    assert S >= 512 * D and groups < 16 * D and tokens >= 256 and _plan.vec8_rows(S, C), "the case must take WideVec8"
+    plan = _plan.plan_of(S, C)  # as the launcher counts them
+    assert S >= 512 * D and plan.groups < 16 * D and plan.item_tokens >= 256 and plan.vec8_rows, \
+        "the case must take WideVec8"
     extra = S // 512 + 1 - D  # S < 512 * (D + extra)
     cu = make_cu(S, lengths, device=DEV)
     cu_more = torch.cat([cu, torch.full((extra,), S, dtype=I32, device=DEV)])
@@ -461,7 +461,7 @@ def test_backward_item_choice_threshold(S, C, docs, groups, route, item_choice):
     either way."""
     from flashinfer_cake import _plan
 
-    assert _plan.groups(S, C) == groups
+    assert _plan.plan_of(S, C).groups == groups
     x, w, b, dy, init, dfinal = make_inputs(S, C, docs, seed=docs)
     cu = make_cu(S, split(S, docs, random.Random(docs)), device=DEV)
     call = lambda: backward(x, w, cu, dy, b, "bf16", init, dfinal)  # noqa: E731
@@ -508,7 +508,8 @@ def launched_item_choice(call):
 def test_backward_item_choice_is_bitwise_the_per_step_kernel(S, C, weight_dtype, bias_dtype, policy, mix):
     from flashinfer_cake import _plan
 
-    groups, tokens = _plan.groups(S, C), _plan.item_tokens(S, C)
+    plan = _plan.plan_of(S, C)
+    groups, tokens = plan.groups, plan.item_tokens
     seed = variant_seed(S + C, weight_dtype, bias_dtype, policy) + (mix == "one")
     rng = random.Random(seed)
     lengths = [S] if mix == "one" else _item_edge_docs(S, tokens, groups, rng)

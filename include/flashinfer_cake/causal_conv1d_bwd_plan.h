@@ -1,7 +1,8 @@
 // The backward's token groups and workspace size: plain C++ (no CUDA, no torch), shared
 // by the kernels' launcher and the torch binding, so the sizes the binding allocates and the sizes
-// the launcher checks come from one place (flashinfer_cake/_plan.py mirrors it for the Python
-// layer, which must size a workspace before anything is built; tests/test_contract.py compares).
+// the launcher checks come from one place (flashinfer_cake/_plan.py restates bwd_groups_bound and
+// bwd_workspace_bytes for the Python layer, which must size a workspace before anything is built,
+// and reads the rest from this header; tests/test_contract.py compares).
 #pragma once
 
 #include <stdint.h>
