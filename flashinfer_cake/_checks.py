@@ -52,7 +52,9 @@ def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
     elif len(shape) == 3 and shape[0] == 1:
         S, C = shape[1], shape[2]
     else:
-        raise ValueError(f"{fn}: x must have shape [S, C] or [1, S, C], got {tuple(shape)}")
+        hint = ("; a [B, T, C] batch of equal-length sequences is x.reshape(B * T, C) with cu_seqlens "
+                "torch.arange(0, B * T + 1, T, dtype=torch.int32)" if len(shape) == 3 else "")
+        raise ValueError(f"{fn}: x must have shape [S, C] or [1, S, C], got {tuple(shape)}{hint}")
     if C <= 0 or C % 8 or C >= MAX_C:
         raise ValueError(f"{fn}: x's channel count C must be a positive multiple of 8 below 2^28, got C={C}")
     max_s, max_elements = MAX_S[op], MAX_ELEMENTS[op]
@@ -80,9 +82,17 @@ def _row_problem(t: torch.Tensor, op: str) -> str | None:
     return "range" if S * stride >= MAX_ELEMENTS[op] else None
 
 
-def rows_accepted(t: torch.Tensor, op: str) -> bool:
-    """check_rows's rule as a predicate: whether ``op``'s kernel reads t's rows in place."""
-    return _row_problem(t, op) is None
+def rows_read_as_they_are(t: torch.Tensor, x: torch.Tensor, op: str) -> bool:
+    """Whether ``op``'s kernel takes ``t`` as it is where it takes a BF16 tensor of x's shape
+    (check_rows_like's and _check_aligned's rules as a predicate); else a caller copies it."""
+    return (t.dtype == torch.bfloat16 and t.shape == x.shape and _row_problem(t, op) is None and not t.is_neg()
+            and not t.is_conj() and _aligned(t))
+
+
+def states_read_as_they_are(t: torch.Tensor) -> bool:
+    """Whether the kernels take conv states ``t`` as they are (check_states' dtype and layout and
+    _check_aligned's rule as a predicate; the shape aside); else a caller copies them."""
+    return t.dtype == torch.bfloat16 and t.is_contiguous() and not t.is_neg() and not t.is_conj() and _aligned(t)
 
 
 def check_rows(fn: str, name: str, t: torch.Tensor, op: str) -> None:
@@ -137,7 +147,8 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
     if weight.dtype not in PARAM_DTYPES:
         raise ValueError(f"{fn}: weight must have dtype torch.float32 or torch.bfloat16, got {weight.dtype}")
     if weight.shape != (C, 4):
-        raise ValueError(f"{fn}: weight must have shape [C, 4] = [{C}, 4] (C from x), got {tuple(weight.shape)}")
+        hint = "; an nn.Conv1d weight [C, 1, 4] is weight.squeeze(1)" if weight.shape == (C, 1, 4) else ""
+        raise ValueError(f"{fn}: weight must have shape [C, 4] = [{C}, 4] (C from x), got {tuple(weight.shape)}{hint}")
     if not weight.is_contiguous():
         raise ValueError(f"{fn}: weight must be contiguous, got strides {weight.stride()}")
     check_not_lazy(fn, "weight", weight)
@@ -150,7 +161,9 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
             raise ValueError(f"{fn}: bias must be contiguous, got strides {bias.stride()}")
         check_not_lazy(fn, "bias", bias)
     if cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"{fn}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}")
+        hint = ("; convert it once per batch with cu_seqlens.to(torch.int32)" if cu_seqlens.dtype == torch.int64
+                else "; the order is (x, weight, cu_seqlens, bias)" if cu_seqlens.is_floating_point() else "")
+        raise ValueError(f"{fn}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}{hint}")
     if cu_seqlens.dim() != 1 or not 1 <= cu_seqlens.shape[0] <= MAX_CU_SEQLENS:
         raise ValueError(
             f"{fn}: cu_seqlens must be 1-D [num_docs + 1] with 1 to 2^31 - 1 entries, got shape "
@@ -253,11 +266,16 @@ def check_policy(fn: str, silu_grad_preactivation) -> None:
         )
 
 
+def _aligned(t: torch.Tensor) -> bool:
+    """Empty, or starting at a 16-byte aligned address."""
+    return not (t.numel() and t.data_ptr() & 15)
+
+
 def _check_aligned(fn: str, named_tensors) -> None:
     """Each non-empty (name, tensor or None) starts at a 16-byte aligned address (the kernels'
     vectors)."""
     for name, t in named_tensors:
-        if t is not None and t.numel() and t.data_ptr() & 15:
+        if t is not None and not _aligned(t):
             raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address, got {t.data_ptr():#x}")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import rows_accepted
+from ._checks import rows_read_as_they_are, states_read_as_they_are
 from .cake_causal_conv1d_train import cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
 
 
@@ -58,10 +58,12 @@ def backward_of_any_grads(x, weight, cu_seqlens, dy, bias, initial_states, dfina
     the kernel reads it as it is (BF16 rows, contiguous or row-strided, 16-byte aligned), else
     materialized once as a contiguous BF16 tensor (as the binding's autograd node does); the
     final states' gradient likewise (contiguous)."""
-    if dy.dtype != torch.bfloat16 or dy.is_neg() or dy.data_ptr() & 15 or not rows_accepted(dy, "backward"):
+    if dy.shape != x.shape:  # (a copy would broadcast it)
+        raise ValueError(f"flashinfer_cake::causal_conv1d_bwd: dy must have x's shape {tuple(x.shape)}, got "
+                         f"{tuple(dy.shape)}")
+    if not rows_read_as_they_are(dy, x, "backward"):
         dy = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(dy)
-    if dfinal_states is not None and (dfinal_states.dtype != torch.bfloat16 or not dfinal_states.is_contiguous()
-                                      or dfinal_states.is_neg() or dfinal_states.data_ptr() & 15):
+    if dfinal_states is not None and not states_read_as_they_are(dfinal_states):
         dfinal_states = torch.empty(dfinal_states.shape, dtype=torch.bfloat16, device=dfinal_states.device
                                     ).copy_(dfinal_states)
     return cake_causal_conv1d_train_backward(x, weight, cu_seqlens, dy, bias=bias, initial_states=initial_states,

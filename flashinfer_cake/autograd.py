@@ -24,16 +24,21 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation):
-        ctx.save_for_backward(x, weight, bias, cu_seqlens, initial_states)
-        ctx.silu_grad_preactivation = silu_grad_preactivation
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros made)
+        # cake_causal_conv1d's rules whoever calls apply, before anything is made: while torch.compile
+        # traces, the flag, the policy and x's range (the custom op checks the rest when it runs)
         if torch.compiler.is_compiling():
+            _checks.check_autograd_early(_AUTOGRAD, x, return_final_states, silu_grad_preactivation)
             y, final_states = torch.ops.flashinfer_cake.causal_conv1d_fwd(x, weight, cu_seqlens, bias, initial_states,
                                                                           return_final_states)
         else:
+            _checks.check_autograd_args(_AUTOGRAD, x, weight, cu_seqlens, bias, initial_states, return_final_states,
+                                        silu_grad_preactivation)
             final_states = empty_states(x, cu_seqlens) if return_final_states else None
             y = cake_causal_conv1d_train_forward(x, weight, cu_seqlens, bias=bias, initial_states=initial_states,
                                                  final_states_out=final_states)
+        ctx.save_for_backward(x, weight, bias, cu_seqlens, initial_states)
+        ctx.silu_grad_preactivation = silu_grad_preactivation
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (no zeros made)
         return (y, final_states) if return_final_states else y
 
     @staticmethod
@@ -100,7 +105,6 @@ def cake_causal_conv1d(
     # The binding is opaque to both torch.compile and torch.jit.trace. (Under dynamo the first test
     # is the constant True; _is_tracing is the C call under torch.jit.is_tracing: 0.1 us less.)
     if _is_compiling() or _is_tracing():
-        _checks.check_autograd_early(_AUTOGRAD, x, return_final_states, silu_grad_preactivation)
         return CakeCausalConv1dFunction.apply(x, weight, cu_seqlens, bias, initial_states, return_final_states,
                                               silu_grad_preactivation)
     # Eager: the binding's C++ autograd node (a Python autograd.Function costs ~6 us more per call).

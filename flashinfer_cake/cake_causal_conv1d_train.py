@@ -44,10 +44,10 @@ def cake_causal_conv1d_train_forward_workspace(S: int, C: int, device) -> torch.
 def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device) -> int:
     """Bytes of FP32 workspace a backward of ``[S, C]`` on ``device`` needs: one partial row of
     the four taps' and the bias's gradient sums per token group (5 x C x 4 bytes per group of
-    128 to 1024 tokens: 1 % to 8 % of x's bytes once S >= 128, 0.3 % to 2.6 % of the bytes the
-    backward moves; a single group below that); 0 when ``S == 0``. Never decreases with S: a
-    workspace for the largest S serves every smaller one. (The rule is causal_conv1d_bwd_plan.h's;
-    nothing is built to compute it.)"""
+    128 to 1024 tokens, the group count rounded up: 1 % to 8.1 % of x's bytes from S = 4096 on, up
+    to 15 % below it; a third of that against the bytes the backward moves); 0 when ``S == 0``.
+    Never decreases with S: a workspace for the largest S serves every smaller one. (The rule is
+    causal_conv1d_bwd_plan.h's; nothing is built to compute it.)"""
     _checks.check_sizes(S, C, device, "backward")
     return _plan.workspace_bytes(S, C)
 
@@ -64,15 +64,18 @@ def cake_causal_conv1d_train_backward_workspace(S: int, C: int, device) -> torch
 
 def is_cake_causal_conv1d_train_supported(device=None) -> bool:
     """True when ``device`` (default: the current CUDA device) can run these kernels: a CUDA
-    device of a supported arch (compute capability 9.0). False, not an error, otherwise."""
+    device of a supported arch (compute capability 9.0). False, not an error, otherwise (a CPU
+    device, another GPU, an index past the device count, no CUDA at all); a device string torch
+    cannot parse is torch's RuntimeError on any machine."""
+    if device is not None and not isinstance(device, int):
+        device = torch.device(device)
+        if device.type != "cuda":
+            return False
     if not torch.cuda.is_available():
         return False  # before torch.device(int), which raises on a build without an accelerator
     if device is None or isinstance(device, int):
         index = torch.cuda.current_device() if device is None else device
     else:
-        device = torch.device(device)
-        if device.type != "cuda":
-            return False
         index = torch.cuda.current_device() if device.index is None else device.index
     if not 0 <= index < torch.cuda.device_count():
         return False

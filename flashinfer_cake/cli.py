@@ -11,7 +11,8 @@
 
 Under FLASHINFER_CAKE_DISABLE_JIT=1 the default action compiles nothing (it runs on prebuilt
 modules, or says which are missing); ``build`` still compiles: prebuilding is what it is for.
-Errors are one line on stderr and exit status 1.
+Errors are one line on stderr and exit status 1 (a usage error, e.g. an unknown subcommand or a
+bad option value: argparse's usage line and status 2).
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ def cmd_build(args) -> int:
 
 
 def cmd_clear_cache(args) -> int:
+    if not env.cache_dir_path().exists():  # (a mistyped FLASHINFER_CAKE_CACHE_DIR is not created)
+        print(f"nothing to remove: {env.cache_dir_path()} does not exist")
+        return 0
     root = env.cache_dir()
     # Lock files stay: deleting one a running build holds would let a second build start.
     entries = [e for e in root.iterdir() if e.suffix != ".lock"]
@@ -119,7 +123,8 @@ def cmd_check(args) -> int:
 
     if not is_cake_causal_conv1d_train_supported():
         why = "no CUDA GPU visible to torch" if not torch.cuda.is_available() else (
-            f"GPU {torch.cuda.get_device_name()} is not supported (needs compute capability 9.0)")
+            f"GPU {torch.cuda.get_device_name()} is not supported (needs compute capability "
+            f"{', '.join(f'{a}.{b}' for a, b in env.ARCH_OF_CAPABILITY)})")
         if env.jit_disabled():
             print(f"{why}, and FLASHINFER_CAKE_DISABLE_JIT is set: nothing to run, nothing built.")
             return cmd_env(args)
@@ -155,6 +160,12 @@ def _message(e: BaseException) -> str:
     return str(e).removeprefix("flashinfer_cake: ")
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashinfer-cake", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -165,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     where = build.add_mutually_exclusive_group()
     where.add_argument("--out", help="output directory (default: the JIT cache)")
     where.add_argument("--aot", action="store_true", help=f"into the installed package's aot/ ({env.PACKAGE_AOT_DIR})")
-    build.add_argument("-j", "--jobs", type=int, help="parallel compile jobs (default: MAX_JOBS or all cores)")
+    build.add_argument("-j", "--jobs", type=_positive_int,
+                       help="parallel compile jobs (default: MAX_JOBS or all cores)")
     sub.add_parser("clear-cache", help="delete everything in the JIT cache")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

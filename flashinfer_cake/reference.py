@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import check_policy
+
 __all__ = [
     "causal_conv1d_backward_reference",
     "causal_conv1d_final_states_reference",
     "causal_conv1d_preactivation_reference",
     "causal_conv1d_reference",
 ]
-
-_SILU_GRAD_POLICIES = ("bf16", "fp32")
-
 
 def _documents(cu_seqlens: torch.Tensor, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(doc, pos) of every token (int64 ``[S]`` each): the index of the last entry of
@@ -207,10 +206,7 @@ def causal_conv1d_backward_reference(
         dbias ``[C]`` or None when ``bias`` is None; then ``dinitial_states`` ``[num_docs, 3, C]``
         when ``initial_states`` is given. On x's device.
     """
-    if not isinstance(silu_grad_preactivation, str) or silu_grad_preactivation not in _SILU_GRAD_POLICIES:
-        raise ValueError(
-            f"silu_grad_preactivation must be one of {list(_SILU_GRAD_POLICIES)}, got {silu_grad_preactivation!r}"
-        )
+    check_policy("causal_conv1d_backward_reference", silu_grad_preactivation)
     if dy.shape != x.shape:
         raise ValueError(f"dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
     C = x.shape[-1]

@@ -36,8 +36,9 @@ logger = logging.getLogger("flashinfer_cake.jit")
 # Device compute capability -> the arch a variant is compiled for. Data, not code: a new arch is a
 # new row once its kernels are tested on it.
 ARCH_OF_CAPABILITY = {(9, 0): "sm_90a"}
-# Spellings accepted in FLASHINFER_CAKE_CUDA_ARCH_LIST.
-_ARCH_TOKENS = {"9.0": "sm_90a", "9.0a": "sm_90a", "90": "sm_90a", "90a": "sm_90a", "sm_90a": "sm_90a"}
+# Spellings accepted in FLASHINFER_CAKE_CUDA_ARCH_LIST: 9.0, 9.0a, 90, 90a and the arch itself.
+_ARCH_TOKENS = {token: arch for (major, minor), arch in ARCH_OF_CAPABILITY.items()
+                for token in (f"{major}.{minor}", f"{major}.{minor}a", f"{major}{minor}", f"{major}{minor}a", arch)}
 
 PACKAGE_DIR = Path(_version.__file__).resolve().parent  # the flashinfer_cake package
 PACKAGE_AOT_DIR = PACKAGE_DIR / "aot"  # where scripts/aot_build.py prebuilds by default
@@ -134,11 +135,17 @@ def _make_dir(path: Path, what: str, mode: int) -> Path:
     return path
 
 
-def cache_dir() -> Path:
-    """The JIT cache root, created 0700 if missing and refused if others can write to it."""
+def cache_dir_path() -> Path:
+    """Where the JIT cache root is (FLASHINFER_CAKE_CACHE_DIR, else ~/.cache/flashinfer_cake/<version>),
+    whether or not it exists."""
     value = os.environ.get("FLASHINFER_CAKE_CACHE_DIR")
     root = Path(value) if value else Path.home() / ".cache" / "flashinfer_cake" / __version__
-    root = _make_dir(root.expanduser().absolute(), "the JIT cache directory (FLASHINFER_CAKE_CACHE_DIR)", 0o700)
+    return root.expanduser().absolute()
+
+
+def cache_dir() -> Path:
+    """The JIT cache root, created 0700 if missing and refused if others can write to it."""
+    root = _make_dir(cache_dir_path(), "the JIT cache directory (FLASHINFER_CAKE_CACHE_DIR)", 0o700)
     _check_private_dir(root, "FLASHINFER_CAKE_CACHE_DIR")
     return root
 

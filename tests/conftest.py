@@ -12,6 +12,8 @@ import os
 import pytest
 import torch
 
+from flashinfer_cake.jit.env import ARCH_OF_CAPABILITY
+
 
 @functools.cache
 def _gpu_problem() -> str | None:
@@ -19,8 +21,9 @@ def _gpu_problem() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device visible to torch"
     major, minor = torch.cuda.get_device_capability()
-    if (major, minor) != (9, 0):
-        return f"GPU tests need compute capability 9.0, found {major}.{minor}"
+    if (major, minor) not in ARCH_OF_CAPABILITY:
+        supported = ", ".join(f"{a}.{b}" for a, b in ARCH_OF_CAPABILITY)
+        return f"GPU tests need compute capability {supported}, found {major}.{minor}"
     return None
 
 

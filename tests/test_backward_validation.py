@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from flashinfer_cake import (
+    CakeCausalConv1dFunction,
     cake_causal_conv1d,
     cake_causal_conv1d_train_backward,
     cake_causal_conv1d_train_backward_workspace,
@@ -327,8 +328,6 @@ def test_autograd_entry_rejects_bad_policy(value):
         cake_causal_conv1d(x, torch.randn(C, 4), torch.tensor([0, S], dtype=I32), silu_grad_preactivation=value)
 
 
-
-
 def test_autograd_entry_with_cpu_x_is_a_value_error():
     x = torch.randn(S, C).to(BF16).requires_grad_()
     with pytest.raises(ValueError, match=r"\bx\b"):
@@ -353,6 +352,15 @@ def autograd_call(args):
                               silu_grad_preactivation=args["silu_grad_preactivation"])
 
 
+def autograd_apply(args):
+    """CakeCausalConv1dFunction.apply called directly (public; torch.compile's path): the same rules."""
+    return CakeCausalConv1dFunction.apply(*(args[k] for k in ("x", "weight", "cu_seqlens", "bias", "initial_states",
+                                                               "return_final_states", "silu_grad_preactivation")))
+
+
+AUTOGRAD_ENTRIES = pytest.mark.parametrize("entry", [autograd_call, autograd_apply], ids=["function", "apply"])
+
+
 def flag(case_id, value):
     return case(f"return_final_states-{case_id}", TypeError, "return_final_states", return_final_states=lambda: value)
 
@@ -365,6 +373,10 @@ AUTOGRAD_BAD_INPUTS = [
     flag("tensor", torch.tensor(True)),
     *bad_states("initial_states"),
     *bad_rows("x", lambda: torch.empty(2, 2**34, dtype=BF16, device="meta")[:, :8]),
+    case("cu_seqlens-list-with-final-states", TypeError, "cu_seqlens", cu_seqlens=lambda: [0, 5, 5, S],
+         return_final_states=lambda: True),
+    case("silu_grad_preactivation-typo", ValueError, "silu_grad_preactivation",
+         silu_grad_preactivation=lambda: "bf_16"),
 ]
 AUTOGRAD_GPU_ONLY_BAD_INPUTS = [
     case("initial_states-misaligned", ValueError, "initial_states",
@@ -374,19 +386,21 @@ AUTOGRAD_GPU_ONLY_BAD_INPUTS = [
 ]
 
 
+@AUTOGRAD_ENTRIES
 @pytest.mark.parametrize("override, exc, argname", AUTOGRAD_BAD_INPUTS)
-def test_autograd_entry_rejects_bad_input_naming_the_argument(override, exc, argname):
+def test_autograd_entry_rejects_bad_input_naming_the_argument(override, exc, argname, entry):
     args = autograd_valid_args(**{name: make() for name, make in override.items()})
     with pytest.raises(exc, match=rf"^{AUTOGRAD}: {argname}\b"):
-        autograd_call(args)
+        entry(args)
 
 
 @pytest.mark.gpu
+@AUTOGRAD_ENTRIES
 @pytest.mark.parametrize("override, exc, argname", AUTOGRAD_BAD_INPUTS + AUTOGRAD_GPU_ONLY_BAD_INPUTS)
-def test_autograd_entry_rejects_bad_cuda_input_naming_the_argument(override, exc, argname, bad_cuda_args):
-    args = bad_cuda_args(autograd_call, autograd_valid_args, override)
+def test_autograd_entry_rejects_bad_cuda_input_naming_the_argument(override, exc, argname, entry, bad_cuda_args):
+    args = bad_cuda_args(entry, autograd_valid_args, override)
     with pytest.raises(exc, match=rf"^{AUTOGRAD}: {argname}\b"):
-        autograd_call(args)
+        entry(args)
 
 
 @pytest.mark.parametrize("override", [

@@ -115,6 +115,21 @@ def test_clear_cache(built, tmp_path):
     assert (outside / "keep").is_file()  # a symlink is removed, not followed
 
 
+def test_clear_cache_of_a_missing_directory_creates_nothing(tmp_path):
+    cache = tmp_path / "mistyped" / "cache"
+    r = flashinfer_cake("clear-cache", cache=cache, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"nothing to remove: {cache} does not exist" in r.stdout
+    assert not (tmp_path / "mistyped").exists()
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1", "two"])
+def test_bad_jobs_is_a_usage_error(jobs, tmp_path):
+    r = flashinfer_cake("build", "-j", jobs, cache=tmp_path / "cache", cwd=tmp_path)
+    assert r.returncode == 2 and "-j/--jobs: must be a positive integer" in r.stderr, (r.returncode, r.stderr)
+    assert not (tmp_path / "cache").exists()  # nothing built
+
+
 def test_console_script(tmp_path):
     exe = shutil.which("flashinfer-cake")
     assert exe, "the flashinfer-cake console script is not on PATH"

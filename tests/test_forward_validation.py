@@ -288,6 +288,26 @@ def test_not_supported_on_cpu():
         assert is_cake_causal_conv1d_train_supported() is False
 
 
+@pytest.mark.parametrize("device", ["cuda:x", "cuda0", "cuda:0:1"])
+def test_supported_raises_for_a_device_torch_cannot_parse(device):
+    """The same error on any machine (before, a CPU-only one returned False and a GPU one raised)."""
+    with pytest.raises(RuntimeError):
+        is_cake_causal_conv1d_train_supported(device)
+
+
+@pytest.mark.parametrize("override, words", [
+    pytest.param({"cu_seqlens": lambda: torch.tensor([0, 5, 5, S])}, r"cu_seqlens\.to\(torch\.int32\)", id="int64-cu"),
+    pytest.param({"cu_seqlens": lambda: torch.randn(C)}, r"\(x, weight, cu_seqlens, bias\)", id="dao-order"),
+    pytest.param({"weight": lambda: torch.randn(C, 1, 4)}, r"weight\.squeeze\(1\)", id="conv1d-weight"),
+    pytest.param({"x": lambda: torch.randn(2, S, C).to(BF16)}, r"x\.reshape\(B \* T, C\)", id="batched-x"),
+])
+def test_messages_show_the_fix_for_a_peers_layout(override, words):
+    """Arguments in fla's / Dao's / nn.Conv1d's layouts: the ValueError names the argument and the fix."""
+    args = valid_args(**{name: make() for name, make in override.items()})
+    with pytest.raises(ValueError, match=rf"^{FN}: {next(iter(override))}\b.*{words}"):
+        call(args)
+
+
 _BAD_CALLS = """
 import torch, flashinfer_cake as f
 x = torch.randn(16, 32).to(torch.bfloat16)

@@ -185,7 +185,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   constexpr int T = Traits::kThreads;
   constexpr int V = Traits::kVec;
   using Row = detail::Row<V>;
-  constexpr int kSums = 5 * V;  // a thread's partial sums: 4 taps and g, V channels each
+  constexpr int kSums = kBwdPartialRows * V;  // a thread's partial sums: 4 taps and g, V channels each
   // Per-thread rings of x and dy rows, R - 1 rows ahead of the computed one (kWarpFill: 4 to 8).
   // At the end of an item the same bytes hold the strips' partial sums.
   // A strip row of the tile under a 32-byte sector (C <= 8 on the shipped geometry), stateless:
