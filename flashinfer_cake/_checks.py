@@ -359,13 +359,17 @@ def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, initial_states
     return device
 
 
-def check_autograd_early(fn: str, x, return_final_states, silu_grad_preactivation) -> None:
+def check_autograd_early(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,
+                         silu_grad_preactivation) -> None:
     """What cake_causal_conv1d checks before its forward runs, also under torch.compile: the
-    flag and the policy, and x within the backward's range (an error now, not in the backward)."""
+    tensors' types, the flag and the policy, and x within the backward's range (an error now, not
+    in the backward)."""
+    check_types(fn, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens)),
+                (("bias", bias), ("initial_states", initial_states)))
     if not isinstance(return_final_states, bool):
         raise TypeError(f"{fn}: return_final_states must be a bool, got {type(return_final_states).__name__}")
     check_policy(fn, silu_grad_preactivation)
-    if isinstance(x, torch.Tensor) and x.dim() in (2, 3):
+    if x.dim() in (2, 3):
         S, C = x.shape[-2], x.shape[-1]
         if S >= MAX_S["backward"] or S * C >= MAX_ELEMENTS["backward"]:
             check_x(fn, x, "backward")
@@ -375,5 +379,5 @@ def check_autograd_args(fn: str, x, weight, cu_seqlens, bias, initial_states, re
                         silu_grad_preactivation) -> int:
     """cake_causal_conv1d's rules: check_autograd_early's, then the forward's. Returns x's device
     index."""
-    check_autograd_early(fn, x, return_final_states, silu_grad_preactivation)
+    check_autograd_early(fn, x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation)
     return check_forward_args(fn, x, weight, cu_seqlens, bias, initial_states, None, None, None, op="backward")

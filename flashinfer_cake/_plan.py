@@ -9,7 +9,9 @@ program compiled against it, for tests and tools."""
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -84,6 +86,7 @@ int main() {
 def _probe(include_dir: str) -> Path:
     """The plan program compiled against include_dir's header (once per process; ~1 s)."""
     d = Path(tempfile.mkdtemp(prefix="cake_plan_"))
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
     (d / "probe.cpp").write_text(_PROBE)
     r = subprocess.run([str(env.cxx_path()), "-std=c++17", "-O1", f"-I{include_dir}", str(d / "probe.cpp"), "-o",
                         str(d / "probe")], capture_output=True, text=True)
@@ -96,14 +99,20 @@ def header_plan(sizes, include_dir: str | Path | None = None) -> dict[tuple[int,
     """The plan of each (S, C) of ``sizes`` as causal_conv1d_bwd_plan.h computes it (the package's
     templates, or those under ``include_dir``): what the launcher and the torch binding use. For
     tests and tools; it needs the C++ compiler (``CXX``, else c++ / g++)."""
-    probe = _probe(str(include_dir or env.include_dir()))
     sizes = [(int(S), int(C)) for S, C in sizes]
+    for S, C in sizes:  # the backward's range (the header's arithmetic holds there)
+        if not (0 <= S < 2**30 and 0 < C < 2**28 and S * C < 2**34):
+            raise ValueError(f"header_plan: (S, C) must have 0 <= S < 2^30, 0 < C < 2^28 and S * C < 2^34, "
+                             f"got S={S}, C={C}")
+    probe = _probe(str(Path(include_dir or env.include_dir()).resolve()))
     out = subprocess.run([str(probe)], input="".join(f"{S} {C}\n" for S, C in sizes), capture_output=True,
                          text=True, check=True).stdout
     plans = {}
     for line in out.splitlines():
         S, C, *fields = map(int, line.split())
         plans[S, C] = BwdPlan(*fields[:-1], bool(fields[-1]))
+    if plans.keys() != set(sizes):
+        raise RuntimeError(f"flashinfer_cake: the plan probe answered {len(plans)} of {len(set(sizes))} shapes")
     return plans
 
 

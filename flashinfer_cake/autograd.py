@@ -25,9 +25,10 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation):
         # cake_causal_conv1d's rules whoever calls apply, before anything is made: while torch.compile
-        # traces, the flag, the policy and x's range (the custom op checks the rest when it runs)
+        # traces, the types, the flag, the policy and x's range (the custom op checks the rest when it runs)
         if torch.compiler.is_compiling():
-            _checks.check_autograd_early(_AUTOGRAD, x, return_final_states, silu_grad_preactivation)
+            _checks.check_autograd_early(_AUTOGRAD, x, weight, cu_seqlens, bias, initial_states, return_final_states,
+                                         silu_grad_preactivation)
             y, final_states = torch.ops.flashinfer_cake.causal_conv1d_fwd(x, weight, cu_seqlens, bias, initial_states,
                                                                           return_final_states)
         else:

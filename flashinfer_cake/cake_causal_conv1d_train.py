@@ -5,6 +5,7 @@ their workspaces. The autograd entry point is :func:`flashinfer_cake.cake_causal
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -67,12 +68,14 @@ def is_cake_causal_conv1d_train_supported(device=None) -> bool:
     device of a supported arch (compute capability 9.0). False, not an error, otherwise (a CPU
     device, another GPU, an index past the device count, no CUDA at all); a device string torch
     cannot parse is torch's RuntimeError on any machine."""
-    if device is not None and not isinstance(device, int):
+    if isinstance(device, numbers.Integral):  # an index (torch.device(index) raises without an accelerator)
+        device = int(device)
+    elif device is not None:
         device = torch.device(device)
         if device.type != "cuda":
             return False
     if not torch.cuda.is_available():
-        return False  # before torch.device(int), which raises on a build without an accelerator
+        return False
     if device is None or isinstance(device, int):
         index = torch.cuda.current_device() if device is None else device
     else:

@@ -182,3 +182,9 @@ def test_backward_plan_properties(C, plans):
         # A buffer for the largest S serves every smaller one.
         assert plan.workspace_bytes >= previous, (S, C)
         previous = plan.workspace_bytes
+
+
+@pytest.mark.parametrize("S, C", [(-1, 8), (2**30, 8), (1, 0), (1, 2**28), (2**27, 128)])
+def test_header_plan_rejects_shapes_past_the_backwards_range(S, C):
+    with pytest.raises(ValueError, match=rf"S={S}, C={C}"):
+        _plan.header_plan([(S, C)])

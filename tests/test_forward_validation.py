@@ -7,6 +7,7 @@ checks the exact exception type and that the offending argument is named as a wo
 
 from __future__ import annotations
 
+import numbers
 import os
 import subprocess
 import sys
@@ -286,6 +287,28 @@ def test_not_supported_on_cpu():
         for device in (None, 0, 1, "cuda", "cuda:0", torch.device("cuda", 0)):
             assert is_cake_causal_conv1d_train_supported(device) is False, device
         assert is_cake_causal_conv1d_train_supported() is False
+
+
+class _Index:
+    """An integer type of another library (numpy's int64 is one): a numbers.Integral, not an int."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __int__(self):
+        return self.value
+
+    __index__ = __int__
+
+
+numbers.Integral.register(_Index)
+
+
+def test_supported_takes_any_integer_index():
+    """An integral index of any type is an index, as an int is (torch.device of one raises on a
+    CPU-only torch)."""
+    for index in (0, 1, 7):
+        assert is_cake_causal_conv1d_train_supported(_Index(index)) is is_cake_causal_conv1d_train_supported(index)
 
 
 @pytest.mark.parametrize("device", ["cuda:x", "cuda0", "cuda:0:1"])
