@@ -10,8 +10,12 @@ forward+backward (autograd, dy given) of
   fla:    fla.modules.causal_conv1d.cp.causal_conv1d_cp (triton backend, activation="silu"),
 eager (median of CUDA-event times per call, every rank the same reps) and, for ours, graph-replayed
 (host time removed). cp overhead = cp - single. Every rank checks its cp y and dx bitwise against
-the single-GPU run of the global batch (computed on every rank) before timing. Rank 0 prints the
-table and writes --json.
+the single-GPU run of the global batch (computed on every rank) before timing. Rank 0 prints every
+rank's row and the slowest rank's times (the group's step waits for it: in the contiguous layout
+rank 0's fragments never continue a document, the others' do), and rewrites --json after each
+shape. NVLink multicast is off in every rank (NO_MULTICAST, set before NCCL starts); a collective
+that hangs fails after 120 s. fla runs on every rank or on none: a rank whose fla call failed turns
+it off everywhere from the next shape on.
 
     torchrun --nproc-per-node 2 scripts/bench_cp.py [--quick] [--json out.json]
 """
@@ -29,7 +33,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from bench_harness import Dev, environment, fmt_err, log
+from bench_harness import NO_MULTICAST, Dev, environment, fmt_err, log
 
 import flashinfer_cake as cake
 from flashinfer_cake import cp
@@ -104,7 +108,7 @@ def run_shape(dev, args, T, C, D, rank, P, group, fla_ok):
     idx = torch.tensor(part.global_tokens(rank), device="cuda")
     x = x_global[idx].requires_grad_()
     dy = dy_global[idx]
-    row = {"T": T, "C": C, "docs": D, "fragments": ctx.num_fragments}
+    row = {"T": T, "C": C, "docs": D, "rank": rank, "fragments": ctx.num_fragments}
 
     # correctness first: bitwise vs the single-GPU global run
     xg = x_global.clone().requires_grad_()
@@ -143,6 +147,11 @@ def run_shape(dev, args, T, C, D, rank, P, group, fla_ok):
             row["fla_step_ms"] = timed(dev, fla_step, args.reps)
         except Exception as e:  # noqa: BLE001 - reported, the run goes on
             row["fla_error"] = fmt_err(e)
+    return add_derived(row)
+
+
+def add_derived(row: dict) -> dict:
+    """The CP overhead (cp - single, µs) and the speed-up over fla of a row's times."""
     for k in ("fwd", "step"):
         row[f"overhead_{k}_us"] = 1e3 * (row[f"cp_{k}_ms"] - row[f"single_{k}_ms"])
         row[f"overhead_{k}_graph_us"] = 1e3 * (row[f"cp_{k}_graph_ms"] - row[f"single_{k}_graph_ms"])
@@ -151,13 +160,26 @@ def run_shape(dev, args, T, C, D, rank, P, group, fla_ok):
     return row
 
 
+def slowest(ranks: list[dict]) -> dict:
+    """The group's row: each time the slowest rank's (fla's only where every rank has it)."""
+    row = {k: ranks[0][k] for k in ("T", "C", "docs")}
+    row["rank"] = "max"
+    row["fragments"] = max(r["fragments"] for r in ranks)
+    row["bitwise"] = all(r["bitwise"] for r in ranks)
+    for k in ranks[0]:
+        if k.endswith("_ms") and all(k in r for r in ranks):
+            row[k] = max(r[k] for r in ranks)
+    return add_derived(row)
+
+
 def table(rows) -> list[str]:
-    out = ["| T/rank × C | docs | bitwise | single fwd | cp fwd | +µs (graph) | fla fwd | × fla | single f+b | "
-           "cp f+b | +µs (graph) | fla f+b | × fla |", "|" + "---|" * 13]
+    out = ["| T/rank × C | docs | rank | bitwise | single fwd | cp fwd | +µs (graph) | fla fwd | × fla | single f+b | "
+           "cp f+b | +µs (graph) | fla f+b | × fla |", "|" + "---|" * 14]
     for r in rows:
         f = lambda k: f"{r[k]:.4f}" if k in r else "-"  # noqa: E731
         x = lambda k: f"{r[k]:.2f}×" if k in r else "-"  # noqa: E731
-        out.append(f"| {r['T']}×{r['C']} | {r['docs']} | {'yes' if r['bitwise'] else 'NO'} | {f('single_fwd_ms')} | "
+        out.append(f"| {r['T']}×{r['C']} | {r['docs']} | {r['rank']} | {'yes' if r['bitwise'] else 'NO'} | "
+                   f"{f('single_fwd_ms')} | "
                    f"{f('cp_fwd_ms')} | {r['overhead_fwd_us']:+.1f} ({r['overhead_fwd_graph_us']:+.1f}) | "
                    f"{f('fla_fwd_ms')} | {x('vs_fla_fwd')} | {f('single_step_ms')} | {f('cp_step_ms')} | "
                    f"{r['overhead_step_us']:+.1f} ({r['overhead_step_graph_us']:+.1f}) | {f('fla_step_ms')} | "
@@ -167,6 +189,7 @@ def table(rows) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    os.environ.update(NO_MULTICAST)
     rank, P = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120),
@@ -183,22 +206,25 @@ def main(argv=None) -> int:
     shapes = QUICK if args.quick else FULL
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    rows = []
+    env = environment(dev, "bench_cp.py") if rank == 0 else None
+    rows = []  # every rank's rows of each shape, then the slowest rank's
     for T, C, D in shapes:
         row = run_shape(dev, args, T, C, D, rank, P, group, fla_ok)
-        ok = torch.tensor([int(row["bitwise"])], device="cuda")
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        row["bitwise"] = bool(ok.item())
-        rows.append(row)
+        ranks = [None] * P
+        dist.all_gather_object(ranks, row)
+        if fla_ok and any("fla_error" in r for r in ranks):
+            fla_ok = False  # on every rank alike (one rank's failure would leave the others in fla's collectives)
+        rows += [*ranks, slowest(ranks)]
         if rank == 0:
-            log(f"{T}x{C} docs {D}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                                  for k, v in row.items() if k not in ("T", "C", "docs")))
+            for r in ranks:
+                log(f"{T}x{C} docs {D} rank {r['rank']}: " + ", ".join(
+                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+                    if k not in ("T", "C", "docs", "rank")))
+            if args.json:  # after each shape: a later hang keeps what ran
+                with open(args.json, "w") as f:
+                    json.dump({"env": env, "world_size": P, "rows": rows}, f, indent=1)
     if rank == 0:
         print("\n".join([f"## bench_cp · {P} ranks · {torch.cuda.get_device_name()}", *table(rows)]))
-        if args.json:
-            env = environment(dev, "bench_cp.py")
-            with open(args.json, "w") as f:
-                json.dump({"env": env, "world_size": P, "rows": rows}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
     return 0 if all(r["bitwise"] for r in rows) else 1

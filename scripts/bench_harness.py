@@ -54,6 +54,9 @@ MIXES = ("1", "rand", "many", "tiny")
 FULL_VARIANTS = [("fp32", True), ("fp32", False), ("bf16", True), ("bf16", False)]
 QUICK_VARIANTS = [("fp32", True), ("bf16", False)]
 PEER_VARIANT = ("fp32", True)
+# NVLink multicast off in every process of a multi-GPU run (the lent machines' rule; NCCL reads these
+# when a communicator starts). tests/test_cp_multi_gpu.py sets the same for its ranks.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LARGE_ELEMS = 32 * 2**20  # the goals' "large" shapes: S*C >= 32 M
 WIDE_C = (256, math.inf)  # the goals' "wide" rows; NARROW_SHAPES have goals of their own
 # fla peer -> (chunk indices precomputed, fla's tensor cache off, FLA_CONV_GLUON)

@@ -209,3 +209,32 @@ def test_bench_git_head_says_when_the_tree_is_not_the_commit(monkeypatch, status
     harness = importlib.import_module("bench_harness")
     monkeypatch.setattr(harness, "run_cmd", lambda cmd: "abc1234" if "rev-parse" in cmd else status)
     assert harness.git_head() == expected
+
+
+def test_bench_cp_reports_every_rank_and_the_slowest(monkeypatch):
+    """bench_cp's rows: each rank's, then the group's (each time the slowest rank's; fla's only where
+    every rank has it), with the overhead and the speed-up over fla computed from those times."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    bench_cp = importlib.import_module("bench_cp")
+    names = [f"{who}_{k}{g}_ms" for who in ("single", "cp") for k in ("fwd", "step") for g in ("", "_graph")]
+
+    def rank_row(rank, base, fla):
+        row = {"T": 4096, "C": 2048, "docs": 16, "rank": rank, "fragments": 1 + rank, "bitwise": True,
+               **{n: base + i / 10 for i, n in enumerate(names)}}
+        if fla:
+            row.update(fla_fwd_ms=5.0, fla_step_ms=9.0)
+        return bench_cp.add_derived(row)
+
+    ranks = [rank_row(0, 1.0, True), rank_row(1, 2.0, True)]
+    group = bench_cp.slowest(ranks)
+    assert group["rank"] == "max" and group["fragments"] == 2 and group["bitwise"]
+    assert all(group[n] == ranks[1][n] for n in names)
+    assert group["overhead_fwd_us"] == pytest.approx(1e3 * (ranks[1]["cp_fwd_ms"] - ranks[1]["single_fwd_ms"]))
+    assert group["vs_fla_step"] == pytest.approx(9.0 / ranks[1]["cp_step_ms"])
+    ranks[0]["bitwise"] = False
+    del ranks[1]["fla_fwd_ms"]
+    group = bench_cp.slowest(ranks)
+    assert not group["bitwise"] and "fla_fwd_ms" not in group and "vs_fla_fwd" not in group
+    lines = bench_cp.table([*ranks, group])
+    assert len(lines) == 5 and all(line.count("|") == 15 for line in lines)
+    assert "| 4096×2048 | 16 | max | NO |" in lines[-1]
