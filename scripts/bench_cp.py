@@ -14,10 +14,13 @@ the single-GPU run of the global batch (computed on every rank) before timing. R
 rank's row and the slowest rank's times (the group's step waits for it: in the contiguous layout
 rank 0's fragments never continue a document, the others' do), and rewrites --json after each
 shape. NVLink multicast is off in every rank (NO_MULTICAST, set before NCCL starts); a collective
-that hangs fails after 120 s. fla runs on every rank or on none: a rank whose fla call failed turns
-it off everywhere from the next shape on.
+that hangs fails after 120 s.
+Two passes: ours on every shape, then fla on the same shapes, so a peer that fails or hangs on one
+rank (its collectives then mismatch) costs fla's figures only; fla stops on every rank once any
+rank's call failed. --deadline-s: no shape starts after that many seconds (the ranks agree on the
+slowest one's clock), so a device call's limit leaves the table and the JSON of what ran.
 
-    torchrun --nproc-per-node 2 scripts/bench_cp.py [--quick] [--json out.json]
+    torchrun --nproc-per-node 2 scripts/bench_cp.py [--quick] [--deadline-s S] [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import random
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -49,6 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=40, help="timed calls per measurement (the same on every rank)")
     p.add_argument("--graph-calls", type=int, default=10)
     p.add_argument("--no-fla", action="store_true")
+    p.add_argument("--deadline-s", type=float, default=float("inf"), help="start no shape after this many seconds")
     p.add_argument("--json", help="results (rank 0)")
     return p.parse_args(argv)
 
@@ -92,29 +97,37 @@ def fla_cp_forward(group, cu_global):
     return lambda x, w, b: causal_conv1d_cp(x.unsqueeze(0), w, b, activation="silu", cp_context=ctx)
 
 
-def run_shape(dev, args, T, C, D, rank, P, group, fla_ok):
+def setup(dev, T, C, D, rank, P, group) -> argparse.Namespace:
+    """One shape's global batch (the same on every rank), partition, context and this rank's shard."""
     rng = random.Random(T * 7 + C * 13 + D)
     lengths = lengths_of(P * T, D, rng)
     cu_global = [0]
     for n in lengths:
         cu_global.append(cu_global[-1] + n)
-    part = cp.cp_partition(cu_global, P, "contiguous")
-    ctx = cp.build_cp_context(part, group, rank, dev.device)
+    s = argparse.Namespace(T=T, C=C, D=D, cu_global=cu_global)
+    s.part = cp.cp_partition(cu_global, P, "contiguous")
+    s.ctx = cp.build_cp_context(s.part, group, rank, dev.device)
     gen = torch.Generator(device="cuda").manual_seed(1234 + T + C + D)
-    x_global = torch.randn(P * T, C, device="cuda", generator=gen).to(torch.bfloat16)
-    dy_global = torch.randn(P * T, C, device="cuda", generator=gen).to(torch.bfloat16)
-    w = (0.5 * torch.randn(C, 4, device="cuda", generator=gen)).requires_grad_()
-    b = (0.5 * torch.randn(C, device="cuda", generator=gen)).requires_grad_()
-    idx = torch.tensor(part.global_tokens(rank), device="cuda")
-    x = x_global[idx].requires_grad_()
-    dy = dy_global[idx]
-    row = {"T": T, "C": C, "docs": D, "rank": rank, "fragments": ctx.num_fragments}
+    s.x_global = torch.randn(P * T, C, device="cuda", generator=gen).to(torch.bfloat16)
+    s.dy_global = torch.randn(P * T, C, device="cuda", generator=gen).to(torch.bfloat16)
+    s.w = (0.5 * torch.randn(C, 4, device="cuda", generator=gen)).requires_grad_()
+    s.b = (0.5 * torch.randn(C, device="cuda", generator=gen)).requires_grad_()
+    s.idx = torch.tensor(s.part.global_tokens(rank), device="cuda")
+    s.x = s.x_global[s.idx].requires_grad_()
+    s.dy = s.dy_global[s.idx]
+    s.cu_dev = torch.tensor(cu_global, dtype=torch.int32, device="cuda")
+    return s
+
+
+def run_ours(dev, args, s: argparse.Namespace, rank: int) -> dict:
+    """This rank's row of one shape: the bitwise check, then single and cp, eager and graph-replayed."""
+    ctx, x, w, b, dy, idx = s.ctx, s.x, s.w, s.b, s.dy, s.idx
+    row = {"T": s.T, "C": s.C, "docs": s.D, "rank": rank, "fragments": ctx.num_fragments}
 
     # correctness first: bitwise vs the single-GPU global run
-    xg = x_global.clone().requires_grad_()
-    cu_dev = torch.tensor(cu_global, dtype=torch.int32, device="cuda")
-    yg = cake.cake_causal_conv1d(xg, w, cu_dev, b)
-    dxg, = torch.autograd.grad(yg, xg, dy_global)
+    xg = s.x_global.clone().requires_grad_()
+    yg = cake.cake_causal_conv1d(xg, w, s.cu_dev, b)
+    dxg, = torch.autograd.grad(yg, xg, s.dy_global)
     xc = x.detach().clone().requires_grad_()
     y = cp.cake_causal_conv1d_cp(xc, w, ctx, b)
     dx, = torch.autograd.grad(y, xc, dy)
@@ -136,18 +149,22 @@ def run_shape(dev, args, T, C, D, rank, P, group, fla_ok):
     for name in eager:
         row[name + "_ms"] = timed(dev, eager[name], args.reps)
         row[name + "_graph_ms"] = graph_timed(dev, lambda: calls(fresh_leaves())[name], args.graph_calls, args.reps)
-    if fla_ok:
-        try:
-            fwd = fla_cp_forward(group, cu_dev)
-
-            def fla_step():
-                return torch.autograd.grad(fwd(x, w, b), (x, w, b), dy.unsqueeze(0))
-
-            row["fla_fwd_ms"] = timed(dev, lambda: fwd(x.detach(), w.detach(), b.detach()), args.reps)
-            row["fla_step_ms"] = timed(dev, fla_step, args.reps)
-        except Exception as e:  # noqa: BLE001 - reported, the run goes on
-            row["fla_error"] = fmt_err(e)
     return add_derived(row)
+
+
+def run_fla(dev, args, s: argparse.Namespace, group) -> dict:
+    """fla's forward and forward+backward times on this rank's shard, or its error."""
+    x, w, b, dy = s.x, s.w, s.b, s.dy
+    try:
+        fwd = fla_cp_forward(group, s.cu_dev)
+
+        def fla_step():
+            return torch.autograd.grad(fwd(x, w, b), (x, w, b), dy.unsqueeze(0))
+
+        return {"fla_fwd_ms": timed(dev, lambda: fwd(x.detach(), w.detach(), b.detach()), args.reps),
+                "fla_step_ms": timed(dev, fla_step, args.reps)}
+    except Exception as e:  # noqa: BLE001 - reported, the run goes on
+        return {"fla_error": fmt_err(e)}
 
 
 def add_derived(row: dict) -> dict:
@@ -207,22 +224,49 @@ def main(argv=None) -> int:
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     env = environment(dev, "bench_cp.py") if rank == 0 else None
-    rows = []  # every rank's rows of each shape, then the slowest rank's
-    for T, C, D in shapes:
-        row = run_shape(dev, args, T, C, D, rank, P, group, fla_ok)
+    start = time.monotonic()
+    by_shape = {}  # (T, C, D) -> every rank's row
+
+    def gather(row: dict) -> list[dict]:
+        row["elapsed_s"] = time.monotonic() - start
         ranks = [None] * P
         dist.all_gather_object(ranks, row)
-        if fla_ok and any("fla_error" in r for r in ranks):
-            fla_ok = False  # on every rank alike (one rank's failure would leave the others in fla's collectives)
-        rows += [*ranks, slowest(ranks)]
+        return ranks
+
+    def save():
+        if rank == 0 and args.json:  # after each shape: a later hang keeps what ran
+            rows = [r for ranks in by_shape.values() for r in (*ranks, slowest(ranks))]
+            with open(args.json, "w") as f:
+                json.dump({"env": env, "world_size": P, "rows": rows}, f, indent=1)
+
+    def out_of_time() -> bool:  # the same answer on every rank: the gathered clocks
+        return any(r["elapsed_s"] > args.deadline_s for ranks in by_shape.values() for r in ranks)
+
+    for T, C, D in shapes:
+        if out_of_time():
+            break
+        ranks = gather(run_ours(dev, args, setup(dev, T, C, D, rank, P, group), rank))
+        by_shape[T, C, D] = ranks
         if rank == 0:
             for r in ranks:
                 log(f"{T}x{C} docs {D} rank {r['rank']}: " + ", ".join(
                     f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
                     if k not in ("T", "C", "docs", "rank")))
-            if args.json:  # after each shape: a later hang keeps what ran
-                with open(args.json, "w") as f:
-                    json.dump({"env": env, "world_size": P, "rows": rows}, f, indent=1)
+        save()
+    for (T, C, D), ranks in by_shape.items():  # fla's pass, on the shapes ours ran
+        if not fla_ok or out_of_time():
+            break
+        fla_rows = gather(run_fla(dev, args, setup(dev, T, C, D, rank, P, group), group))
+        if any("fla_error" in f for f in fla_rows):
+            fla_ok = False  # on every rank alike
+            if rank == 0:
+                log(f"fla stopped at {T}x{C} docs {D}: " + "; ".join(f.get("fla_error", "ok") for f in fla_rows))
+        for r, f in zip(ranks, fla_rows):
+            f.pop("elapsed_s", None)
+            r.update(f)
+            add_derived(r)
+        save()
+    rows = [r for ranks in by_shape.values() for r in (*ranks, slowest(ranks))]
     if rank == 0:
         print("\n".join([f"## bench_cp · {P} ranks · {torch.cuda.get_device_name()}", *table(rows)]))
     dist.barrier()

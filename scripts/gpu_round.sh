@@ -8,9 +8,11 @@
 # included): run it as two calls, e.g. CAKE_TEST_PATHS="tests/test_[a-c]*.py" and the rest
 # (scripts/ci_gpu.sh takes the paths).
 # cp, then cp-bench: the context-parallel round on a 2-GPU machine (nvidia-h200-x2), two device calls
-# (each fits the 600-second limit): the CP tests (torchrun included), then bench_cp.py. Every step has
-# a timeout longer than the limits inside it (tests/test_cp_multi_gpu.py: a rank 300 s, its torchrun
-# 330 s), with -k: a hung collective fails, it does not eat the budget or leave ranks on the GPUs.
+# (each within the 600-second limit: every step's timeout is what is left of 570 s): the CP tests,
+# the NCCL one first in a pytest call of its own (tests/test_cp_multi_gpu.py: a rank 150 s, its torchrun
+# 180 s; the ranks' output and reports copied to $OUT), then bench_cp.py (--deadline-s: no shape starts
+# once its time is nearly gone; the JSON is rewritten after each shape). Timeouts kill with -k: a hung
+# collective fails, it does not eat the budget or leave ranks on the GPUs.
 set -uo pipefail
 phase=all
 case "${1:-}" in tests|bench|cp|cp-bench) phase=$1; shift ;; esac
@@ -26,20 +28,27 @@ export FLASHINFER_CAKE_CACHE_DIR=/tmp/cake_cache
 { nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$OUT/machine.txt" 2>&1
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
+left() { local l=$((570 - SECONDS)); echo $((l > 10 ? l : 10)); }  # seconds left of the call (a timeout's; never 0)
 bench_cp() {
   local gpus; gpus=$(nvidia-smi -L | wc -l)
   [ "$gpus" -ge 2 ] || return 0
-  # bench_cp rewrites its JSON after each shape: a timeout keeps the shapes that ran
-  (cd scripts && timeout -k 10 480 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" bench_cp.py \
-     "$@" --json "$OUT/bench_cp.json" > "$OUT/bench_cp.log" 2>&1)
+  local t; t=$(left)
+  (cd scripts && timeout -k 10 "$t" python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" bench_cp.py \
+     "$@" --deadline-s $((t - 120)) --json "$OUT/bench_cp.json" > "$OUT/bench_cp.log" 2>&1)
   grep -A120 "## bench_cp" "$OUT/bench_cp.log" || tail -20 "$OUT/bench_cp.log"
 }
 if [ "$phase" = cp ] || [ "$phase" = cp-bench ]; then
   python3 -m pip install --no-build-isolation --no-deps -q -e ".[test]" > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
   timeout -k 10 300 python3 -m flashinfer_cake build > "$OUT/build.log" 2>&1 || { tail "$OUT/build.log"; exit 1; }
   if [ "$phase" = cp ]; then
-    FLASHINFER_CAKE_REQUIRE_GPU=1 timeout -k 10 420 python3 -m pytest tests/test_cp_multi_gpu.py tests/test_cp_gpu.py -q \
-      -p no:cacheprovider --junitxml="$OUT/junit_cp.xml" > "$OUT/tests_cp.log" 2>&1; tail -15 "$OUT/tests_cp.log"
+    export CAKE_CP_LOG_DIR="$OUT"
+    FLASHINFER_CAKE_REQUIRE_GPU=1 timeout -k 10 "$(left)" python3 -m pytest -q -p no:cacheprovider -rA \
+      "tests/test_cp_multi_gpu.py::test_every_layout_mix_and_variant_over_nccl" > "$OUT/tests_cp_nccl.log" 2>&1
+    tail -40 "$OUT/tests_cp_nccl.log"
+    FLASHINFER_CAKE_REQUIRE_GPU=1 timeout -k 10 "$(left)" python3 -m pytest -q -p no:cacheprovider \
+      tests/test_cp_multi_gpu.py tests/test_cp_gpu.py --deselect \
+      "tests/test_cp_multi_gpu.py::test_every_layout_mix_and_variant_over_nccl" --junitxml="$OUT/junit_cp.xml" \
+      > "$OUT/tests_cp.log" 2>&1; tail -15 "$OUT/tests_cp.log"
   else
     bench_cp "$@"
   fi

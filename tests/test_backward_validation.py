@@ -422,6 +422,51 @@ def test_autograd_entry_rejects_a_row_stride_past_the_backwards_range():
         cake_causal_conv1d(x, torch.randn(8, 4), torch.tensor([0, 2], dtype=I32))
 
 
+class _Traced(Exception):
+    """Raised by the recording compilers in place of running a graph (the ops need a GPU)."""
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("states", [False, True], ids=["plain", "states"])
+def test_torch_compile_traces_one_graph_through_the_custom_ops(dynamic, states):
+    """torch.compile(fullgraph=True) of a loss through cake_causal_conv1d, traced on the CPU with fake
+    tensors (the compilers record the graphs and run nothing): one graph, no break, the forward
+    custom op in AOT autograd's forward graph and the backward op in its backward graph where it is
+    compiled before the first backward (dynamic shapes, here)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def recorder(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm.code
+
+            def run(*args):
+                raise _Traced(name)
+            return run
+        return compiler
+
+    def loss(x, w, b, h0, cu):
+        out = cake_causal_conv1d(x, w, cu, b, initial_states=h0, return_final_states=h0 is not None)
+        y, fs = out if h0 is not None else (out, None)
+        return y.float().sum() + (0 if fs is None else fs.float().sum())
+
+    x = torch.randn(S, C).to(BF16).requires_grad_()
+    w, b = torch.randn(C, 4, requires_grad=True), torch.randn(C).to(BF16).requires_grad_()
+    h0 = torch.randn(3, 3, C).to(BF16).requires_grad_() if states else None
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(loss, backend=aot_autograd(fw_compiler=recorder("fw"), bw_compiler=recorder("bw")),
+                                 fullgraph=True, dynamic=dynamic)
+        with pytest.raises(_Traced, match="fw"):
+            compiled(x, w, b, h0, torch.tensor([0, 5, 5, S], dtype=I32))
+    finally:
+        torch._dynamo.reset()  # no compiled state left to other tests
+    assert "flashinfer_cake.causal_conv1d_fwd" in graphs["fw"] and "causal_conv1d_bwd" not in graphs["fw"]
+    if dynamic:  # AOT autograd compiles the backward up front with dynamic shapes (torch 2.11-2.13)
+        assert "flashinfer_cake.causal_conv1d_bwd" in graphs["bw"]
+
+
 # ---------------------------------------------------------------------------------------------
 # workspace size
 

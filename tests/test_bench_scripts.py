@@ -238,3 +238,64 @@ def test_bench_cp_reports_every_rank_and_the_slowest(monkeypatch):
     lines = bench_cp.table([*ranks, group])
     assert len(lines) == 5 and all(line.count("|") == 15 for line in lines)
     assert "| 4096×2048 | 16 | max | NO |" in lines[-1]
+
+
+def test_bench_cp_main_two_passes_and_deadline(monkeypatch, tmp_path):
+    """bench_cp's driver with its GPU parts stubbed (2 ranks simulated in one process): ours on every
+    shape, then fla's pass on the same shapes, stopped on every rank by one rank's fla error; the JSON
+    holds every rank's rows and the slowest's; --deadline-s starts no shape once a rank's clock is past
+    it."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    bench_cp = importlib.import_module("bench_cp")
+    P, clock = 2, {"t": 0.0}
+    names = [f"{who}_{k}{g}_ms" for who in ("single", "cp") for k in ("fwd", "step") for g in ("", "_graph")]
+
+    class Dist:  # every collective sees this rank's row and a peer's copy of it (rank 1, 10 % slower)
+        group = argparse.Namespace(WORLD="world")
+
+        @staticmethod
+        def all_gather_object(out, obj):
+            peer = {k: v * 1.1 if k.endswith("_ms") else v for k, v in obj.items()}
+            if "rank" in peer:
+                peer["rank"] = 1
+            if obj.get("fla_fail_on_peer"):
+                peer = {"fla_error": "boom", "elapsed_s": obj["elapsed_s"]}
+            out[:] = [dict(obj), peer]
+
+        init_process_group = barrier = destroy_process_group = staticmethod(lambda *a, **k: None)
+
+    def run_ours(dev, args, s, rank):
+        clock["t"] += 10.0
+        return bench_cp.add_derived({"T": s.T, "C": s.C, "docs": s.D, "rank": rank, "fragments": 1, "bitwise": True,
+                                     **{n: 1.0 + i for i, n in enumerate(names)}})
+
+    def run_fla(dev, args, s, group):
+        clock["t"] += 10.0
+        return {"fla_fwd_ms": 20.0, "fla_step_ms": 40.0, "fla_fail_on_peer": s.D == 16}
+
+    monkeypatch.setattr(bench_cp, "dist", Dist)
+    monkeypatch.setattr(bench_cp, "Dev", lambda smoke: argparse.Namespace(device="cuda"))
+    monkeypatch.setattr(bench_cp, "environment", lambda dev, name: {})
+    monkeypatch.setattr(bench_cp, "setup", lambda dev, T, C, D, rank, P, group: argparse.Namespace(T=T, C=C, D=D))
+    monkeypatch.setattr(bench_cp, "run_ours", run_ours)
+    monkeypatch.setattr(bench_cp, "run_fla", run_fla)
+    monkeypatch.setattr(bench_cp.time, "monotonic", lambda: clock["t"])
+    monkeypatch.setattr(bench_cp.torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(bench_cp.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(bench_cp.torch.cuda, "get_device_name", lambda *a: "stub")
+    monkeypatch.setattr(bench_cp.torch, "device", lambda *a: None)
+    for name in ("fla", "fla.modules", "fla.modules.causal_conv1d", "fla.modules.causal_conv1d.cp"):
+        monkeypatch.setitem(sys.modules, name, argparse.Namespace())  # "fla is installed"
+    monkeypatch.setenv("WORLD_SIZE", str(P))
+    out = tmp_path / "cp.json"
+    shapes = "4096x2048x1,4096x2048x16,4096x2048x1024"
+    assert bench_cp.main(["--shapes", shapes, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["docs"], r["rank"]) for r in rows] == [(d, k) for d in (1, 16, 1024) for k in (0, 1, "max")]
+    by = {(r["docs"], r["rank"]): r for r in rows}
+    assert by[1, "max"]["fla_step_ms"] == 44.0 and by[1, "max"]["vs_fla_step"] > 0  # the slower rank's
+    assert by[16, 1]["fla_error"] == "boom" and "fla_fwd_ms" not in by[16, "max"]  # one rank failed
+    assert not any("fla_fwd_ms" in by[1024, k] or "fla_error" in by[1024, k] for k in (0, 1))  # fla stopped
+    clock["t"] = 0.0
+    assert bench_cp.main(["--shapes", shapes, "--json", str(out), "--deadline-s", "15"]) == 0
+    assert sorted({r["docs"] for r in json.loads(out.read_text())["rows"]}) == [1, 16]  # none started after 15 s

@@ -513,3 +513,28 @@ def test_verify_context_checks_every_call_on_every_rank(cfg, exchange_error, tmp
     handle = [r["handle"] for r in results]
     assert handle[0] is not None and handle[0] == handle[1], handle
     assert "rank 1: its arguments: cake_causal_conv1d_cp: recompute_handle must be a CPRecomputeHandle" in handle[0]
+
+
+_EXCHANGES_WORKER = textwrap.dedent("""
+    import datetime, json, os, sys, torch.distributed as dist
+    cfg = json.loads(sys.argv[1])
+    sys.path.insert(0, cfg["tests"])
+    import cp_worker
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method="file://" + os.environ["CP_TEST_STORE"], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    print(json.dumps({"rank": rank, "failures": cp_worker.exchanges(rank, world, "cpu")}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # (as _WORKER: gloo's static destructors)
+""")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_multi_gpu_workers_exchange_reference_over_gloo(world_size, tmp_path):
+    """tests/cp_worker.py's halo-exchange cases (run over NCCL by test_cp_multi_gpu.py) on the host over
+    gloo: its reference of every rank's halos and gradients agrees with the library here."""
+    cfg = {"tests": os.path.dirname(os.path.abspath(__file__))}
+    results = run_ranks(world_size, cfg, str(tmp_path / "store"), timeout=120, worker=_EXCHANGES_WORKER)
+    assert [r["failures"] for r in results] == [[]] * world_size

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.gpu
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Time limits, nested: a rank (cp_worker.py) dumps its stacks and exits after WORKER_LIMIT_S; torchrun
 # and every rank are killed after RANKS_LIMIT_S (r47: 192 cases per rank took 40 s on one H200);
-# scripts/gpu_round.sh's cp phase gives pytest more than both.
-WORKER_LIMIT_S, RANKS_LIMIT_S, BUILD_LIMIT_S = 300, 330, 300
+# scripts/gpu_round.sh's cp phase gives each pytest call more. CAKE_CP_LOG_DIR (optional): where each
+# run's torchrun output and rank reports are copied, whatever the outcome (the round sets it to $OUT).
+WORKER_LIMIT_S, RANKS_LIMIT_S, BUILD_LIMIT_S = 150, 180, 300
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,13 +42,22 @@ def run_ranks(tmp_path: Path, ranks: int, backend: str) -> None:
                             start_new_session=True)
     try:
         _, stderr = proc.communicate(timeout=RANKS_LIMIT_S)
+        timed_out = False
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank
         _, stderr = proc.communicate()
-        pytest.fail(f"the ranks did not finish in {RANKS_LIMIT_S} s (a hung collective?): {stderr[-3000:]}")
+        timed_out = True
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    if log_dir := os.environ.get("CAKE_CP_LOG_DIR"):
+        where = Path(log_dir) / f"cp_ranks_{backend}_{ranks}"
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "torchrun_stderr.txt").write_text(stderr)
+        for p in tmp_path.glob("rank*.json"):
+            (where / p.name).write_text(p.read_text())
     # a rank that raised wrote its traceback before exiting: show it before torchrun's noise
-    assert proc.returncode == 0, "\n".join(f for rep in reports for f in rep["failures"])[-5000:] + stderr[-3000:]
+    raised = "\n".join(f for rep in reports for f in rep["failures"])[-5000:]
+    assert not timed_out, f"the ranks did not finish in {RANKS_LIMIT_S} s (a hung collective?): {raised}{stderr[-3000:]}"
+    assert proc.returncode == 0, raised + stderr[-3000:]
     assert len(reports) == ranks
     failures = [f"rank {r}: {f}" for r, rep in enumerate(reports) for f in rep["failures"]]
     assert not failures, "\n".join(failures[:20])
