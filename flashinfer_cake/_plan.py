@@ -84,7 +84,7 @@ int main() {
 
 @functools.cache
 def _probe(include_dir: str) -> Path:
-    """The plan program compiled against include_dir's header (once per process; ~1 s)."""
+    """The plan program compiled against include_dir's header (once per process; 0.2 s with g++ here)."""
     d = Path(tempfile.mkdtemp(prefix="cake_plan_"))
     atexit.register(shutil.rmtree, d, ignore_errors=True)
     (d / "probe.cpp").write_text(_PROBE)

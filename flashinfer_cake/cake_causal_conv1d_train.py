@@ -46,7 +46,8 @@ def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device) ->
     """Bytes of FP32 workspace a backward of ``[S, C]`` on ``device`` needs: one partial row of
     the four taps' and the bias's gradient sums per token group (5 x C x 4 bytes per group of
     128 to 1024 tokens, the group count rounded up: 1 % to 8.1 % of x's bytes from S = 4096 on, up
-    to 15 % below it; a third of that against the bytes the backward moves); 0 when ``S == 0``.
+    to 15 % from S = 128, a third of that against the bytes the backward moves; a single group
+    below S = 128); 0 when ``S == 0``.
     Never decreases with S: a workspace for the largest S serves every smaller one. (The rule is
     causal_conv1d_bwd_plan.h's; nothing is built to compute it.)"""
     _checks.check_sizes(S, C, device, "backward")

@@ -298,4 +298,9 @@ def test_bench_cp_main_two_passes_and_deadline(monkeypatch, tmp_path):
     assert not any("fla_fwd_ms" in by[1024, k] or "fla_error" in by[1024, k] for k in (0, 1))  # fla stopped
     clock["t"] = 0.0
     assert bench_cp.main(["--shapes", shapes, "--json", str(out), "--deadline-s", "15"]) == 0
-    assert sorted({r["docs"] for r in json.loads(out.read_text())["rows"]}) == [1, 16]  # none started after 15 s
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted({r["docs"] for r in rows}) == [1, 16] and not any("fla_fwd_ms" in r for r in rows)  # none after 15 s
+    clock["t"] = 0.0  # ours at 10, 20, 30 s; fla's first shape at 40 s, then past the deadline
+    assert bench_cp.main(["--shapes", shapes, "--json", str(out), "--deadline-s", "35"]) == 0
+    by = {(r["docs"], r["rank"]): r for r in json.loads(out.read_text())["rows"]}
+    assert len(by) == 9 and "fla_fwd_ms" in by[1, 0] and not any("fla_fwd_ms" in by[d, 0] for d in (16, 1024))
