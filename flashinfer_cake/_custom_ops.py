@@ -58,10 +58,8 @@ def backward_of_any_grads(x, weight, cu_seqlens, dy, bias, initial_states, dfina
     the kernel reads it as it is (BF16 rows, contiguous or row-strided, 16-byte aligned), else
     materialized once as a contiguous BF16 tensor (as the binding's autograd node does); the
     final states' gradient likewise (contiguous)."""
-    if dy.shape != x.shape:  # (a copy would broadcast it)
-        raise ValueError(f"flashinfer_cake::causal_conv1d_bwd: dy must have x's shape {tuple(x.shape)}, got "
-                         f"{tuple(dy.shape)}")
-    if not rows_read_as_they_are(dy, x, "backward"):
+    # (a dy of another shape is not broadcast by a copy: it goes on to the backward's error)
+    if dy.shape == x.shape and not rows_read_as_they_are(dy, x, "backward"):
         dy = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(dy)
     if dfinal_states is not None and not states_read_as_they_are(dfinal_states):
         dfinal_states = torch.empty(dfinal_states.shape, dtype=torch.bfloat16, device=dfinal_states.device

@@ -22,6 +22,23 @@ def exchanged_by_hand(ctxs, sends, kind: str) -> list[torch.Tensor]:
     return [torch.cat([parts[s][t] for s in range(P)]) for t in range(P)]
 
 
+def halo_rows(part, x_global: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's fragments' halos ``[num_fragments, 3, C]`` from the global batch (the reference
+    of the tables and of halo_exchange): the 3 rows before each fragment in its document, row 2 the
+    nearest, zeros before the document's first token. Differentiable in x_global."""
+    cu = [0]
+    for n in part.doc_lengths:
+        cu.append(cu[-1] + n)
+    C = x_global.shape[1]
+    padded = torch.cat([x_global.new_zeros(1, C), x_global])  # row 0: the zero row
+    out = []
+    for frags in part.fragments:
+        rows = [cu[d] + o - k + 1 if o - k >= 0 else 0 for d, o, _ in frags for k in (3, 2, 1)]
+        idx = torch.tensor(rows, dtype=torch.long, device=x_global.device)
+        out.append(padded.index_select(0, idx).view(len(frags), 3, C))
+    return out
+
+
 def random_fragments(lengths, P, rng, pieces=(0, 1, 2, 3, 5, 30)):
     """Every document cut into pieces of `pieces` tokens (0: an empty fragment), each on a random
     rank; each rank's list shuffled (a rank may hold non-adjacent pieces of one document, in any

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from cp_by_hand import random_fragments  # noqa: E402
+from cp_by_hand import halo_rows, random_fragments  # noqa: E402
 from test_cp_gpu import MIXES, assert_partials_sum_to, global_cu, inputs, make_partition, single_gpu  # noqa: E402
 from test_cp_multi_gpu import NO_MULTICAST, WORKER_LIMIT_S  # noqa: E402
 
@@ -168,21 +168,6 @@ def multi_recompute_graph(rank, P, capture: bool):
     return failures
 
 
-def halo_rows_by_hand(part, lengths, x_global):
-    """Every rank's fragments' halos [num_fragments, 3, C] from the global batch: the 3 rows before
-    each fragment in its document, zeros before the document's first token."""
-    cu = global_cu(lengths)
-    C = x_global.shape[1]
-    padded = torch.cat([x_global.new_zeros(3, C), x_global])
-    out = []
-    for frags in part.fragments:
-        rows = [[cu[d] + o - k if o - k >= 0 else -1 for k in (3, 2, 1)] for d, o, _ in frags]
-        idx = torch.tensor(rows, dtype=torch.long, device=x_global.device).view(-1) + 3  # -1 -> a zero row
-        idx[idx < 3] = 0
-        out.append(padded.index_select(0, idx).view(len(frags), 3, C))
-    return out
-
-
 def exchanges(rank, P, device="cuda") -> list[str]:
     """halo_exchange / halo_exchange_multi across the ranks (FP64, integer-valued: every sum exact):
     each rank's halos, and each rank's gradient of its rows summed over every rank's halo gradient,
@@ -200,7 +185,7 @@ def exchanges(rank, P, device="cuda") -> list[str]:
         xg = [torch.randint(-8, 8, (S, c), device=device, generator=g).double().requires_grad_() for c in widths]
         dstates = [[torch.randint(-8, 8, (len(part.fragments[r]), 3, c), device=device, generator=g).double()
                     for c in widths] for r in range(P)]
-        ref = [halo_rows_by_hand(part, lengths, x) for x in xg]  # [tensor][rank]
+        ref = [halo_rows(part, x) for x in xg]  # [tensor][rank]
         grads_ref = torch.autograd.grad([h for per in ref for h in per],
                                         xg, [dstates[r][i] for i in range(len(widths)) for r in range(P)])
         idx = torch.tensor(part.global_tokens(rank), dtype=torch.long, device=device)

@@ -422,6 +422,17 @@ def test_autograd_entry_rejects_a_row_stride_past_the_backwards_range():
         cake_causal_conv1d(x, torch.randn(8, 4), torch.tensor([0, 2], dtype=I32))
 
 
+@pytest.mark.parametrize("dy", [torch.randn(C), torch.randn(1, C).to(BF16)], ids=["fp32-row", "bf16-row"])
+def test_custom_ops_backward_does_not_broadcast_dy(dy):
+    """The custom op's backward copies an incoming gradient it cannot read as it is, but one of
+    another shape is the backward's ValueError naming dy, not broadcast into x's shape."""
+    from flashinfer_cake._custom_ops import backward_of_any_grads
+
+    x = torch.randn(S, C).to(BF16)
+    with pytest.raises(ValueError, match=r"^cake_causal_conv1d_train_backward: dy\b"):
+        backward_of_any_grads(x, torch.randn(C, 4), torch.tensor([0, S], dtype=I32), dy, None, None, None, "bf16")
+
+
 class _Traced(Exception):
     """Raised by the recording compilers in place of running a graph (the ops need a GPU)."""
 
