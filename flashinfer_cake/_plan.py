@@ -99,11 +99,11 @@ def header_plan(sizes, include_dir: str | Path | None = None) -> dict[tuple[int,
     """The plan of each (S, C) of ``sizes`` as causal_conv1d_bwd_plan.h computes it (the package's
     templates, or those under ``include_dir``): what the launcher and the torch binding use. For
     tests and tools; it needs the C++ compiler (``CXX``, else c++ / g++)."""
+    from . import _checks  # (it imports this module)
+
     sizes = [(int(S), int(C)) for S, C in sizes]
-    for S, C in sizes:  # the backward's range (the header's arithmetic holds there)
-        if not (0 <= S < 2**30 and 0 < C < 2**28 and S * C < 2**34):
-            raise ValueError(f"header_plan: (S, C) must have 0 <= S < 2^30, 0 < C < 2^28 and S * C < 2^34, "
-                             f"got S={S}, C={C}")
+    for S, C in sizes:  # the backward's range, where the header's arithmetic holds: its ValueError
+        _checks.check_sizes(S, C, "cpu", "backward")
     probe = _probe(str(Path(include_dir or env.include_dir()).resolve()))
     out = subprocess.run([str(probe)], input="".join(f"{S} {C}\n" for S, C in sizes), capture_output=True,
                          text=True, check=True).stdout
