@@ -4,6 +4,7 @@ a hung collective fails the test) against the FP64 reference of the unsplit batc
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import subprocess
@@ -327,26 +328,60 @@ def test_backward_tables_give_each_fragment_the_next_tokens(cu, world_size, layo
         assert_receives_only_what_it_needs(c, [i for i in c.g_import.tolist() if i >= 0], "g")
 
 
+class _Ctx:
+    """A stand-in context (the handle holds contexts weakly)."""
+
+
 def test_recompute_handle_keeps_one_halo_per_input_identity():
-    """CPRecomputeHandle (the conv's activation-checkpointing aid): a halo kept under the
-    identity of the inputs it was exchanged for (address, version, shape, context) is taken back
-    only for the same inputs, once; at most max_kept are kept, the oldest dropped."""
+    """CPRecomputeHandle (the conv's activation-checkpointing aid): a halo kept for live inputs
+    (storage, offset, version, shape) and a context is taken back only for the same inputs and
+    context, once; at most max_kept are kept, the oldest dropped."""
     from flashinfer_cake.cp import CPRecomputeHandle
     handle = CPRecomputeHandle(max_kept=2)
-    ctx_a, ctx_b = object(), object()
+    ctx_a, ctx_b = _Ctx(), _Ctx()
     x, y, z = torch.zeros(4, 8), torch.ones(4, 8), torch.full((4, 8), 2.0)
     handle._keep(ctx_a, [x], "rows x")
     handle._keep(ctx_a, [y], "rows y")
     assert len(handle) == 2 and "2 halos" in repr(handle)
-    assert handle._take(ctx_b, [x]) is None  # another context
+    assert handle._take("f", ctx_b, [x]) is None  # another context
     x.add_(1)  # a new version of x: not the inputs the halo was exchanged for
-    assert handle._take(ctx_a, [x]) is None
-    assert handle._take(ctx_a, [y]) == "rows y"
-    assert handle._take(ctx_a, [y]) is None  # taken once
+    assert handle._take("f", ctx_a, [x]) is None
+    assert handle._take("f", ctx_a, [x.view(4, 8)]) is None  # a view: the same storage, still the new version
+    assert handle._take("f", ctx_a, [y.detach()]) == "rows y"  # (a reentrant checkpoint's detached input)
+    assert handle._take("f", ctx_a, [y]) is None  # taken once
     handle._keep(ctx_a, [x], "x1")
     handle._keep(ctx_a, [y], "y1")
     handle._keep(ctx_a, [z], "z1")  # the oldest (x) dropped
-    assert len(handle) == 2 and handle._take(ctx_a, [x]) is None and handle._take(ctx_a, [z]) == "z1"
+    assert len(handle) == 2 and handle._take("f", ctx_a, [x]) is None and handle._take("f", ctx_a, [z]) == "z1"
+    handle._keep(ctx_a, [y], "y2")  # the same inputs again: replaces y1
+    assert len(handle) == 1 and handle._take("f", ctx_a, [y]) == "y2"
+
+
+def test_recompute_handle_matches_freed_inputs_by_context_alone():
+    """An x_local made inside the checkpointed function is freed after the first run, and its
+    recomputation is a new tensor (possibly at the same address as another micro-batch's): the halo
+    is then found by its context, only when the context holds exactly one halo of freed inputs; a
+    context that is gone takes its halos with it."""
+    from flashinfer_cake.cp import CPRecomputeHandle
+    handle = CPRecomputeHandle()
+    ctx_a, ctx_b = _Ctx(), _Ctx()
+    handle._keep(ctx_a, [torch.zeros(16, 8)], "a")  # freed at once, like an intermediate of the region
+    handle._keep(ctx_b, [torch.zeros(16, 8)], "b")
+    alive = torch.zeros(16, 8)
+    handle._keep(ctx_b, [alive], "b alive")  # a live input's halo is never taken for other inputs
+    assert handle._take("f", ctx_a, [torch.zeros(8, 8)]) is None  # another shape
+    assert handle._take("f", ctx_b, [torch.zeros(16, 8)]) == "b"
+    assert handle._take("f", ctx_a, [torch.zeros(16, 8)]) == "a"
+    assert handle._take("f", ctx_a, [torch.zeros(16, 8)]) is None
+    assert len(handle) == 1 and handle._take("f", ctx_b, [alive]) == "b alive"
+    handle._keep(ctx_a, [torch.zeros(16, 8)], "a1")  # two micro-batches of one context in flight
+    handle._keep(ctx_a, [torch.zeros(16, 8)], "a2")
+    with pytest.raises(RuntimeError, match=r"f: the recompute_handle holds 2 halos of this context whose inputs "
+                                           r"were freed.*a context of its own"):
+        handle._take("f", ctx_a, [torch.zeros(16, 8)])
+    del ctx_a
+    gc.collect()
+    assert len(handle) == 0 and handle._take("f", ctx_b, [torch.zeros(16, 8)]) is None
 
 
 _VERIFY_WORKER = textwrap.dedent("""

@@ -440,6 +440,43 @@ def test_recompute_handle_with_two_micro_batches_in_flight(nccl_group):
         assert torch.equal(y, yl) and torch.equal(ref.grad, xl.grad)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recompute_handle_with_x_made_inside_the_checkpoint(nccl_group, reentrant):
+    """The usual block checkpoint: x_local is made inside the checkpointed function (freed after
+    the first run, made anew by the recomputation, maybe at another micro-batch's address). Two
+    micro-batches in flight, each with its own context, recomputed in either order: each takes its
+    own halo, bitwise the plain step's results."""
+    part, cu, x, dy, w, b, idx = one_rank_batch(19)
+    ctxs = [build_cp_context(part, nccl_group, 0, DEV) for _ in range(2)]
+    handle = CPRecomputeHandle()
+
+    def block(ctx):
+        return lambda t: cake_causal_conv1d_cp(t * 1, w, ctx, b, recompute_handle=handle)  # t * 1: a fresh x_local
+
+    xs = [(k * x[idx]).requires_grad_() for k in (1, 2)]
+    ys = [torch.utils.checkpoint.checkpoint(block(c), t, use_reentrant=reentrant) for c, t in zip(ctxs, xs)]
+    assert len(handle) == 2
+    for k in (1, 0):  # the second micro-batch's backward first
+        ys[k].backward(dy[idx])
+    assert len(handle) == 0
+    for xl, yl in zip(xs, ys):
+        ref = xl.detach().clone().requires_grad_()
+        y = cake_causal_conv1d_cp(ref, w, ctxs[0], b)
+        y.backward(dy[idx])
+        assert torch.equal(y, yl) and torch.equal(ref.grad, xl.grad)
+
+
+def test_recompute_handle_refuses_two_freed_inputs_of_one_context(nccl_group):
+    part, cu, x, dy, w, b, idx = one_rank_batch(20)
+    ctx = build_cp_context(part, nccl_group, 0, DEV)
+    handle = CPRecomputeHandle()
+    layer = lambda t: cake_causal_conv1d_cp(t * 1, w, ctx, b, recompute_handle=handle)  # noqa: E731
+    ys = [torch.utils.checkpoint.checkpoint(layer, (k * x[idx]).requires_grad_(), use_reentrant=False)
+          for k in (1, 2)]
+    with pytest.raises(RuntimeError, match="holds 2 halos of this context whose inputs were freed"):
+        ys[0].backward(dy[idx])
+
+
 def test_recompute_without_a_kept_halo_is_refused(nccl_group):
     part, cu, x, dy, w, b, idx = one_rank_batch(14)
     ctx = build_cp_context(part, nccl_group, 0, DEV)

@@ -26,10 +26,12 @@ capturable (build the context before capturing)."""
 
 from __future__ import annotations
 
-import collections
+import dataclasses
+import weakref
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import _checks, _dispatch
 from .partition import CPContext, capturing, check_call, check_context
@@ -44,41 +46,81 @@ class CPRecomputeHandle:
 
     Pass one handle to one checkpointed call site (one layer): a forward outside a backward pass
     exchanges the halo and keeps it in the handle (the received rows, ``[halo rows + 1, sum C]``
-    BF16, from which its halos are gathered), under the identity of its inputs (their addresses
-    and versions) and context; a forward run inside a backward pass (the recomputation
-    of ``torch.utils.checkpoint``) takes the halo kept for the same inputs and exchanges nothing,
-    so ranks that recompute their layers in different orders cannot deadlock. Several micro-batches
-    in flight (pipeline schedules) each find their own. At most ``max_kept`` halos are kept (the
-    oldest dropped): use the handle only on checkpointed calls. A recomputation takes its halo
-    once: a second backward through the same checkpoint (``retain_graph=True``) raises. Refused
-    inside CUDA graph capture (the handle is host state)."""
+    BF16, from which its halos are gathered) for its context and inputs; a forward run inside a
+    backward pass (the recomputation of ``torch.utils.checkpoint``) takes the halo kept for them
+    and exchanges nothing, so ranks that recompute their layers in different orders cannot
+    deadlock. A recomputation finds its halo by
+    - its inputs, when they are the first run's (an input of the checkpointed function: the
+      checkpoint keeps it alive; same storage, offset, version and shape), or
+    - its context alone, when the first run's inputs have been freed (an ``x_local`` computed
+      inside the checkpointed function is made anew by the recomputation): then the context must
+      have exactly one such halo kept, so micro-batches in flight at once (pipeline schedules)
+      need contexts of their own; two would be ambiguous and raise.
+    A context is held weakly: the halos of a context that is gone are dropped. At most
+    ``max_kept`` halos are kept (the oldest dropped): use the handle only on checkpointed calls. A
+    recomputation takes its halo once: a second backward through the same checkpoint
+    (``retain_graph=True``) raises. Refused inside CUDA graph capture (the handle is host state)."""
 
     def __init__(self, max_kept: int = 64):
         if not isinstance(max_kept, int) or isinstance(max_kept, bool) or max_kept < 1:
             raise ValueError(f"CPRecomputeHandle: max_kept must be an int >= 1, got {max_kept!r}")
-        self._kept: collections.OrderedDict = collections.OrderedDict()
+        self._kept: list[_KeptHalo] = []  # oldest first
         self._max_kept = max_kept
-
-    @staticmethod
-    def _key(cp, xs) -> tuple:
-        return (id(cp), *((x.data_ptr(), x._version, tuple(x.shape)) for x in xs))
 
     def _keep(self, cp, xs, received: torch.Tensor) -> None:
         """Keeps the call's received exchange rows (its halos are gathered from them)."""
-        key = self._key(cp, xs)
-        self._kept.pop(key, None)
-        self._kept[key] = received
-        while len(self._kept) > self._max_kept:
-            self._kept.popitem(last=False)
+        inputs = [_Input(x) for x in xs]
+        self._kept = [k for k in self._kept if k.context() is not None and k.inputs != inputs]
+        self._kept.append(_KeptHalo(weakref.ref(cp), inputs, received))
+        del self._kept[:-self._max_kept]
 
-    def _take(self, cp, xs):
-        return self._kept.pop(self._key(cp, xs), None)
+    def _take(self, fn: str, cp, xs):
+        """The rows kept for a recomputation of ``xs`` on ``cp`` (removed from the handle), None if none."""
+        self._kept = [k for k in self._kept if k.context() is not None]
+        mine = [i for i, k in enumerate(self._kept) if k.context() is cp]
+        inputs = [_Input(x) for x in xs]
+        same = [i for i in mine if self._kept[i].inputs == inputs]
+        freed = [i for i in mine if all(a.freed() and a.shape == b.shape for a, b in zip(self._kept[i].inputs, inputs))
+                 and len(self._kept[i].inputs) == len(inputs)]
+        if not same and len(freed) > 1:
+            raise RuntimeError(
+                f"{fn}: the recompute_handle holds {len(freed)} halos of this context whose inputs were freed, "
+                "so it cannot tell which one this recomputation needs: give each micro-batch in flight a context "
+                "of its own (build_cp_context), or pass x_local into the checkpointed function as an input")
+        pick = same or freed
+        return self._kept.pop(pick[0]).received if pick else None
 
     def __len__(self) -> int:
-        return len(self._kept)
+        """The halos kept for contexts that still exist."""
+        return sum(k.context() is not None for k in self._kept)
 
     def __repr__(self) -> str:
-        return f"CPRecomputeHandle(holding {len(self._kept)} halo{'s' if len(self._kept) != 1 else ''})"
+        return f"CPRecomputeHandle(holding {len(self)} halo{'s' if len(self) != 1 else ''})"
+
+
+class _Input:
+    """A kept call's input: its storage (held weakly), offset, version and shape."""
+
+    __slots__ = ("storage", "data_ptr", "version", "shape")
+
+    def __init__(self, x: torch.Tensor):
+        self.storage = StorageWeakRef(x.untyped_storage())
+        self.data_ptr, self.version, self.shape = x.data_ptr(), x._version, tuple(x.shape)
+
+    def freed(self) -> bool:
+        return self.storage.expired()
+
+    def __eq__(self, other) -> bool:
+        # a live storage held weakly is never another's (its weak reference pins the address)
+        return (not self.freed() and not other.freed() and self.storage == other.storage
+                and (self.data_ptr, self.version, self.shape) == (other.data_ptr, other.version, other.shape))
+
+
+@dataclasses.dataclass
+class _KeptHalo:
+    context: weakref.ref
+    inputs: list
+    received: torch.Tensor
 
 
 def _native(entry: str, weights, biases, device: int, *args, declined: bool = False):
@@ -168,7 +210,7 @@ def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.
     received = None
     if recompute:  # (once per checkpointed call: the Python rules first, so a bad call keeps its halo)
         check()
-        received = handle._take(ctx, xs)
+        received = handle._take(fn, ctx, xs)
         if received is None:
             raise RuntimeError(f"{fn}: the recompute_handle holds no halo for these inputs: a forward recomputed "
                                "in a backward pass takes the halo its first run kept (one handle per checkpointed "
