@@ -136,8 +136,9 @@ def check_states(fn: str, name: str, t: torch.Tensor, num_docs: int, C: int) -> 
 
 def check_not_lazy(fn: str, name: str, t: torch.Tensor) -> None:
     """A lazily negated or conjugated view (torch._neg_view, .conj()) shares memory whose values
-    the kernels would read, or write, without the pending sign."""
-    if t.is_neg() or t.is_conj():
+    the kernels would read, or write, without the pending sign. (Not while torch.compile traces,
+    which cannot ask: the op's eager call checks it when it runs.)"""
+    if not torch.compiler.is_compiling() and (t.is_neg() or t.is_conj()):
         raise ValueError(f"{fn}: {name} must not be a lazily negated or conjugated view; pass t.resolve_neg() / "
                          f"t.resolve_conj()")
 
@@ -200,15 +201,20 @@ def check_workspace(fn: str, workspace: torch.Tensor, dtype: torch.dtype, need: 
         raise ValueError(f"{fn}: workspace must hold at least {need} bytes ({bytes_fn}), got {have}")
 
 
+def check_same_device(fn: str, x: torch.Tensor, others) -> None:
+    """Every tensor of ``others`` ((name, tensor or None) pairs) on x's device."""
+    for name, t in others:
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{fn}: {name} must be on x's device {x.device}, got {t.device}")
+
+
 def check_devices(fn: str, x: torch.Tensor, others) -> int:
-    """Every tensor of ``others`` ((name, tensor or None) pairs) on x's CUDA device, of a supported
-    arch. Returns the device index."""
+    """x on a CUDA device of a supported index and arch, and every tensor of ``others`` (name,
+    tensor or None) on it. Returns the device index."""
     device = x.get_device()
     if device < 0 or not x.is_cuda:
         raise ValueError(f"{fn}: x must be a CUDA tensor, got device {x.device}")
-    for name, t in others:
-        if t is not None and t.get_device() != device:
-            raise ValueError(f"{fn}: {name} must be on x's device {x.device}, got {t.device}")
+    check_same_device(fn, x, others)
     if device >= MAX_DEVICES:
         raise RuntimeError(f"{fn}: device cuda:{device} is not supported: device indices must be below {MAX_DEVICES}")
     if arch_of(device) is None:
@@ -361,18 +367,22 @@ def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, initial_states
 
 def check_autograd_early(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,
                          silu_grad_preactivation) -> None:
-    """What cake_causal_conv1d checks before its forward runs, also under torch.compile: the
-    tensors' types, the flag and the policy, and x within the backward's range (an error now, not
-    in the backward)."""
+    """The rules of cake_causal_conv1d that need no data pointer, so they also run while
+    torch.compile traces (on fake tensors): the tensors' types, the flag and the policy, x within
+    the backward's range (an error now, not in the backward), the parameters, the initial states
+    on x's device. x's being a CUDA device of a supported arch, alignment and overlap are checked
+    when the op runs."""
     check_types(fn, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens)),
                 (("bias", bias), ("initial_states", initial_states)))
     if not isinstance(return_final_states, bool):
         raise TypeError(f"{fn}: return_final_states must be a bool, got {type(return_final_states).__name__}")
     check_policy(fn, silu_grad_preactivation)
-    if x.dim() in (2, 3):
-        S, C = x.shape[-2], x.shape[-1]
-        if S >= MAX_S["backward"] or S * C >= MAX_ELEMENTS["backward"]:
-            check_x(fn, x, "backward")
+    C = check_x(fn, x, "backward")[1]
+    check_params(fn, weight, cu_seqlens, bias, C)
+    if initial_states is not None:
+        check_states(fn, "initial_states", initial_states, cu_seqlens.shape[0] - 1, C)
+    check_same_device(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
+                              ("initial_states", initial_states)))
 
 
 def check_autograd_args(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,

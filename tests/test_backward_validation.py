@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import random
 
+import re
+
 import pytest
 import torch
 
@@ -481,6 +483,43 @@ def test_torch_compile_traces_one_graph_through_the_custom_ops(dynamic, states):
     assert "flashinfer_cake.causal_conv1d_fwd" in graphs["fw"] and "causal_conv1d_bwd" not in graphs["fw"]
     if eager_bw or dynamic:
         assert "flashinfer_cake.causal_conv1d_bwd" in graphs.get("bw", ""), sorted(graphs)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("override, argname", [
+    pytest.param({"w": lambda: torch.randn(C, 1, 4)}, "weight", id="conv1d-weight"),
+    pytest.param({"cu": lambda: torch.tensor([0, 5, S])}, "cu_seqlens", id="int64-cu_seqlens"),
+    pytest.param({"cu": lambda: torch.zeros(0, dtype=I32)}, "cu_seqlens", id="no-cu_seqlens-entry"),
+    pytest.param({"x": lambda: torch.randn(S, C).half().requires_grad_()}, "x", id="fp16-x"),
+    pytest.param({"x": lambda: torch.randn(2, S, C).to(BF16).requires_grad_()}, "x", id="batched-x"),
+    pytest.param({"h0": lambda: torch.randn(3, 3, C).to(BF16)}, "initial_states", id="states-of-other-docs"),
+    pytest.param({"x": lambda: torch.empty(2, 2**33, dtype=BF16, device="meta")[:, :C]}, "x", id="row-stride-range"),
+])
+def test_torch_compile_raises_a_bad_argument_while_tracing(dynamic, override, argname):
+    """Under torch.compile the metadata rules run while tracing (fake tensors): a bad argument is
+    the eager call's message at compile time, not a wrong fake output or an error in the compiled
+    graph's first run (dynamo's Unsupported chains it with fullgraph=True)."""
+    args = {"x": lambda: torch.randn(S, C).to(BF16).requires_grad_(), "w": lambda: torch.randn(C, 4),
+            "cu": lambda: torch.tensor([0, 5, S], dtype=I32), "h0": lambda: torch.randn(2, 3, C).to(BF16)}
+    args.update(override)
+    a = {name: make() for name, make in args.items()}
+
+    def loss(x, w, cu, h0):
+        return cake_causal_conv1d(x, w, cu, initial_states=h0, return_final_states=True)[0].float().sum()
+
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(Exception) as info:
+            torch.compile(loss, fullgraph=True, dynamic=dynamic, backend="aot_eager")(a["x"], a["w"], a["cu"], a["h0"])
+    finally:
+        torch._dynamo.reset()
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    # the ValueError itself, or dynamo's Unsupported quoting it
+    assert any(re.search(rf"(^|ValueError\(['\"]){AUTOGRAD}: {argname}\b", str(e)) for e in chain), \
+        [f"{type(e).__name__}: {e}" for e in chain]
 
 
 # ---------------------------------------------------------------------------------------------
