@@ -32,10 +32,11 @@ def check_types(fn: str, required, optional) -> None:
 
 
 # The contract's limits (exclusive bounds but MAX_CU_SEQLENS): kFwdMaxS / kBwdMaxS,
-# kFwdMaxElements / kBwdMaxElements, kMaxC, kMaxCuSeqlens, kMaxDevices, kFwdWorkspaceCounters.
+# kFwdMaxElements / kBwdMaxElements, kMaxC, kCpMaxC, kMaxCuSeqlens, kMaxDevices, kFwdWorkspaceCounters.
 MAX_S = {"forward": 2**31, "backward": 2**30}
 MAX_ELEMENTS = {"forward": 2**35, "backward": 2**34}
 MAX_C = 2**28
+MAX_CP_C = 2**25  # kCpMaxC: channels of one context-parallel tensor
 MAX_CU_SEQLENS = 2**31 - 1
 MAX_DEVICES = 64
 FWD_WORKSPACE_COUNTERS = 2

@@ -68,6 +68,7 @@ using flashinfer_cake::CpArgs;
 using flashinfer_cake::FwdArgs;
 using flashinfer_cake::kBwdMaxElements;
 using flashinfer_cake::kBwdMaxS;
+using flashinfer_cake::kCpMaxC;
 using flashinfer_cake::kFwdMaxElements;
 using flashinfer_cake::kFwdMaxS;
 using flashinfer_cake::kFwdWorkspaceCounters;
@@ -895,7 +896,7 @@ bool check_items(const at::Tensor& cu_seqlens, CpItems* c) {
     f.weight = c->weights[i];
     f.cu_seqlens = &cu_seqlens;
     f.bias = c->biases[i];
-    if (!check_forward(&f, kBwdMaxS, kBwdMaxElements) || !f.m.cp || !f.m.bwd || !c->xs[i]->is_contiguous() ||
+    if (!check_forward(&f, kBwdMaxS, kBwdMaxElements) || f.C >= kCpMaxC || !f.m.cp || !f.m.bwd || !c->xs[i]->is_contiguous() ||
         (i > 0 && (f.S != c->S || f.device != c->device))) {
       return false;
     }

@@ -34,9 +34,10 @@ using namespace flashinfer_cake;
 int main() {
   std::printf("{\"limits\": {\"max_devices\": %lld, \"fwd_max_s\": %lld, \"fwd_max_elements\": %lld, "
               "\"bwd_max_s\": %lld, \"bwd_max_elements\": %lld, \"max_c\": %lld, \"max_cu_seqlens\": %lld, "
-              "\"fwd_workspace_counters\": %lld},\n",
+              "\"fwd_workspace_counters\": %lld, \"cp_max_c\": %lld},\n",
               (long long)kMaxDevices, (long long)kFwdMaxS, (long long)kFwdMaxElements, (long long)kBwdMaxS,
-              (long long)kBwdMaxElements, (long long)kMaxC, (long long)kMaxCuSeqlens, (long long)kFwdWorkspaceCounters);
+              (long long)kBwdMaxElements, (long long)kMaxC, (long long)kMaxCuSeqlens, (long long)kFwdWorkspaceCounters,
+              (long long)kCpMaxC);
   std::printf("\"plan_constants\": [%d, %d, %d, %d, %d, %d, %d],\n", kBwdPartialRows, kBwdMaxItemTokens,
               kBwdPlanStripLen, kBwdPlanRunGroupTokens, kBwdPlanWideMinC, kBwdPlanFullTileTokens, kBwdPlanWaveItems);
   std::printf("\"cp\": [%d, %d],\n", kCpHeadMask, kCpContinues);
@@ -72,6 +73,7 @@ def test_limits_match(header):
         "max_c": _checks.MAX_C,
         "max_cu_seqlens": _checks.MAX_CU_SEQLENS,
         "fwd_workspace_counters": _checks.FWD_WORKSPACE_COUNTERS,
+        "cp_max_c": _checks.MAX_CP_C,
     }
 
 

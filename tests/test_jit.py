@@ -473,6 +473,13 @@ def test_built_module_entries(built_cache, name, monkeypatch):
         assert message in m.last_error_message(), (kwargs, m.last_error_message())
     assert bwd(device=2**32) == CUDA_ERROR_INVALID_DEVICE
 
+    # the context-parallel passes: C within their grids (kCpMaxC), S and C checked before anything else
+    cp_fields = m.cp_args._fields_
+    cp = lambda **at: m.causal_conv1d_cp(**{**{name: 0 for name, _ in cp_fields}, "S": 16, **at})  # noqa: E731
+    assert cp(C=2**25) == CUDA_ERROR_INVALID_VALUE
+    assert "C must be below 2^25 for the context-parallel passes, got 33554432" in m.last_error_message()
+    assert cp(C=2**25 - 8) == CUDA_ERROR_INVALID_VALUE and "below 2^25" not in m.last_error_message()
+
 
 def test_warm_load_starts_no_process(built_cache, name, monkeypatch):
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(built_cache))

@@ -170,6 +170,9 @@ def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
                              f"tokens (the context's partition), got shape {tuple(x.shape)}")
         if not x.is_contiguous():
             raise ValueError(f"{fn}: {xn} must be contiguous, got strides {x.stride()}")
+        if x.shape[-1] >= _checks.MAX_CP_C:
+            raise ValueError(f"{fn}: {xn} must have C below 2^25 channels (the context-parallel passes' range), "
+                             f"got C={x.shape[-1]}")
     for (x, w, b), (xn, wn, bn) in zip(zip(xs, weights, biases), names):
         # the single-GPU rules, which name x, weight and bias: the prefix says which tensors
         _checks.check_forward_args(f"{fn} ({xn} as x)" if single else f"{fn} ({xn} as x, {wn}, {bn})", x, w,

@@ -43,6 +43,9 @@ constexpr int kCpBwdHeads = 1;
 constexpr int kCpBwdTails = 2;
 constexpr int kCpHeadMask = 3;
 constexpr int kCpContinues = 4;
+// Channels of one context-parallel tensor (exclusive bound): the passes' grids run C / 1024
+// blocks in their y dimension, at most 65535.
+constexpr int64_t kCpMaxC = int64_t(1) << 25;
 
 // The C entries take one struct of int64 fields (device addresses, sizes, flags, the stream):
 // one ctypes argument instead of 15 or 25 (the eager host budget), filled by name in the binding.

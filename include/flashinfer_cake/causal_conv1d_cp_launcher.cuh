@@ -14,7 +14,8 @@ cudaError_t causal_conv1d_cp_entry(const CpArgs& a) {
   if (a.S < 0 || a.S >= kBwdMaxS) return fail(cudaErrorInvalidValue, "x: S must be in [0, 2^30), got %lld", (long long)a.S);
   if (a.C <= 0 || a.C % 8 != 0 || a.C >= kMaxC) return fail(cudaErrorInvalidValue, "x: C must be a positive multiple of 8 below 2^28, got %lld", (long long)a.C);
   if (a.S * a.C >= kBwdMaxElements) return fail(cudaErrorInvalidValue, "x: S * C must be below 2^34, got %lld", (long long)(a.S * a.C));
-  if (a.C / (detail::kCpVec * detail::kCpThreads) >= 65535) return fail(cudaErrorInvalidValue, "x: C must be below 2^26 for the context-parallel passes, got %lld", (long long)a.C);
+  static_assert((kCpMaxC - 1) / (detail::kCpVec * detail::kCpThreads) < 65535, "the passes' grid.y");
+  if (a.C >= kCpMaxC) return fail(cudaErrorInvalidValue, "x: C must be below 2^25 for the context-parallel passes, got %lld", (long long)a.C);
   if (a.num_frags < 0 || a.num_frags >= kMaxCuSeqlens / 3) return fail(cudaErrorInvalidValue, "num_frags out of range: %lld", (long long)a.num_frags);
   if (a.num_items < 0 || a.num_items > INT32_MAX) return fail(cudaErrorInvalidValue, "num_items out of range: %lld", (long long)a.num_items);
   if (a.round_preact != 0 && a.round_preact != 1) return fail(cudaErrorInvalidValue, "round_preact must be 0 or 1, got %lld", (long long)a.round_preact);
