@@ -286,10 +286,29 @@ def _check_aligned(fn: str, named_tensors) -> None:
             raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address, got {t.data_ptr():#x}")
 
 
+def check_no_grad(fn: str, inputs, outputs, why: str) -> None:
+    """With grad mode on, no tensor of ``inputs`` / ``outputs`` ((name, tensor or None) pairs)
+    requires grad: the raw forward and backward record no autograd graph (their results would be
+    constants to autograd, silently) and write their outputs in place (as torch refuses for out=
+    arguments). ``why``: the way to gradients, for the message."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in inputs:
+        if t is not None and t.requires_grad:
+            raise RuntimeError(f"{fn}: {name} requires grad, but this function records no autograd graph, so its "
+                               f"results would be constants to autograd ({why}): call it under torch.no_grad() or "
+                               f"on {name}.detach()")
+    for name, t in outputs:
+        if t is not None and t.requires_grad:
+            raise RuntimeError(f"{fn}: {name} requires grad, but this function writes it in place without autograd: "
+                               f"pass a tensor that does not require grad, or call it under torch.no_grad()")
+
+
 def check_forward_args(fn: str, x, weight, cu_seqlens, bias, initial_states, final_states_out, out, workspace,
-                       op: str = "forward") -> int:
-    """Raises the error of the first forward rule the arguments break (x within ``op``'s range);
-    returns x's device index."""
+                       op: str = "forward", raw: bool = False) -> int:
+    """Raises the error of the first forward rule the arguments break (x within ``op``'s range;
+    ``raw``: the raw forward's call, which also takes no tensor that requires grad while grad mode
+    is on); returns x's device index."""
     check_types(fn, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens)),
                 (("bias", bias), ("initial_states", initial_states), ("final_states_out", final_states_out),
                  ("out", out), ("workspace", workspace)))
@@ -303,6 +322,10 @@ def check_forward_args(fn: str, x, weight, cu_seqlens, bias, initial_states, fin
     if workspace is not None:
         check_workspace(fn, workspace, torch.int32, 4 * FWD_WORKSPACE_COUNTERS,
                         "cake_causal_conv1d_train_forward_workspace_bytes")
+    if raw:
+        check_no_grad(fn, (("x", x), ("weight", weight), ("bias", bias), ("initial_states", initial_states)),
+                      (("final_states_out", final_states_out), ("out", out), ("workspace", workspace)),
+                      "for gradients call flashinfer_cake.cake_causal_conv1d")
     device = check_devices(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
                                    ("initial_states", initial_states), ("final_states_out", final_states_out),
                                    ("out", out), ("workspace", workspace)))
@@ -345,6 +368,10 @@ def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, initial_states
     if workspace is not None:
         check_workspace(fn, workspace, torch.float32, _plan.workspace_bytes(S, C),
                         "cake_causal_conv1d_train_backward_workspace_bytes")
+    check_no_grad(fn, (("x", x), ("weight", weight), ("dy", dy), ("bias", bias), ("initial_states", initial_states),
+                       ("dfinal_states", dfinal_states)),
+                  (("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias),
+                   ("dinitial_states", dinitial_states)), "the backward is not itself differentiable")
     device = check_devices(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy), ("bias", bias),
                                    ("initial_states", initial_states), ("dfinal_states", dfinal_states),
                                    ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias),

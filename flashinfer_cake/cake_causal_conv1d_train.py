@@ -159,14 +159,16 @@ def cake_causal_conv1d_train_forward(
         TypeError: a tensor argument is not a tensor.
         ValueError: a bad dtype, shape, layout, device, alignment or size; nothing is launched
             and ``out`` / ``workspace`` are untouched.
-        RuntimeError: x's device is not supported, the module cannot be built or loaded, or the
-            launch fails (with the CUDA error string).
+        RuntimeError: with grad mode on, a tensor argument requires grad (this function records
+            no autograd graph and writes its outputs in place: :func:`cake_causal_conv1d` is the
+            autograd entry point); x's device is not supported, the module cannot be built or
+            loaded, or the launch fails (with the CUDA error string).
     """
     binding = _dispatch.binding
     args = (x, weight, cu_seqlens, bias, initial_states, final_states_out, out, workspace)
     y = None if binding is None else binding.try_forward(*args)
     if y is None:  # a bad argument (raised here, before anything is built), or a first call
-        device = _checks.check_forward_args(_FWD, *args)
+        device = _checks.check_forward_args(_FWD, *args, raw=True)
         y = _dispatch.binding_for(device, weight, bias).try_forward(*args)
         if y is None:
             raise _dispatch.declined_error(_FWD)
@@ -251,8 +253,9 @@ def cake_causal_conv1d_train_backward(
         TypeError: a tensor argument is not a tensor.
         ValueError: a bad dtype, shape, layout, device, alignment, overlap, size or policy;
             nothing is launched and no output is touched.
-        RuntimeError: x's device is not supported, the module cannot be built or loaded, or the
-            launch fails (with the CUDA error string).
+        RuntimeError: with grad mode on, a tensor argument requires grad (this function is not
+            differentiable and writes its outputs in place); x's device is not supported, the
+            module cannot be built or loaded, or the launch fails (with the CUDA error string).
     """
     binding = _dispatch.binding
     args = (x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, silu_grad_preactivation, workspace, dx,

@@ -408,6 +408,17 @@ bool misaligned16(std::initializer_list<const at::Tensor*> ts) {
   return false;
 }
 
+// With grad mode on, whether any of the tensors requires grad: the raw forward and backward record
+// no autograd graph and write their outputs in place, so they decline such a call (the Python
+// rules raise _checks.check_no_grad's error).
+bool grad_needed(std::initializer_list<const at::Tensor*> ts) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : ts) {
+    if (t && t->requires_grad()) return true;
+  }
+  return false;
+}
+
 // A forward call: its tensors (null = None), then what check_forward() derives.
 struct ForwardCall {
   const at::Tensor *x, *weight, *cu_seqlens, *bias, *initial_states, *final_states, *out, *workspace;
@@ -597,7 +608,8 @@ PyObject* try_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !as_tensor(args[2], false, &c.cu_seqlens) || !as_tensor(args[3], true, &c.bias) ||
       !as_tensor(args[4], true, &c.initial_states) || !as_tensor(args[5], true, &c.final_states) ||
       !as_tensor(args[6], true, &c.out) || !as_tensor(args[7], true, &c.workspace) ||
-      !check_forward(&c, kFwdMaxS, kFwdMaxElements)) {
+      !check_forward(&c, kFwdMaxS, kFwdMaxElements) ||
+      grad_needed({c.x, c.weight, c.bias, c.initial_states, c.final_states, c.out, c.workspace})) {
     Py_RETURN_NONE;
   }
   at::Tensor y = run_forward(c);
@@ -619,7 +631,9 @@ PyObject* try_backward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       !as_tensor(args[6], true, &c.dfinal_states) || !as_tensor(args[8], true, &c.workspace) ||
       !as_tensor(args[9], true, &c.dx) || !as_tensor(args[10], true, &c.dweight) ||
       !as_tensor(args[11], true, &c.dbias) || !as_tensor(args[12], true, &c.dinitial_states) || c.round_preact < 0 ||
-      !check_backward(&c)) {
+      !check_backward(&c) ||
+      grad_needed({c.x, c.weight, c.dy, c.bias, c.initial_states, c.dfinal_states, c.workspace, c.dx, c.dweight, c.dbias,
+                   c.dinitial_states})) {
     Py_RETURN_NONE;
   }
   Grads g = run_backward(c);

@@ -194,6 +194,15 @@ BAD_INPUTS = [
     case("ws-noncontig", ValueError, "workspace", workspace=lambda: torch.zeros(1 << 17)[::2]),
     case("ws-neg-view", ValueError, "workspace", workspace=lambda: torch._neg_view(torch.zeros(1 << 16))),
     case("ws-list", TypeError, "workspace", workspace=lambda: [0.0] * 1024),
+    # grad mode on: the backward is not differentiable and writes its outputs in place (check_no_grad)
+    case("x-requires-grad", RuntimeError, "x", x=lambda: torch.randn(S, C).to(BF16).requires_grad_()),
+    case("dy-requires-grad", RuntimeError, "dy", dy=lambda: torch.randn(S, C).to(BF16).requires_grad_()),
+    case("dfinal_states-requires-grad", RuntimeError, "dfinal_states", initial_states=states,
+         dfinal_states=lambda: states().requires_grad_()),
+    case("dx-requires-grad", RuntimeError, "dx", dx=lambda: torch.empty(S, C, dtype=BF16).requires_grad_()),
+    case("dweight-requires-grad", RuntimeError, "dweight", dweight=lambda: torch.empty(C, 4).requires_grad_()),
+    case("ws-requires-grad", RuntimeError, "workspace",
+         workspace=lambda: torch.zeros(workspace_bytes(S, C, "cpu") // 4).requires_grad_()),
     # device: every argument is well-formed, but x is not on a CUDA device
     case("x-on-cpu", ValueError, "x"),
     case("x-on-cpu-no-bias", ValueError, "x", bias=lambda: None),

@@ -205,6 +205,15 @@ BAD_INPUTS = [
          workspace=lambda: torch.zeros(1 << 17, dtype=I32)[::2]),
     case("ws-list", TypeError, "workspace", workspace=lambda: [0] * 1024),
     case("ws-neg-view", ValueError, "workspace", workspace=lambda: torch._neg_view(torch.zeros(1 << 16, dtype=I32))),
+    # grad mode on: no autograd graph is recorded, outputs are written in place (check_no_grad)
+    case("x-requires-grad", RuntimeError, "x", x=lambda: torch.randn(S, C).to(BF16).requires_grad_()),
+    case("weight-requires-grad", RuntimeError, "weight", weight=lambda: torch.randn(C, 4).requires_grad_()),
+    case("bias-requires-grad", RuntimeError, "bias", bias=lambda: torch.randn(C).requires_grad_()),
+    case("initial_states-requires-grad", RuntimeError, "initial_states",
+         initial_states=lambda: states().requires_grad_()),
+    case("final_states_out-requires-grad", RuntimeError, "final_states_out",
+         final_states_out=lambda: states().requires_grad_()),
+    case("out-requires-grad", RuntimeError, "out", out=lambda: torch.empty(S, C, dtype=BF16).requires_grad_()),
     # device: every argument is well-formed, but x is not on a CUDA device
     case("x-on-cpu", ValueError, "x"),
 ]
@@ -413,3 +422,12 @@ def test_too_large_is_rejected_before_anything(shape):
     C = shape[-1]
     with pytest.raises(ValueError, match=r"\bx\b.*2\^3"):
         cake_causal_conv1d_train_forward(x, torch.randn(C, 4), torch.tensor([0], dtype=I32))
+
+
+def test_tensors_that_require_grad_pass_under_no_grad():
+    """check_no_grad's rule holds only with grad mode on: under torch.no_grad the same arguments
+    pass the Python rules (on the CPU the call then fails on x's device)."""
+    args = valid_args(x=torch.randn(S, C).to(BF16).requires_grad_(), weight=torch.randn(C, 4).requires_grad_(),
+                      out=torch.empty(S, C, dtype=BF16).requires_grad_())
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"^{FN}: x must be a CUDA tensor"):
+        call(args)
