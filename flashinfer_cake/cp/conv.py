@@ -250,9 +250,9 @@ def cake_causal_conv1d_cp(x_local: torch.Tensor, weight: torch.Tensor, ctx: CPCo
 
     ``y_local`` and ``dx_local`` are bitwise those of the single-GPU :func:`cake_causal_conv1d`
     of the global batch restricted to this rank's tokens. ``weight``'s and ``bias``'s gradients
-    are this rank's partial sums (the terms of its own tokens, in a fixed order): all-reduce them
-    over the CP group (as data parallelism does) for the single-GPU gradient, equal to it within
-    FP32 summation order.
+    are this rank's partial sums (the terms of its own tokens, in a fixed order): their sum over
+    the CP group (an all-reduce with SUM; DDP and FSDP average instead, so scale the loss by the
+    CP size under them) is the single-GPU gradient within FP32 summation order.
 
     Every rank of ``ctx.group`` must make the same calls in the same order (each call's forward
     and backward is one ``all_to_all`` per direction of sizes fixed by the partition), with
