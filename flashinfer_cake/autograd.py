@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _checks, _dispatch
@@ -12,6 +14,23 @@ __all__ = ["CakeCausalConv1dFunction", "cake_causal_conv1d"]
 
 _AUTOGRAD = "cake_causal_conv1d"
 _is_compiling, _is_tracing = torch.compiler.is_compiling, torch._C._is_tracing
+
+
+def _not_differentiable(backward):
+    """torch's @once_differentiable, but under create_graph=True (grad mode on in the backward)
+    the gradients' own backward raises whatever requires grad: torch's marks them only when an
+    incoming gradient requires grad, so a gradient penalty through the op would treat them as
+    constants, silently. (The binding's C++ node does the same.)"""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            out = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return out
+        error = torch._C._functions.DelayedError(
+            b"trying to differentiate twice a function that was marked with @once_differentiable", len(out))
+        return error(*[None if t is None else t.detach().requires_grad_() for t in out])
+    return wrapper
 
 
 class CakeCausalConv1dFunction(torch.autograd.Function):
@@ -43,7 +62,7 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
         return (y, final_states) if return_final_states else y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the backward is not itself differentiable
+    @_not_differentiable
     def backward(ctx, dy, dfinal_states=None):
         x, weight, bias, cu_seqlens, initial_states = ctx.saved_tensors
         policy = ctx.silu_grad_preactivation

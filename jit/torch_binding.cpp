@@ -674,12 +674,12 @@ auto make_node() {
   }
 }
 
-// A node's gradients as @once_differentiable returns them: when an incoming gradient requires
-// grad (create_graph=True), outputs whose own backward raises when it is taken.
-variable_list once_differentiable(variable_list out, const variable_list& grads) {
-  bool differentiable = false;
-  for (const at::Tensor& g : grads) differentiable = differentiable || (g.defined() && g.requires_grad());
-  if (!differentiable || !at::GradMode::is_enabled()) return out;
+// A node's gradients as a function that is not itself differentiable returns them: under
+// create_graph=True (grad mode on in the backward), outputs whose own backward raises when it is
+// taken. (torch's @once_differentiable marks them only when an incoming gradient requires grad,
+// so a gradient penalty through the op would treat them as constants, silently.)
+variable_list once_differentiable(variable_list out) {
+  if (!at::GradMode::is_enabled()) return out;
   for (at::Tensor& t : out) {
     if (t.defined()) t = t.detach().requires_grad_(true);
   }
@@ -736,7 +736,7 @@ struct CakeCausalConv1dBackward final : Node {
       g = run_backward(c);
     }
     variable_list out = {std::move(g.dx), std::move(g.dweight), std::move(g.dbias), std::move(g.dinitial_states)};
-    return once_differentiable(std::move(out), grads);
+    return once_differentiable(std::move(out));
   }
 
   // Compiled autograd (torch._dynamo.compiled_autograd) traces the node through these two: its
@@ -1265,7 +1265,7 @@ struct CakeCPConvBackward final : Node {
         out[i] = std::move(g[i].dx), out[n + i] = std::move(g[i].dweight), out[2 * n + i] = std::move(g[i].dbias);
       }
     }
-    return once_differentiable(std::move(out), grads);
+    return once_differentiable(std::move(out));
   }
 };
 

@@ -982,6 +982,12 @@ def test_autograd_create_graph_gives_grads_whose_backward_raises():
     assert dweight.requires_grad
     with pytest.raises(RuntimeError, match="differentiate twice"):
         dweight.sum().backward()
+    # a gradient penalty: the incoming gradient does not require grad, the gradients still carry
+    # the error (torch's @once_differentiable would leave them constants)
+    gx, gw = torch.autograd.grad(cake_causal_conv1d(xl, wl, cu, bl).float().sum(), (xl, wl), create_graph=True)
+    assert gx.requires_grad and gw.requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.float().square().sum().backward()
 
 
 def test_autograd_saved_x_modified_in_place_raises():

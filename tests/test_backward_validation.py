@@ -785,3 +785,37 @@ def test_reference_rejects_bad_policy(value):
     with pytest.raises(ValueError, match=r"\bsilu_grad_preactivation\b"):
         causal_conv1d_backward_reference(x, torch.randn(8, 4), torch.tensor([0, 4], dtype=I32), x,
                                          silu_grad_preactivation=value)
+
+
+@pytest.mark.parametrize("penalty_of", ["x", "weight"])
+def test_function_gradients_are_not_differentiable_under_create_graph(monkeypatch, penalty_of):
+    """CakeCausalConv1dFunction on the CPU (the kernels replaced by the FP64 reference): under
+    create_graph=True its gradients carry an error node even when the incoming gradient does not
+    require grad (a gradient penalty's case), so differentiating them raises instead of treating
+    them as constants; without create_graph they are plain tensors."""
+    from flashinfer_cake import autograd, reference
+
+    def forward(x, weight, cu_seqlens, bias=None, initial_states=None, final_states_out=None):
+        return reference.causal_conv1d_reference(x, weight, cu_seqlens, bias).to(x.dtype)
+
+    def backward(x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, policy):
+        grads = reference.causal_conv1d_backward_reference(x, weight, cu_seqlens, dy, bias,
+                                                           silu_grad_preactivation=policy)
+        return [g.to(t.dtype) for g, t in zip(grads, (x, weight, bias)) if t is not None]
+
+    monkeypatch.setattr(autograd, "cake_causal_conv1d_train_forward", forward)
+    monkeypatch.setattr(autograd, "backward_of_any_grads", backward)
+    monkeypatch.setattr(autograd._checks, "check_autograd_args", lambda *args: 0)
+    x = torch.randn(S, C).to(BF16).requires_grad_()
+    w, b = torch.randn(C, 4, requires_grad=True), torch.randn(C, requires_grad=True)
+    cu = torch.tensor([0, 5, S], dtype=I32)
+    apply = lambda: autograd.CakeCausalConv1dFunction.apply(x, w, cu, b, None, False, "bf16")  # noqa: E731
+    gx, gw = torch.autograd.grad(apply().float().sum(), (x, w), create_graph=True)
+    assert gx.requires_grad and gw.requires_grad
+    penalty = (gx if penalty_of == "x" else gw).float().square().sum()
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        penalty.backward()
+    gx, gw = torch.autograd.grad(apply().float().sum(), (x, w))
+    assert not gx.requires_grad and not gw.requires_grad
+    ref = reference.causal_conv1d_backward_reference(x.detach(), w.detach(), cu, torch.ones(S, C), b.detach())
+    assert torch.equal(gx, ref[0].to(BF16)) and torch.equal(gw, ref[1].float())
