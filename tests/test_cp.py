@@ -461,6 +461,33 @@ def test_conv_argument_errors_name_the_call_and_the_tensor():
             call()
 
 
+def test_conv_refuses_a_context_edited_by_hand():
+    """A context whose tables or sizes are not build_cp_context's (dataclasses.replace) is a
+    ValueError naming the field before any collective, not the binding's "internal error"."""
+    import dataclasses
+
+    from flashinfer_cake.cp import cake_causal_conv1d_cp
+    part = cp_partition([0, 5, 9, 20], 3, "zigzag")
+    ctx = build_cp_context(part, None, 1, "cpu")
+    x, w = torch.zeros(ctx.num_tokens, 16, dtype=torch.bfloat16), torch.zeros(16, 4)
+    edits = [
+        ({"cu_seqlens": ctx.cu_seqlens.long()}, r"ctx.cu_seqlens must be int32 1-D contiguous \[4\].*got torch.int64"),
+        ({"frag_info": ctx.frag_info[:-1]}, r"ctx.frag_info must be int32 1-D contiguous \[3\]"),
+        ({"import_rows": ctx.import_rows.view(3, 3)}, r"ctx.import_rows must be .*got torch.int32 \(3, 3\)"),
+        ({"g_import": torch.zeros(18, dtype=torch.int32)[::2]}, r"ctx.g_import must be .*strides \(2,\)"),
+        ({"export_rows": ctx.export_rows[1:]}, r"ctx.export_rows must be int32 1-D contiguous \[4\]"),
+        ({"head_frags": ctx.head_frags.to("meta")}, r"ctx.head_frags must be int32 1-D contiguous on cpu"),
+        ({"tail_frags": [0]}, r"ctx.tail_frags must be .*got list"),
+        ({"g_send_splits": (1, -1, 0)}, r"ctx.g_send_splits must be a tuple of 3 non-negative ints"),
+        ({"halo_recv_splits": (0, 1)}, r"ctx.halo_recv_splits must be a tuple of 3"),
+    ]
+    for edit, match in edits:
+        with pytest.raises(ValueError, match=r"^cake_causal_conv1d_cp: " + match):
+            cake_causal_conv1d_cp(x, w, dataclasses.replace(ctx, **edit))
+    with pytest.raises(ValueError, match=r"x must be a CUDA tensor"):  # the context itself passes
+        cake_causal_conv1d_cp(x, w, ctx)
+
+
 def test_exchange_and_context_argument_errors():
     """halo_exchange(_multi) and build_cp_context name the argument, what they take and what they
     got, before any collective."""

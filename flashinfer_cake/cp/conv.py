@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import _checks, _dispatch
-from .partition import CPContext, capturing, check_call, check_context
+from .partition import CPContext, capturing, check_call, check_context, check_tables
 
 __all__ = ["CPRecomputeHandle", "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"]
 
@@ -157,6 +157,7 @@ def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
     binding applies natively)."""
     _check_handle(fn, handle)
     _checks.check_policy(fn, policy)
+    check_tables(fn, cp)
     if not xs or len(weights) != len(xs) or len(biases) != len(xs):
         raise ValueError(f"{fn}: expected as many weights and biases as inputs (at least one), got {len(xs)} inputs, "
                          f"{len(weights)} weights, {len(biases)} biases")

@@ -374,6 +374,32 @@ def check_context(fn: str, ctx) -> None:
                         f"{type(ctx).__name__}")
 
 
+def check_tables(fn: str, ctx: CPContext) -> None:
+    """The context's tables and sizes as build_cp_context makes them (what the binding's tables_ok
+    takes): int32, 1-D, contiguous, on one device, of the partition's sizes. Only a context edited
+    by hand (dataclasses.replace) breaks them."""
+    F, P = ctx.num_fragments, ctx.partition.world_size
+    for name in ("halo_send_splits", "halo_recv_splits", "g_send_splits", "g_recv_splits"):
+        splits = getattr(ctx, name)
+        if (not isinstance(splits, tuple) or len(splits) != P
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in splits)):
+            raise ValueError(f"{fn}: ctx.{name} must be a tuple of {P} non-negative ints (one per rank), got "
+                             f"{splits!r}: build contexts with build_cp_context")
+    sizes = {"cu_seqlens": F + 1, "frag_info": F, "import_rows": 3 * F, "g_import": 3 * F,
+             "export_rows": sum(ctx.halo_send_splits), "g_rows": sum(ctx.g_send_splits), "head_frags": None,
+             "tail_frags": None}
+    device = getattr(ctx.cu_seqlens, "device", None)
+    for name, n in sizes.items():
+        t = getattr(ctx, name)
+        if (not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous()
+                or t.device != device or (n is not None and t.numel() != n)):
+            want = "int32 1-D contiguous" + ("" if n is None else f" [{n}]") + f" on {device}"
+            got = (f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}" if isinstance(t, torch.Tensor)
+                   else type(t).__name__)
+            raise ValueError(f"{fn}: ctx.{name} must be {want} (the context's tables), got {got}: build contexts "
+                             f"with build_cp_context")
+
+
 def capturing() -> bool:
     """Inside CUDA graph capture (no host collective may run there)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
