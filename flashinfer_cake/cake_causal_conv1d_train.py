@@ -130,8 +130,10 @@ def cake_causal_conv1d_train_forward(
             entry ``<= t`` (none when there is none), so tokens past ``cu_seqlens[-1]`` continue
             one more document; with values out of order each token keeps some 0 to 3 tokens of
             history, the same on every run. The states are defined for non-decreasing content
-            within [0, S]; for other content they are memory-safe but unspecified (the final
-            states of documents out of [0, S] are not written).
+            within [0, S]; for other content they are memory-safe but unspecified: the final
+            states of documents out of [0, S] (or out of order) are not written, so a given
+            ``final_states_out`` keeps its rows there and new final states (``cake_causal_conv1d``'s)
+            hold whatever their memory held.
         bias: optional FP32 or BF16 ``[C]``, contiguous, added after the four taps, before SiLU;
             its dtype is independent of weight's.
         initial_states: optional BF16 ``[num_docs, 3, C]``, contiguous, 16-byte aligned, on
@@ -218,7 +220,10 @@ def cake_causal_conv1d_train_backward(
 
     Args:
         x, weight, cu_seqlens, bias: the forward's arguments, with the forward's requirements,
-            except that the backward's range is S < 2^30 and S * C < 2^34.
+            except that the backward's range is S < 2^30 and S * C < 2^34. For cu_seqlens content
+            other than non-decreasing within [0, S], ``dinitial_states`` is unspecified as the
+            forward's final states are: the rows of documents out of [0, S] (or out of order) are
+            not written (a new ``dinitial_states`` holds whatever its memory held there).
         dy: BF16 gradient of ``y``, x's shape, 16-byte aligned, on x's device, contiguous or
             row-strided as x may be.
         initial_states: optional, as in the forward; with it, ``dinitial_states`` is returned.
