@@ -66,7 +66,7 @@ def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
             f"elements{whose}, got S={S}, C={C}"
         )
     check_rows(fn, "x", x, op)
-    check_not_lazy(fn, "x", x)
+    check_memory(fn, "x", x)
     return S, C
 
 
@@ -120,7 +120,7 @@ def check_rows_like(fn: str, name: str, t: torch.Tensor, x: torch.Tensor, op: st
     if t.shape != x.shape:
         raise ValueError(f"{fn}: {name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
     check_rows(fn, name, t, op)
-    check_not_lazy(fn, name, t)
+    check_memory(fn, name, t)
 
 
 def check_states(fn: str, name: str, t: torch.Tensor, num_docs: int, C: int) -> None:
@@ -132,16 +132,27 @@ def check_states(fn: str, name: str, t: torch.Tensor, num_docs: int, C: int) -> 
                          f"cu_seqlens, C from x), got {tuple(t.shape)}")
     if not t.is_contiguous():
         raise ValueError(f"{fn}: {name} must be contiguous, got strides {t.stride()}")
-    check_not_lazy(fn, name, t)
+    check_memory(fn, name, t)
 
 
-def check_not_lazy(fn: str, name: str, t: torch.Tensor) -> None:
-    """A lazily negated or conjugated view (torch._neg_view, .conj()) shares memory whose values
-    the kernels would read, or write, without the pending sign. (Not while torch.compile traces,
-    which cannot ask: the op's eager call checks it when it runs.)"""
-    if not torch.compiler.is_compiling() and (t.is_neg() or t.is_conj()):
+def check_memory(fn: str, name: str, t: torch.Tensor) -> None:
+    """The memory the kernels read or write for ``t`` is its own: no lazily negated or conjugated
+    view (torch._neg_view, .conj(): the values without the pending sign), and every element inside
+    its storage (a view keeps its shape when its storage is resized, e.g. by
+    untyped_storage().resize_(0), and the kernels would address the bytes past it). (Not while
+    torch.compile traces, which cannot ask: the op's eager call checks it when it runs.)"""
+    if torch.compiler.is_compiling():
+        return
+    if t.is_neg() or t.is_conj():
         raise ValueError(f"{fn}: {name} must not be a lazily negated or conjugated view; pass t.resolve_neg() / "
                          f"t.resolve_conj()")
+    if t.numel():
+        start = t.storage_offset() * t.element_size()
+        have = t.untyped_storage().nbytes()
+        if start + span_bytes(t) > have:
+            raise ValueError(f"{fn}: {name} reaches past its storage: its elements span bytes {start} to "
+                             f"{start + span_bytes(t)} of a storage of {have} bytes (a view of a storage resized "
+                             f"since, e.g. by untyped_storage().resize_())")
 
 
 def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, C: int) -> None:
@@ -153,7 +164,7 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
         raise ValueError(f"{fn}: weight must have shape [C, 4] = [{C}, 4] (C from x), got {tuple(weight.shape)}{hint}")
     if not weight.is_contiguous():
         raise ValueError(f"{fn}: weight must be contiguous, got strides {weight.stride()}")
-    check_not_lazy(fn, "weight", weight)
+    check_memory(fn, "weight", weight)
     if bias is not None:
         if bias.dtype not in PARAM_DTYPES:
             raise ValueError(f"{fn}: bias must have dtype torch.float32 or torch.bfloat16, got {bias.dtype}")
@@ -161,7 +172,7 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
             raise ValueError(f"{fn}: bias must have shape [C] = [{C}] (C from x), got {tuple(bias.shape)}")
         if not bias.is_contiguous():
             raise ValueError(f"{fn}: bias must be contiguous, got strides {bias.stride()}")
-        check_not_lazy(fn, "bias", bias)
+        check_memory(fn, "bias", bias)
     if cu_seqlens.dtype != torch.int32:
         hint = ("; convert it once per batch with cu_seqlens.to(torch.int32)" if cu_seqlens.dtype == torch.int64
                 else "; the order is (x, weight, cu_seqlens, bias)" if cu_seqlens.is_floating_point() else "")
@@ -173,7 +184,7 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
         )
     if not cu_seqlens.is_contiguous():
         raise ValueError(f"{fn}: cu_seqlens must be contiguous, got strides {cu_seqlens.stride()}")
-    check_not_lazy(fn, "cu_seqlens", cu_seqlens)
+    check_memory(fn, "cu_seqlens", cu_seqlens)
 
 
 def check_like(fn: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape, shape_text: str) -> None:
@@ -184,7 +195,7 @@ def check_like(fn: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape, s
         raise ValueError(f"{fn}: {name} must have {shape_text} {tuple(shape)}, got {tuple(t.shape)}")
     if not t.is_contiguous():
         raise ValueError(f"{fn}: {name} must be contiguous, got strides {t.stride()}")
-    check_not_lazy(fn, name, t)
+    check_memory(fn, name, t)
 
 
 def check_workspace(fn: str, workspace: torch.Tensor, dtype: torch.dtype, need: int, bytes_fn: str) -> None:
@@ -196,7 +207,7 @@ def check_workspace(fn: str, workspace: torch.Tensor, dtype: torch.dtype, need: 
             f"{fn}: workspace must be a contiguous 1-D tensor, got shape {tuple(workspace.shape)} "
             f"strides {workspace.stride()}"
         )
-    check_not_lazy(fn, "workspace", workspace)
+    check_memory(fn, "workspace", workspace)
     have = workspace.shape[0] * workspace.element_size()
     if have < need:
         raise ValueError(f"{fn}: workspace must hold at least {need} bytes ({bytes_fn}), got {have}")

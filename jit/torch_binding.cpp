@@ -126,9 +126,21 @@ bool as_tensor(PyObject* obj, bool optional, const at::Tensor** out) {
   return true;
 }
 
-// Contiguous, no lazy negation or conjugation (_checks.check_not_lazy), on CUDA device `device`.
+int64_t span_bytes(const at::Tensor* t);
+
+// Every element inside the tensor's storage (_checks.check_memory): a view keeps its shape when its
+// storage is resized (untyped_storage().resize_(0)), and the kernels would address past it.
+bool in_storage(const at::Tensor& t) {
+  if (t.numel() == 0) return true;
+  return t.has_storage() &&
+         t.storage_offset() * int64_t(t.element_size()) + span_bytes(&t) <= int64_t(t.storage().nbytes());
+}
+
+// Contiguous, no lazy negation or conjugation, inside its storage (_checks.check_memory), on CUDA
+// device `device`.
 bool usable_on(const at::Tensor& t, int device) {
-  return t.is_contiguous() && !t.is_neg() && !t.is_conj() && t.is_cuda() && t.get_device() == device;
+  return t.is_contiguous() && !t.is_neg() && !t.is_conj() && t.is_cuda() && t.get_device() == device &&
+         in_storage(t);
 }
 
 // The row stride of a BF16 [S, C] / [1, S, C] tensor of rows (x, out, dy, dx) whose rows the kernels
@@ -157,7 +169,7 @@ bool check_x(const at::Tensor& x, int64_t max_s, int64_t max_elements, int64_t* 
   }
   *device = x.get_device();
   return *C > 0 && *C % 8 == 0 && *C < kMaxC && *S < max_s && *S * *C < max_elements && *device >= 0 &&
-         *device < kMaxDevices && row_stride(x, max_elements) > 0;
+         *device < kMaxDevices && row_stride(x, max_elements) > 0 && in_storage(x);
 }
 
 // weight FP32/BF16 [C, 4], bias None or FP32/BF16 [C], cu_seqlens int32 [num_docs + 1], all
@@ -188,7 +200,7 @@ bool check_like(const at::Tensor& t, const at::Tensor& like, int device) {
 // t: rows like x (BF16, x's shape) with an accepted row stride, on `device`.
 bool check_rows_like(const at::Tensor& t, const at::Tensor& x, int64_t max_elements, int device) {
   return t.scalar_type() == at::kBFloat16 && t.sizes() == x.sizes() && !t.is_neg() && !t.is_conj() && t.is_cuda() &&
-         t.get_device() == device && row_stride(t, max_elements) > 0;
+         t.get_device() == device && row_stride(t, max_elements) > 0 && in_storage(t);
 }
 
 // Conv states: BF16 [num_docs, 3, C], contiguous, on `device`.

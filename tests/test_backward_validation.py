@@ -28,7 +28,7 @@ from flashinfer_cake.reference import (
     causal_conv1d_preactivation_reference,
     causal_conv1d_reference,
 )
-from test_forward_validation import D, bad_rows, bad_states, one_buffer, rows, state_view, states  # same S, C, cu
+from test_forward_validation import D, bad_rows, bad_states, one_buffer, resized, rows, state_view, states  # same S, C, cu
 
 FN = "cake_causal_conv1d_train_backward"
 S, C = 16, 32
@@ -194,6 +194,11 @@ BAD_INPUTS = [
     case("ws-noncontig", ValueError, "workspace", workspace=lambda: torch.zeros(1 << 17)[::2]),
     case("ws-neg-view", ValueError, "workspace", workspace=lambda: torch._neg_view(torch.zeros(1 << 16))),
     case("ws-list", TypeError, "workspace", workspace=lambda: [0.0] * 1024),
+    # a view whose storage was resized since (the kernels would address past it)
+    case("dy-storage-resized", ValueError, "dy", dy=lambda: resized(torch.randn(S, C).to(BF16), 2 * S * C - 2)),
+    case("dx-storage-freed", ValueError, "dx", dx=lambda: resized(torch.empty(S, C, dtype=BF16), 0)),
+    case("ws-storage-resized", ValueError, "workspace",
+         workspace=lambda: resized(torch.zeros(workspace_bytes(S, C, "cpu") // 4), 64)),
     # grad mode on: the backward is not differentiable and writes its outputs in place (check_no_grad)
     case("x-requires-grad", RuntimeError, "x", x=lambda: torch.randn(S, C).to(BF16).requires_grad_()),
     case("dy-requires-grad", RuntimeError, "dy", dy=lambda: torch.randn(S, C).to(BF16).requires_grad_()),

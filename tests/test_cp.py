@@ -470,6 +470,8 @@ def test_conv_refuses_a_context_edited_by_hand():
     part = cp_partition([0, 5, 9, 20], 3, "zigzag")
     ctx = build_cp_context(part, None, 1, "cpu")
     x, w = torch.zeros(ctx.num_tokens, 16, dtype=torch.bfloat16), torch.zeros(16, 4)
+    shrunk = ctx.frag_info.clone()
+    shrunk.untyped_storage().resize_(4)
     edits = [
         ({"cu_seqlens": ctx.cu_seqlens.long()}, r"ctx.cu_seqlens must be int32 1-D contiguous \[4\].*got torch.int64"),
         ({"frag_info": ctx.frag_info[:-1]}, r"ctx.frag_info must be int32 1-D contiguous \[3\]"),
@@ -480,6 +482,7 @@ def test_conv_refuses_a_context_edited_by_hand():
         ({"tail_frags": [0]}, r"ctx.tail_frags must be .*got list"),
         ({"g_send_splits": (1, -1, 0)}, r"ctx.g_send_splits must be a tuple of 3 non-negative ints"),
         ({"halo_recv_splits": (0, 1)}, r"ctx.halo_recv_splits must be a tuple of 3"),
+        ({"frag_info": shrunk}, r"ctx.frag_info reaches past its storage"),
     ]
     for edit, match in edits:
         with pytest.raises(ValueError, match=r"^cake_causal_conv1d_cp: " + match):

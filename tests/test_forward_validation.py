@@ -66,6 +66,12 @@ def states():
     return torch.randn(D, 3, C).to(BF16)
 
 
+def resized(t, nbytes):
+    """t, its storage resized to nbytes since (t keeps its shape: a view past its storage)."""
+    t.untyped_storage().resize_(nbytes)
+    return t
+
+
 def bad_states(name, **extra):
     """The cases of a conv-state argument `name` (BF16 [num_docs, 3, C], contiguous), each with
     the `extra` overrides too."""
@@ -205,6 +211,14 @@ BAD_INPUTS = [
          workspace=lambda: torch.zeros(1 << 17, dtype=I32)[::2]),
     case("ws-list", TypeError, "workspace", workspace=lambda: [0] * 1024),
     case("ws-neg-view", ValueError, "workspace", workspace=lambda: torch._neg_view(torch.zeros(1 << 16, dtype=I32))),
+    # a view whose storage was resized since (untyped_storage().resize_): the kernels would address past it
+    case("x-storage-resized", ValueError, "x", x=lambda: resized(torch.randn(S, C).to(BF16), 16)),
+    case("x-strided-storage-resized", ValueError, "x",
+         x=lambda: resized(torch.randn(S, C + 64).to(BF16)[:, :C], 2 * ((S - 1) * (C + 64) + C) - 2)),
+    case("weight-storage-freed", ValueError, "weight", weight=lambda: resized(torch.randn(C, 4), 0)),
+    case("out-storage-resized", ValueError, "out", out=lambda: resized(torch.empty(S, C, dtype=BF16), 2 * S * C - 2)),
+    case("initial_states-storage-resized", ValueError, "initial_states",
+         initial_states=lambda: resized(states(), 64)),
     # grad mode on: no autograd graph is recorded, outputs are written in place (check_no_grad)
     case("x-requires-grad", RuntimeError, "x", x=lambda: torch.randn(S, C).to(BF16).requires_grad_()),
     case("weight-requires-grad", RuntimeError, "weight", weight=lambda: torch.randn(C, 4).requires_grad_()),

@@ -20,6 +20,8 @@ import operator
 import torch
 import torch.distributed as dist
 
+from .. import _checks
+
 __all__ = ["CPContext", "CPPartition", "build_cp_context", "cp_partition"]
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag_per_document")
@@ -398,6 +400,7 @@ def check_tables(fn: str, ctx: CPContext) -> None:
                    else type(t).__name__)
             raise ValueError(f"{fn}: ctx.{name} must be {want} (the context's tables), got {got}: build contexts "
                              f"with build_cp_context")
+        _checks.check_memory(fn, f"ctx.{name}", t)
 
 
 def capturing() -> bool:
