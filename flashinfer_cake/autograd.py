@@ -16,6 +16,13 @@ _AUTOGRAD = "cake_causal_conv1d"
 _is_compiling, _is_tracing = torch.compiler.is_compiling, torch._C._is_tracing
 
 
+def _without_memory(x) -> bool:
+    """x has no memory for the kernels: a meta tensor, or a tensor subclass (FakeTensor under
+    FakeTensorMode or make_fx, which memory estimators and meta-device initialization use). Such
+    calls go through the custom ops, whose fake implementations give the outputs' metadata."""
+    return type(x) is not torch.Tensor or x.is_meta
+
+
 def _not_differentiable(backward):
     """torch's @once_differentiable, but under create_graph=True (grad mode on in the backward)
     the gradients' own backward raises whatever requires grad: torch's marks them only when an
@@ -45,7 +52,7 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
     def forward(ctx, x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation):
         # cake_causal_conv1d's rules whoever calls apply, before anything is made: while torch.compile
         # traces, the types, the flag, the policy and x's range (the custom op checks the rest when it runs)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _without_memory(x):
             _checks.check_autograd_early(_AUTOGRAD, x, weight, cu_seqlens, bias, initial_states, return_final_states,
                                          silu_grad_preactivation)
             y, final_states = torch.ops.flashinfer_cake.causal_conv1d_fwd(x, weight, cu_seqlens, bias, initial_states,
@@ -68,7 +75,7 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
         policy = ctx.silu_grad_preactivation
         if dy is None:
             dy = torch.zeros_like(x, memory_format=torch.contiguous_format)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _without_memory(x):
             dx, dweight, dbias, dinit = torch.ops.flashinfer_cake.causal_conv1d_bwd(
                 x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, policy)
         else:
@@ -105,8 +112,10 @@ def cake_causal_conv1d(
     autograd node of the torch binding; under ``torch.compile`` the call is
     :class:`CakeCausalConv1dFunction` over the custom ops
     ``torch.ops.flashinfer_cake.causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (no graph break,
-    ``fullgraph=True`` works), and under ``torch.jit.trace`` that Function too. Both give bitwise
-    the same results. ``torch.func`` transforms (grad, vmap) are not supported.
+    ``fullgraph=True`` works), and under ``torch.jit.trace`` and on tensors without memory (meta
+    tensors, FakeTensorMode: the fake implementations give the outputs' metadata) that Function
+    too. Both give bitwise the same results. ``torch.func`` transforms (grad, vmap) are not
+    supported.
 
     Args:
         x, weight, cu_seqlens, bias, initial_states: as in
@@ -122,9 +131,10 @@ def cake_causal_conv1d(
         As the forward; and a ValueError up front when x is outside the backward's range
         (S < 2^30, S * C < 2^34).
     """
-    # The binding is opaque to both torch.compile and torch.jit.trace. (Under dynamo the first test
-    # is the constant True; _is_tracing is the C call under torch.jit.is_tracing: 0.1 us less.)
-    if _is_compiling() or _is_tracing():
+    # The binding is opaque to both torch.compile and torch.jit.trace, and needs memory. (Under dynamo
+    # the first test is the constant True; _is_tracing is the C call under torch.jit.is_tracing: 0.1
+    # us less.)
+    if _is_compiling() or _is_tracing() or _without_memory(x):
         return CakeCausalConv1dFunction.apply(x, weight, cu_seqlens, bias, initial_states, return_final_states,
                                               silu_grad_preactivation)
     # Eager: the binding's C++ autograd node (a Python autograd.Function costs ~6 us more per call).

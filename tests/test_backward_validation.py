@@ -9,6 +9,7 @@ argument (the argument is the subject of the message, right after the function's
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import re
@@ -459,8 +460,6 @@ def test_torch_compile_traces_one_graph_through_the_custom_ops(dynamic, states):
     """torch.compile(fullgraph=True) of a loss through cake_causal_conv1d, traced on the CPU with fake
     tensors (the compilers record the graphs and run nothing): one graph, no break, the forward
     custom op in AOT autograd's forward graph and the backward op in its backward graph."""
-    import contextlib
-
     import torch._functorch.config as functorch_config
     from torch._dynamo.backends.common import aot_autograd
 
@@ -824,3 +823,26 @@ def test_function_gradients_are_not_differentiable_under_create_graph(monkeypatc
     assert not gx.requires_grad and not gw.requires_grad
     ref = reference.causal_conv1d_backward_reference(x.detach(), w.detach(), cu, torch.ones(S, C), b.detach())
     assert torch.equal(gx, ref[0].to(BF16)) and torch.equal(gw, ref[1].float())
+
+
+@pytest.mark.parametrize("mode", ["meta", "fake"])
+def test_tensors_without_memory_go_through_the_fake_implementations(mode):
+    """Meta tensors and FakeTensorMode (memory estimators, meta-device initialization, make_fx):
+    cake_causal_conv1d gives outputs and gradients of the right shapes and dtypes through the
+    custom ops' fake implementations (no kernel, no device), and still checks its arguments."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device = "meta" if mode == "meta" else "cpu"
+    with FakeTensorMode() if mode == "fake" else contextlib.nullcontext():
+        x = torch.empty(S, C, dtype=BF16, device=device, requires_grad=True)
+        w = torch.empty(C, 4, device=device, requires_grad=True)
+        b = torch.empty(C, dtype=BF16, device=device, requires_grad=True)
+        cu = torch.zeros(3, dtype=I32, device=device)
+        h0 = torch.empty(2, 3, C, dtype=BF16, device=device, requires_grad=True)
+        y, fs = cake_causal_conv1d(x, w, cu, b, initial_states=h0, return_final_states=True)
+        assert (y.shape, y.dtype, fs.shape, fs.dtype) == ((S, C), BF16, (2, 3, C), BF16)
+        (y.float().sum() + fs.float().sum()).backward()
+        for t in (x, w, b, h0):
+            assert t.grad.shape == t.shape and t.grad.dtype == t.dtype and t.grad.device == t.device
+        with pytest.raises(ValueError, match=rf"^{AUTOGRAD}: weight must have shape \[C, 4\]"):
+            cake_causal_conv1d(x, w.unsqueeze(1), cu)
