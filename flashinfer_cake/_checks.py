@@ -149,6 +149,8 @@ def check_memory(fn: str, name: str, t: torch.Tensor) -> None:
     if t.numel():
         start = t.storage_offset() * t.element_size()
         have = t.untyped_storage().nbytes()
+        if not isinstance(start, int) or not isinstance(have, int):  # symbolic (make_fx): no memory to overrun
+            return
         if start + span_bytes(t) > have:
             raise ValueError(f"{fn}: {name} reaches past its storage: its elements span bytes {start} to "
                              f"{start + span_bytes(t)} of a storage of {have} bytes (a view of a storage resized "
@@ -426,7 +428,10 @@ def check_autograd_early(fn: str, x, weight, cu_seqlens, bias, initial_states, r
 
 def check_autograd_args(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,
                         silu_grad_preactivation) -> int:
-    """cake_causal_conv1d's rules: check_autograd_early's, then the forward's. Returns x's device
-    index."""
+    """cake_causal_conv1d's rules: check_autograd_early's, then the forward's that need memory
+    (devices and alignment; it writes no tensor of the caller's). Returns x's device index."""
     check_autograd_early(fn, x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation)
-    return check_forward_args(fn, x, weight, cu_seqlens, bias, initial_states, None, None, None, op="backward")
+    device = check_devices(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
+                                   ("initial_states", initial_states)))
+    _check_aligned(fn, (("x", x), ("initial_states", initial_states)))
+    return device

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _checks, _dispatch
 from ._custom_ops import backward_of_any_grads, empty_states
@@ -16,11 +17,15 @@ _AUTOGRAD = "cake_causal_conv1d"
 _is_compiling, _is_tracing = torch.compiler.is_compiling, torch._C._is_tracing
 
 
-def _without_memory(x) -> bool:
-    """x has no memory for the kernels: a meta tensor, or a tensor subclass (FakeTensor under
-    FakeTensorMode or make_fx, which memory estimators and meta-device initialization use). Such
-    calls go through the custom ops, whose fake implementations give the outputs' metadata."""
-    return type(x) is not torch.Tensor or x.is_meta
+def _through_custom_ops(x) -> bool:
+    """The call goes through the custom ops: while torch.compile traces, and for an x without
+    memory (a meta tensor, a FakeTensor under FakeTensorMode or make_fx, as memory estimators and
+    meta-device initialization use), whose fake implementations give the outputs' metadata."""
+    return _is_compiling() or x.is_meta or isinstance(x, FakeTensor)
+
+
+_DOUBLE_BACKWARD = (b"cake_causal_conv1d's backward is not itself differentiable: trying to differentiate twice "
+                    b"(create_graph=True, then a backward through its gradients)")
 
 
 def _not_differentiable(backward):
@@ -34,8 +39,7 @@ def _not_differentiable(backward):
             out = backward(ctx, *grads)
         if not torch.is_grad_enabled():
             return out
-        error = torch._C._functions.DelayedError(
-            b"trying to differentiate twice a function that was marked with @once_differentiable", len(out))
+        error = torch._C._functions.DelayedError(_DOUBLE_BACKWARD, len(out))
         return error(*[None if t is None else t.detach().requires_grad_() for t in out])
     return wrapper
 
@@ -52,7 +56,7 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
     def forward(ctx, x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation):
         # cake_causal_conv1d's rules whoever calls apply, before anything is made: while torch.compile
         # traces, the types, the flag, the policy and x's range (the custom op checks the rest when it runs)
-        if torch.compiler.is_compiling() or _without_memory(x):
+        if _through_custom_ops(x):
             _checks.check_autograd_early(_AUTOGRAD, x, weight, cu_seqlens, bias, initial_states, return_final_states,
                                          silu_grad_preactivation)
             y, final_states = torch.ops.flashinfer_cake.causal_conv1d_fwd(x, weight, cu_seqlens, bias, initial_states,
@@ -75,7 +79,7 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
         policy = ctx.silu_grad_preactivation
         if dy is None:
             dy = torch.zeros_like(x, memory_format=torch.contiguous_format)
-        if torch.compiler.is_compiling() or _without_memory(x):
+        if _through_custom_ops(x):
             dx, dweight, dbias, dinit = torch.ops.flashinfer_cake.causal_conv1d_bwd(
                 x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, policy)
         else:
@@ -112,10 +116,10 @@ def cake_causal_conv1d(
     autograd node of the torch binding; under ``torch.compile`` the call is
     :class:`CakeCausalConv1dFunction` over the custom ops
     ``torch.ops.flashinfer_cake.causal_conv1d_fwd`` / ``causal_conv1d_bwd`` (no graph break,
-    ``fullgraph=True`` works), and under ``torch.jit.trace`` and on tensors without memory (meta
-    tensors, FakeTensorMode: the fake implementations give the outputs' metadata) that Function
-    too. Both give bitwise the same results. ``torch.func`` transforms (grad, vmap) are not
-    supported.
+    ``fullgraph=True`` works), and under ``torch.jit.trace`` that Function too: the node and the
+    Function give bitwise the same results. On tensors without memory (meta tensors,
+    FakeTensorMode, make_fx) the Function runs the ops' fake implementations (the outputs'
+    metadata). ``torch.func`` transforms (grad, vmap) are not supported.
 
     Args:
         x, weight, cu_seqlens, bias, initial_states: as in
@@ -128,13 +132,14 @@ def cake_causal_conv1d(
         BF16 ``y`` of x's shape (contiguous), or ``(y, final_states)``.
 
     Raises:
-        As the forward; and a ValueError up front when x is outside the backward's range
-        (S < 2^30, S * C < 2^34).
+        TypeError, ValueError, RuntimeError as the forward (but for tensors that require grad,
+        which are what this function is for); and a ValueError up front when x is outside the
+        backward's range (S < 2^30, S * C < 2^34).
     """
     # The binding is opaque to both torch.compile and torch.jit.trace, and needs memory. (Under dynamo
     # the first test is the constant True; _is_tracing is the C call under torch.jit.is_tracing: 0.1
     # us less.)
-    if _is_compiling() or _is_tracing() or _without_memory(x):
+    if _through_custom_ops(x) or _is_tracing():
         return CakeCausalConv1dFunction.apply(x, weight, cu_seqlens, bias, initial_states, return_final_states,
                                               silu_grad_preactivation)
     # Eager: the binding's C++ autograd node (a Python autograd.Function costs ~6 us more per call).

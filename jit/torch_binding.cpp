@@ -690,13 +690,15 @@ auto make_node() {
 // create_graph=True (grad mode on in the backward), outputs whose own backward raises when it is
 // taken. (torch's @once_differentiable marks them only when an incoming gradient requires grad,
 // so a gradient penalty through the op would treat them as constants, silently.)
-variable_list once_differentiable(variable_list out) {
+variable_list not_differentiable(variable_list out, const char* fn) {
   if (!at::GradMode::is_enabled()) return out;
   for (at::Tensor& t : out) {
     if (t.defined()) t = t.detach().requires_grad_(true);
   }
   return std::make_shared<torch::autograd::DelayedError>(
-             "trying to differentiate twice a function that was marked with @once_differentiable", int64_t(out.size()))
+             std::string(fn) + "'s backward is not itself differentiable: trying to differentiate twice "
+                               "(create_graph=True, then a backward through its gradients)",
+             int64_t(out.size()))
       ->apply(std::move(out));
 }
 
@@ -706,7 +708,7 @@ variable_list once_differentiable(variable_list out) {
 // and the initial states only; passes an incoming gradient of y through when the backward takes it
 // as it is (BF16 rows with an accepted row stride, 16-byte aligned), else materializes it once
 // (zeros when undefined; the final states' gradient likewise, None when undefined); returns the
-// gradients in the parameters' dtypes; is not itself differentiable (as @once_differentiable).
+// gradients in the parameters' dtypes; is not itself differentiable (not_differentiable).
 // The engine runs it without the GIL. Outputs: y, and the final states when asked for.
 struct CakeCausalConv1dBackward final : Node {
   SavedVariable x, weight, bias, cu_seqlens, initial_states;  // bias, initial_states: default-constructed when None
@@ -748,7 +750,7 @@ struct CakeCausalConv1dBackward final : Node {
       g = run_backward(c);
     }
     variable_list out = {std::move(g.dx), std::move(g.dweight), std::move(g.dbias), std::move(g.dinitial_states)};
-    return once_differentiable(std::move(out));
+    return not_differentiable(std::move(out), kAutograd);
   }
 
   // Compiled autograd (torch._dynamo.compiled_autograd) traces the node through these two: its
@@ -1277,7 +1279,7 @@ struct CakeCPConvBackward final : Node {
         out[i] = std::move(g[i].dx), out[n + i] = std::move(g[i].dweight), out[2 * n + i] = std::move(g[i].dbias);
       }
     }
-    return once_differentiable(std::move(out));
+    return not_differentiable(std::move(out), kCp);
   }
 };
 

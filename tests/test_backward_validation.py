@@ -846,3 +846,19 @@ def test_tensors_without_memory_go_through_the_fake_implementations(mode):
             assert t.grad.shape == t.shape and t.grad.dtype == t.dtype and t.grad.device == t.device
         with pytest.raises(ValueError, match=rf"^{AUTOGRAD}: weight must have shape \[C, 4\]"):
             cake_causal_conv1d(x, w.unsqueeze(1), cu)
+
+
+def test_make_fx_traces_the_call_with_symbolic_shapes():
+    """make_fx with symbolic shapes (FakeTensors whose sizes, strides and storage sizes are
+    SymInts): the call's rules that need no memory hold symbolically, the storage-bounds rule is
+    skipped, and the graph holds both custom ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(x, w, cu):
+        y = cake_causal_conv1d(x, w, cu)
+        return torch.autograd.grad(y.float().sum(), (x, w))
+
+    x = torch.randn(S, C).to(BF16).requires_grad_()
+    w = torch.randn(C, 4, requires_grad=True)
+    gm = make_fx(step, tracing_mode="symbolic")(x, w, torch.tensor([0, 5, S], dtype=I32))
+    assert "flashinfer_cake.causal_conv1d_fwd" in gm.code and "flashinfer_cake.causal_conv1d_bwd" in gm.code

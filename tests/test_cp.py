@@ -355,6 +355,9 @@ def test_recompute_handle_keeps_one_halo_per_input_identity():
     assert len(handle) == 2 and handle._take("f", ctx_a, [x]) is None and handle._take("f", ctx_a, [z]) == "z1"
     handle._keep(ctx_a, [y], "y2")  # the same inputs again: replaces y1
     assert len(handle) == 1 and handle._take("f", ctx_a, [y]) == "y2"
+    handle._keep(ctx_a, [y], "y on a")
+    handle._keep(ctx_b, [y], "y on b")  # the same inputs on another context: both kept
+    assert len(handle) == 2 and handle._take("f", ctx_a, [y]) == "y on a" and handle._take("f", ctx_b, [y]) == "y on b"
 
 
 def test_recompute_handle_matches_freed_inputs_by_context_alone():
@@ -377,8 +380,12 @@ def test_recompute_handle_matches_freed_inputs_by_context_alone():
     handle._keep(ctx_a, [torch.zeros(16, 8)], "a1")  # two micro-batches of one context in flight
     handle._keep(ctx_a, [torch.zeros(16, 8)], "a2")
     with pytest.raises(RuntimeError, match=r"f: the recompute_handle holds 2 halos of this context whose inputs "
-                                           r"were freed.*a context of its own"):
+                                           r"were freed.*a context of its own.*handle.clear\(\)"):
         handle._take("f", ctx_a, [torch.zeros(16, 8)])
+    handle.clear()  # e.g. after an evaluation forward that left its halo
+    assert len(handle) == 0
+    handle._keep(ctx_a, [torch.zeros(16, 8)], "a3")
+    handle._keep(ctx_a, [torch.zeros(16, 8)], "a4")
     del ctx_a
     gc.collect()
     assert len(handle) == 0 and handle._take("f", ctx_b, [torch.zeros(16, 8)]) is None

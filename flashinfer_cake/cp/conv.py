@@ -57,9 +57,13 @@ class CPRecomputeHandle:
       have exactly one such halo kept, so micro-batches in flight at once (pipeline schedules)
       need contexts of their own; two would be ambiguous and raise.
     A context is held weakly: the halos of a context that is gone are dropped. At most
-    ``max_kept`` halos are kept (the oldest dropped): use the handle only on checkpointed calls. A
-    recomputation takes its halo once: a second backward through the same checkpoint
-    (``retain_graph=True``) raises. Refused inside CUDA graph capture (the handle is host state)."""
+    ``max_kept`` halos are kept (the oldest dropped): use the handle only on checkpointed calls of
+    training steps. A forward that gets no backward (an evaluation, a step skipped on a bad loss)
+    leaves its halo kept; with a context used again and x_local made inside the checkpointed
+    function, that halo makes the next recomputation ambiguous: pass the handle only to forwards
+    that run their backward, or call :meth:`clear` after the others. A recomputation takes its
+    halo once: a second backward through the same checkpoint (``retain_graph=True``) raises.
+    Refused inside CUDA graph capture (the handle is host state)."""
 
     def __init__(self, max_kept: int = 64):
         if not isinstance(max_kept, int) or isinstance(max_kept, bool) or max_kept < 1:
@@ -67,17 +71,26 @@ class CPRecomputeHandle:
         self._kept: list[_KeptHalo] = []  # oldest first
         self._max_kept = max_kept
 
+    def clear(self) -> None:
+        """Drops every kept halo (e.g. after a forward that got no backward)."""
+        self._kept.clear()
+
+    def _live(self) -> list:
+        """The kept halos whose contexts still exist (the others dropped)."""
+        self._kept = [k for k in self._kept if k.context() is not None]
+        return self._kept
+
     def _keep(self, cp, xs, received: torch.Tensor) -> None:
-        """Keeps the call's received exchange rows (its halos are gathered from them)."""
+        """Keeps the call's received exchange rows (its halos are gathered from them), in place of
+        a halo kept for the same context and inputs."""
         inputs = [_Input(x) for x in xs]
-        self._kept = [k for k in self._kept if k.context() is not None and k.inputs != inputs]
+        self._kept = [k for k in self._live() if k.context() is not cp or k.inputs != inputs]
         self._kept.append(_KeptHalo(weakref.ref(cp), inputs, received))
         del self._kept[:-self._max_kept]
 
     def _take(self, fn: str, cp, xs):
         """The rows kept for a recomputation of ``xs`` on ``cp`` (removed from the handle), None if none."""
-        self._kept = [k for k in self._kept if k.context() is not None]
-        mine = [i for i, k in enumerate(self._kept) if k.context() is cp]
+        mine = [i for i, k in enumerate(self._live()) if k.context() is cp]
         inputs = [_Input(x) for x in xs]
         same = [i for i in mine if self._kept[i].inputs == inputs]
         freed = [i for i in mine if all(a.freed() and a.shape == b.shape for a, b in zip(self._kept[i].inputs, inputs))
@@ -86,13 +99,15 @@ class CPRecomputeHandle:
             raise RuntimeError(
                 f"{fn}: the recompute_handle holds {len(freed)} halos of this context whose inputs were freed, "
                 "so it cannot tell which one this recomputation needs: give each micro-batch in flight a context "
-                "of its own (build_cp_context), or pass x_local into the checkpointed function as an input")
+                "of its own (build_cp_context), or pass x_local into the checkpointed function as an input; a "
+                "halo left by a forward that got no backward (an evaluation, a skipped step) counts too: pass "
+                "the handle only to forwards that run their backward, or call handle.clear() after the others")
         pick = same or freed
         return self._kept.pop(pick[0]).received if pick else None
 
     def __len__(self) -> int:
         """The halos kept for contexts that still exist."""
-        return sum(k.context() is not None for k in self._kept)
+        return len(self._live())
 
     def __repr__(self) -> str:
         return f"CPRecomputeHandle(holding {len(self)} halo{'s' if len(self) != 1 else ''})"
