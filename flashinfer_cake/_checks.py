@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _plan
 from .jit.env import ARCH_OF_CAPABILITY
@@ -135,22 +136,32 @@ def check_states(fn: str, name: str, t: torch.Tensor, num_docs: int, C: int) -> 
     check_memory(fn, name, t)
 
 
+def without_memory(t: torch.Tensor) -> bool:
+    """A tensor with metadata only: a meta tensor or a FakeTensor (FakeTensorMode, make_fx: memory
+    estimators, meta-device initialization). cake_causal_conv1d runs the custom ops' fake
+    implementations on them."""
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
 def check_memory(fn: str, name: str, t: torch.Tensor) -> None:
-    """The memory the kernels read or write for ``t`` is its own: no lazily negated or conjugated
-    view (torch._neg_view, .conj(): the values without the pending sign), and every element inside
-    its storage (a view keeps its shape when its storage is resized, e.g. by
-    untyped_storage().resize_(0), and the kernels would address the bytes past it). (Not while
-    torch.compile traces, which cannot ask: the op's eager call checks it when it runs.)"""
-    if torch.compiler.is_compiling():
+    """The memory the kernels read or write for ``t`` is its own: a tensor that does not dispatch
+    in Python (a DTensor or another __torch_dispatch__ subclass has no memory of the values it
+    stands for), no lazily negated or conjugated view (torch._neg_view, .conj(): the values
+    without the pending sign), and every element inside its storage (a view keeps its shape when
+    its storage is resized, e.g. by untyped_storage().resize_(0), and the kernels would address
+    the bytes past it). (Not while torch.compile traces nor for tensors without memory, which
+    have none to check: the op's eager call checks it when it runs.)"""
+    if torch.compiler.is_compiling() or without_memory(t):
         return
+    if torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
+        raise ValueError(f"{fn}: {name} must be a tensor with memory of its own, got a {type(t).__name__} (a tensor "
+                         f"subclass that dispatches in Python; e.g. a DTensor's .to_local() or .full_tensor() is one)")
     if t.is_neg() or t.is_conj():
         raise ValueError(f"{fn}: {name} must not be a lazily negated or conjugated view; pass t.resolve_neg() / "
                          f"t.resolve_conj()")
     if t.numel():
         start = t.storage_offset() * t.element_size()
         have = t.untyped_storage().nbytes()
-        if not isinstance(start, int) or not isinstance(have, int):  # symbolic (make_fx): no memory to overrun
-            return
         if start + span_bytes(t) > have:
             raise ValueError(f"{fn}: {name} reaches past its storage: its elements span bytes {start} to "
                              f"{start + span_bytes(t)} of a storage of {have} bytes (a view of a storage resized "

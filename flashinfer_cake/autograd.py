@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _checks, _dispatch
 from ._custom_ops import backward_of_any_grads, empty_states
@@ -18,10 +17,9 @@ _is_compiling, _is_tracing = torch.compiler.is_compiling, torch._C._is_tracing
 
 
 def _through_custom_ops(x) -> bool:
-    """The call goes through the custom ops: while torch.compile traces, and for an x without
-    memory (a meta tensor, a FakeTensor under FakeTensorMode or make_fx, as memory estimators and
-    meta-device initialization use), whose fake implementations give the outputs' metadata."""
-    return _is_compiling() or x.is_meta or isinstance(x, FakeTensor)
+    """The Function's path through the custom ops: while torch.compile traces, and for an x
+    without memory (_checks.without_memory), whose fake implementations give the outputs' metadata."""
+    return _is_compiling() or _checks.without_memory(x)
 
 
 _DOUBLE_BACKWARD = (b"cake_causal_conv1d's backward is not itself differentiable: trying to differentiate twice "
@@ -136,18 +134,19 @@ def cake_causal_conv1d(
         which are what this function is for); and a ValueError up front when x is outside the
         backward's range (S < 2^30, S * C < 2^34).
     """
-    # The binding is opaque to both torch.compile and torch.jit.trace, and needs memory. (Under dynamo
-    # the first test is the constant True; _is_tracing is the C call under torch.jit.is_tracing: 0.1
-    # us less.)
-    if _through_custom_ops(x) or _is_tracing():
+    # The binding is opaque to both torch.compile and torch.jit.trace. (Under dynamo the first test
+    # is the constant True; _is_tracing is the C call under torch.jit.is_tracing: 0.1 us less.)
+    if _is_compiling() or _is_tracing():
         return CakeCausalConv1dFunction.apply(x, weight, cu_seqlens, bias, initial_states, return_final_states,
                                               silu_grad_preactivation)
     # Eager: the binding's C++ autograd node (a Python autograd.Function costs ~6 us more per call).
     binding = _dispatch.binding
     y = None if binding is None else binding.try_autograd_forward(x, weight, cu_seqlens, bias, initial_states,
                                                                   return_final_states, silu_grad_preactivation)
-    if y is None:  # a bad argument (raised here, before anything is built), or a first call
+    if y is None:  # a bad argument (raised here, before anything is built), a first call, or no memory
         args = (x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation)
+        if isinstance(x, torch.Tensor) and _checks.without_memory(x):  # (the binding declines those)
+            return CakeCausalConv1dFunction.apply(*args)
         device = _checks.check_autograd_args(_AUTOGRAD, *args)
         y = _dispatch.binding_for(device, weight, bias).try_autograd_forward(*args)
         if y is None:

@@ -113,9 +113,10 @@ KernelEntries module_of(int device, int w, int b) {
 // 2 bf16 (this code + 1); -1 for any other dtype.
 int param_code(at::ScalarType t) { return t == at::kFloat ? 0 : t == at::kBFloat16 ? 1 : -1; }
 
-// The tensor of a Python argument: false when it is neither a tensor nor (if allowed) None. The
-// type itself is checked (THPVariable_Check also takes objects that only claim the class, e.g.
-// mocks, whose memory is no tensor).
+// The tensor of a Python argument: false when it is neither a tensor nor (if allowed) None, or a
+// tensor that dispatches in Python (_checks.check_memory). The type itself is checked
+// (THPVariable_Check also takes objects that only claim the class, e.g. mocks, whose memory is no
+// tensor).
 bool as_tensor(PyObject* obj, bool optional, const at::Tensor** out) {
   if (obj == Py_None) {
     *out = nullptr;
@@ -123,7 +124,7 @@ bool as_tensor(PyObject* obj, bool optional, const at::Tensor** out) {
   }
   if (!PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(THPVariableClass))) return false;
   *out = &THPVariable_Unpack(obj);
-  return true;
+  return !(*out)->unsafeGetTensorImpl()->is_python_dispatch();  // (FakeTensor, DTensor: no memory of its own)
 }
 
 int64_t span_bytes(const at::Tensor* t);

@@ -66,6 +66,12 @@ def states():
     return torch.randn(D, 3, C).to(BF16)
 
 
+def two_tensor(t):
+    """t wrapped in torch's test subclass that dispatches in Python (as DTensor does)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+    return TwoTensor(t, t.clone())
+
+
 def resized(t, nbytes):
     """t, its storage resized to nbytes since (t keeps its shape: a view past its storage)."""
     t.untyped_storage().resize_(nbytes)
@@ -219,6 +225,9 @@ BAD_INPUTS = [
     case("out-storage-resized", ValueError, "out", out=lambda: resized(torch.empty(S, C, dtype=BF16), 2 * S * C - 2)),
     case("initial_states-storage-resized", ValueError, "initial_states",
          initial_states=lambda: resized(states(), 64)),
+    # a subclass that dispatches in Python (DTensor-like): no memory of its values of its own
+    case("x-python-subclass", ValueError, "x", x=lambda: two_tensor(torch.randn(S, C).to(BF16))),
+    case("weight-python-subclass", ValueError, "weight", weight=lambda: two_tensor(torch.randn(C, 4))),
     # grad mode on: no autograd graph is recorded, outputs are written in place (check_no_grad)
     case("x-requires-grad", RuntimeError, "x", x=lambda: torch.randn(S, C).to(BF16).requires_grad_()),
     case("weight-requires-grad", RuntimeError, "weight", weight=lambda: torch.randn(C, 4).requires_grad_()),
