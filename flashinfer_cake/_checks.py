@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _plan
 from .jit.env import ARCH_OF_CAPABILITY
@@ -137,25 +136,35 @@ def check_states(fn: str, name: str, t: torch.Tensor, num_docs: int, C: int) -> 
 
 
 def without_memory(t: torch.Tensor) -> bool:
-    """A tensor with metadata only: a meta tensor or a FakeTensor (FakeTensorMode, make_fx: memory
-    estimators, meta-device initialization). cake_causal_conv1d runs the custom ops' fake
-    implementations on them."""
-    return t.is_meta or isinstance(t, FakeTensor)
+    """A tensor whose memory is not its values for the kernels: a meta tensor, or a subclass that
+    dispatches in Python (a FakeTensor under FakeTensorMode or make_fx, a FunctionalTensor while
+    AOTAutograd traces, an AsyncCollectiveTensor of a functional collective, a DTensor). The
+    binding declines them; cake_causal_conv1d takes them through the custom ops, whose dispatch
+    handles each (the fake implementations, an AsyncCollectiveTensor's wait)."""
+    return t.is_meta or torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
+
+
+def check_has_memory(fn: str, named_tensors) -> None:
+    """No (name, tensor or None) of ``named_tensors`` is without_memory: the raw functions and the
+    CP calls run the kernels on the tensors' memory (cake_causal_conv1d takes them otherwise)."""
+    for name, t in named_tensors:
+        if t is not None and without_memory(t):
+            raise ValueError(
+                f"{fn}: {name} must be a CUDA tensor with memory of its own, got a tensor of type {type(t).__name__} "
+                f"(meta, fake, or a subclass that dispatches in Python): cake_causal_conv1d takes such tensors "
+                f"through its custom ops; an AsyncCollectiveTensor needs .wait() here, a DTensor its local tensor "
+                f"(or, for a sequence-sharded batch, flashinfer_cake.cp)")
 
 
 def check_memory(fn: str, name: str, t: torch.Tensor) -> None:
-    """The memory the kernels read or write for ``t`` is its own: a tensor that does not dispatch
-    in Python (a DTensor or another __torch_dispatch__ subclass has no memory of the values it
-    stands for), no lazily negated or conjugated view (torch._neg_view, .conj(): the values
-    without the pending sign), and every element inside its storage (a view keeps its shape when
-    its storage is resized, e.g. by untyped_storage().resize_(0), and the kernels would address
-    the bytes past it). (Not while torch.compile traces nor for tensors without memory, which
-    have none to check: the op's eager call checks it when it runs.)"""
+    """The memory the kernels read or write for ``t`` is its own: no lazily negated or conjugated
+    view (torch._neg_view, .conj(): the values without the pending sign), and every element inside
+    its storage (a view keeps its shape when its storage is resized, e.g. by
+    untyped_storage().resize_(0), and the kernels would address the bytes past it). (Not while
+    torch.compile traces nor for tensors without memory (without_memory), which have none to
+    check: the op's eager call checks them when it runs.)"""
     if torch.compiler.is_compiling() or without_memory(t):
         return
-    if torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
-        raise ValueError(f"{fn}: {name} must be a tensor with memory of its own, got a {type(t).__name__} (a tensor "
-                         f"subclass that dispatches in Python; e.g. a DTensor's .to_local() or .full_tensor() is one)")
     if t.is_neg() or t.is_conj():
         raise ValueError(f"{fn}: {name} must not be a lazily negated or conjugated view; pass t.resolve_neg() / "
                          f"t.resolve_conj()")
@@ -353,6 +362,9 @@ def check_forward_args(fn: str, x, weight, cu_seqlens, bias, initial_states, fin
     device = check_devices(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
                                    ("initial_states", initial_states), ("final_states_out", final_states_out),
                                    ("out", out), ("workspace", workspace)))
+    check_has_memory(fn, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
+                          ("initial_states", initial_states), ("final_states_out", final_states_out), ("out", out),
+                          ("workspace", workspace)))
     _check_aligned(fn, (("x", x), ("out", out), ("initial_states", initial_states),
                         ("final_states_out", final_states_out)))
     # out and the final states are written while x, the parameters, cu_seqlens and the initial
@@ -396,10 +408,11 @@ def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, initial_states
                        ("dfinal_states", dfinal_states)),
                   (("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias),
                    ("dinitial_states", dinitial_states)), "the backward is not itself differentiable")
-    device = check_devices(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy), ("bias", bias),
-                                   ("initial_states", initial_states), ("dfinal_states", dfinal_states),
-                                   ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias),
-                                   ("dinitial_states", dinitial_states)))
+    named = (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy), ("bias", bias),
+             ("initial_states", initial_states), ("dfinal_states", dfinal_states), ("workspace", workspace),
+             ("dx", dx), ("dweight", dweight), ("dbias", dbias), ("dinitial_states", dinitial_states))
+    device = check_devices(fn, x, named[1:])
+    check_has_memory(fn, named)
     # 8-byte vectors for x, dy, dx (16 keeps the forward's rule); the partial rows are summed with
     # 16-byte loads
     _check_aligned(fn, (("x", x), ("dy", dy), ("dx", dx), ("initial_states", initial_states),

@@ -16,10 +16,10 @@ _AUTOGRAD = "cake_causal_conv1d"
 _is_compiling, _is_tracing = torch.compiler.is_compiling, torch._C._is_tracing
 
 
-def _through_custom_ops(x) -> bool:
-    """The Function's path through the custom ops: while torch.compile traces, and for an x
-    without memory (_checks.without_memory), whose fake implementations give the outputs' metadata."""
-    return _is_compiling() or _checks.without_memory(x)
+def _through_custom_ops(*tensors) -> bool:
+    """The Function's path through the custom ops: while torch.compile traces, and for tensors of
+    which one is without memory (_checks.without_memory: the ops' dispatch handles it)."""
+    return _is_compiling() or any(isinstance(t, torch.Tensor) and _checks.without_memory(t) for t in tensors)
 
 
 _DOUBLE_BACKWARD = (b"cake_causal_conv1d's backward is not itself differentiable: trying to differentiate twice "
@@ -54,7 +54,7 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
     def forward(ctx, x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation):
         # cake_causal_conv1d's rules whoever calls apply, before anything is made: while torch.compile
         # traces, the types, the flag, the policy and x's range (the custom op checks the rest when it runs)
-        if _through_custom_ops(x):
+        if _through_custom_ops(x, weight, cu_seqlens, bias, initial_states):
             _checks.check_autograd_early(_AUTOGRAD, x, weight, cu_seqlens, bias, initial_states, return_final_states,
                                          silu_grad_preactivation)
             y, final_states = torch.ops.flashinfer_cake.causal_conv1d_fwd(x, weight, cu_seqlens, bias, initial_states,
@@ -77,7 +77,7 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
         policy = ctx.silu_grad_preactivation
         if dy is None:
             dy = torch.zeros_like(x, memory_format=torch.contiguous_format)
-        if _through_custom_ops(x):
+        if _through_custom_ops(x, weight, cu_seqlens, bias, initial_states):
             dx, dweight, dbias, dinit = torch.ops.flashinfer_cake.causal_conv1d_bwd(
                 x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, policy)
         else:
@@ -145,7 +145,7 @@ def cake_causal_conv1d(
                                                                   return_final_states, silu_grad_preactivation)
     if y is None:  # a bad argument (raised here, before anything is built), a first call, or no memory
         args = (x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation)
-        if isinstance(x, torch.Tensor) and _checks.without_memory(x):  # (the binding declines those)
+        if _through_custom_ops(x, weight, cu_seqlens, bias, initial_states):  # (the binding declines those)
             return CakeCausalConv1dFunction.apply(*args)
         device = _checks.check_autograd_args(_AUTOGRAD, *args)
         y = _dispatch.binding_for(device, weight, bias).try_autograd_forward(*args)

@@ -862,3 +862,15 @@ def test_make_fx_traces_the_call_with_symbolic_shapes():
     w = torch.randn(C, 4, requires_grad=True)
     gm = make_fx(step, tracing_mode="symbolic")(x, w, torch.tensor([0, 5, S], dtype=I32))
     assert "flashinfer_cake.causal_conv1d_fwd" in gm.code and "flashinfer_cake.causal_conv1d_bwd" in gm.code
+
+
+def test_a_subclass_that_dispatches_in_python_goes_through_the_custom_ops():
+    """An x of a __torch_dispatch__ subclass (an AsyncCollectiveTensor of tensor parallelism, a
+    FunctionalTensor while AOTAutograd traces; here torch's TwoTensor) is declined by the binding
+    and taken through the custom op, whose dispatch hands the subclass its call: on the CPU the
+    op's missing CPU kernel, not one of this package's argument errors."""
+    from test_forward_validation import two_tensor
+
+    x = two_tensor(torch.randn(S, C).to(BF16))
+    with pytest.raises(NotImplementedError, match=r"flashinfer_cake::causal_conv1d_fwd.*CPU"):
+        cake_causal_conv1d(x, torch.randn(C, 4), torch.tensor([0, S], dtype=I32))

@@ -384,6 +384,15 @@ def test_recompute_handle_matches_freed_inputs_by_context_alone():
         handle._take("f", ctx_a, [torch.zeros(16, 8)])
     handle.clear()  # e.g. after an evaluation forward that left its halo
     assert len(handle) == 0
+    small = CPRecomputeHandle(max_kept=1)  # a halo of freed inputs dropped to the limit: never guessed
+    small._keep(ctx_a, [torch.zeros(16, 8)], "train")
+    small._keep(ctx_a, [torch.zeros(16, 8)], "eval")
+    with pytest.raises(RuntimeError, match=r"f: the recompute_handle dropped a halo of this context to its "
+                                           r"max_kept=1 limit"):
+        small._take("f", ctx_a, [torch.zeros(16, 8)])
+    small.clear()
+    small._keep(ctx_a, [torch.zeros(16, 8)], "a5")
+    assert small._take("f", ctx_a, [torch.zeros(16, 8)]) == "a5"
     handle._keep(ctx_a, [torch.zeros(16, 8)], "a3")
     handle._keep(ctx_a, [torch.zeros(16, 8)], "a4")
     del ctx_a

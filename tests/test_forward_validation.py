@@ -225,9 +225,6 @@ BAD_INPUTS = [
     case("out-storage-resized", ValueError, "out", out=lambda: resized(torch.empty(S, C, dtype=BF16), 2 * S * C - 2)),
     case("initial_states-storage-resized", ValueError, "initial_states",
          initial_states=lambda: resized(states(), 64)),
-    # a subclass that dispatches in Python (DTensor-like): no memory of its values of its own
-    case("x-python-subclass", ValueError, "x", x=lambda: two_tensor(torch.randn(S, C).to(BF16))),
-    case("weight-python-subclass", ValueError, "weight", weight=lambda: two_tensor(torch.randn(C, 4))),
     # grad mode on: no autograd graph is recorded, outputs are written in place (check_no_grad)
     case("x-requires-grad", RuntimeError, "x", x=lambda: torch.randn(S, C).to(BF16).requires_grad_()),
     case("weight-requires-grad", RuntimeError, "weight", weight=lambda: torch.randn(C, 4).requires_grad_()),
@@ -267,6 +264,9 @@ GPU_ONLY_BAD_INPUTS = [
          **one_buffer(2 * S * C, final_states_out=state_view, out=lambda b: rows(b, D * 3 * C // 2))),
     case("out-interleaved-with-x", ValueError, "out",  # disjoint elements, overlapping spans
          **one_buffer(2 * S * C, x=lambda b: rows(b, 0, 2 * C), out=lambda b: rows(b, C, 2 * C))),
+    # a subclass that dispatches in Python (DTensor-like): no memory of its values of its own
+    case("x-python-subclass", ValueError, "x", x=lambda: two_tensor(torch.randn(S, C).to(BF16))),
+    case("weight-python-subclass", ValueError, "weight", weight=lambda: two_tensor(torch.randn(C, 4))),
 ]
 
 # Well-formed arguments with row-strided views (and states): the Python rules accept them, so on
@@ -454,3 +454,21 @@ def test_tensors_that_require_grad_pass_under_no_grad():
                       out=torch.empty(S, C, dtype=BF16).requires_grad_())
     with torch.no_grad(), pytest.raises(ValueError, match=rf"^{FN}: x must be a CUDA tensor"):
         call(args)
+
+
+def test_tensors_without_memory_are_named():
+    """The raw functions and the CP calls run kernels on memory: a tensor without memory of its own
+    (meta, fake, a subclass that dispatches in Python) is a ValueError saying what to pass
+    instead (cake_causal_conv1d takes such tensors through its custom ops)."""
+    from flashinfer_cake import _checks
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(S, C, dtype=BF16)
+    for t in (two_tensor(torch.randn(S, C).to(BF16)), fake, torch.empty(S, C, device="meta")):
+        assert _checks.without_memory(t)
+        with pytest.raises(ValueError, match=rf"^f: dy must be a CUDA tensor with memory of its own, got a tensor of "
+                                             rf"type {type(t).__name__} .*cake_causal_conv1d takes such tensors"):
+            _checks.check_has_memory("f", (("x", torch.zeros(1)), ("dy", t)))
+    for t in (torch.zeros(2), torch.nn.Parameter(torch.zeros(2)), torch.zeros(2).as_subclass(torch.nn.Parameter)):
+        assert not _checks.without_memory(t)

@@ -70,10 +70,12 @@ class CPRecomputeHandle:
             raise ValueError(f"CPRecomputeHandle: max_kept must be an int >= 1, got {max_kept!r}")
         self._kept: list[_KeptHalo] = []  # oldest first
         self._max_kept = max_kept
+        self._lost = weakref.WeakSet()  # contexts that lost a halo to max_kept (no match by context alone)
 
     def clear(self) -> None:
         """Drops every kept halo (e.g. after a forward that got no backward)."""
         self._kept.clear()
+        self._lost.clear()
 
     def _live(self) -> list:
         """The kept halos whose contexts still exist (the others dropped)."""
@@ -86,6 +88,9 @@ class CPRecomputeHandle:
         inputs = [_Input(x) for x in xs]
         self._kept = [k for k in self._live() if k.context() is not cp or k.inputs != inputs]
         self._kept.append(_KeptHalo(weakref.ref(cp), inputs, received))
+        for dropped in self._kept[:-self._max_kept]:
+            if dropped.context() is not None:
+                self._lost.add(dropped.context())
         del self._kept[:-self._max_kept]
 
     def _take(self, fn: str, cp, xs):
@@ -95,6 +100,11 @@ class CPRecomputeHandle:
         same = [i for i in mine if self._kept[i].inputs == inputs]
         freed = [i for i in mine if all(a.freed() and a.shape == b.shape for a, b in zip(self._kept[i].inputs, inputs))
                  and len(self._kept[i].inputs) == len(inputs)]
+        if not same and freed and cp in self._lost:
+            raise RuntimeError(
+                f"{fn}: the recompute_handle dropped a halo of this context to its max_kept={self._max_kept} limit, so "
+                "a halo of freed inputs cannot be matched to this recomputation safely: raise max_kept, or pass "
+                "x_local into the checkpointed function as an input")
         if not same and len(freed) > 1:
             raise RuntimeError(
                 f"{fn}: the recompute_handle holds {len(freed)} halos of this context whose inputs were freed, "
