@@ -17,9 +17,12 @@ _is_compiling, _is_tracing = torch.compiler.is_compiling, torch._C._is_tracing
 
 
 def _through_custom_ops(*tensors) -> bool:
-    """The Function's path through the custom ops: while torch.compile traces, and for tensors of
-    which one is without memory (_checks.without_memory: the ops' dispatch handles it)."""
-    return _is_compiling() or any(isinstance(t, torch.Tensor) and _checks.without_memory(t) for t in tensors)
+    """The Function's path through the custom ops: while torch.compile traces, under a
+    TorchDispatchMode (selective activation checkpointing's caching, FlopCounterMode, make_fx: the
+    mode sees the ops), and for tensors of which one is without memory (_checks.without_memory:
+    the ops' dispatch handles it). The binding declines the same calls."""
+    return (_is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or any(isinstance(t, torch.Tensor) and _checks.without_memory(t) for t in tensors))
 
 
 _DOUBLE_BACKWARD = (b"cake_causal_conv1d's backward is not itself differentiable: trying to differentiate twice "
@@ -145,7 +148,7 @@ def cake_causal_conv1d(
                                                                   return_final_states, silu_grad_preactivation)
     if y is None:  # a bad argument (raised here, before anything is built), a first call, or no memory
         args = (x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation)
-        if _through_custom_ops(x, weight, cu_seqlens, bias, initial_states):  # (the binding declines those)
+        if _through_custom_ops(x, weight, cu_seqlens, bias, initial_states):  # (declined by the binding)
             return CakeCausalConv1dFunction.apply(*args)
         device = _checks.check_autograd_args(_AUTOGRAD, *args)
         y = _dispatch.binding_for(device, weight, bias).try_autograd_forward(*args)

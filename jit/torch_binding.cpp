@@ -44,6 +44,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <flashinfer_cake/causal_conv1d_bwd_plan.h>
 #include <flashinfer_cake/causal_conv1d_contract.h>
@@ -799,7 +800,10 @@ PyObject* try_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t narg
   ForwardCall c{};
   const int round_preact = round_preact_of(args[6]);
   const bool return_final = args[5] == Py_True;
-  if (!as_tensor(args[0], false, &c.x) || !as_tensor(args[1], false, &c.weight) ||
+  // Under a TorchDispatchMode (selective activation checkpointing, FlopCounterMode, make_fx) the
+  // call goes through the custom ops, where the mode sees it.
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || !as_tensor(args[0], false, &c.x) ||
+      !as_tensor(args[1], false, &c.weight) ||
       !as_tensor(args[2], false, &c.cu_seqlens) || !as_tensor(args[3], true, &c.bias) ||
       !as_tensor(args[4], true, &c.initial_states) || (args[5] != Py_True && args[5] != Py_False) || round_preact < 0 ||
       !check_forward(&c, kBwdMaxS, kBwdMaxElements)) {

@@ -874,3 +874,25 @@ def test_a_subclass_that_dispatches_in_python_goes_through_the_custom_ops():
     x = two_tensor(torch.randn(S, C).to(BF16))
     with pytest.raises(NotImplementedError, match=r"flashinfer_cake::causal_conv1d_fwd.*CPU"):
         cake_causal_conv1d(x, torch.randn(C, 4), torch.tensor([0, S], dtype=I32))
+
+
+def test_a_dispatch_mode_sees_the_custom_ops():
+    """Under a TorchDispatchMode (selective activation checkpointing's caching, FlopCounterMode,
+    make_fx in real mode) cake_causal_conv1d goes through the custom ops, so the mode sees the
+    call (the binding would run the kernel behind its back): the mode logs the op, then the op's
+    missing CPU kernel raises."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(S, C).to(BF16)
+    with Log() as log, pytest.raises(NotImplementedError, match=r"flashinfer_cake::causal_conv1d_fwd.*CPU"):
+        cake_causal_conv1d(x, torch.randn(C, 4), torch.tensor([0, S], dtype=I32))
+    assert "flashinfer_cake.causal_conv1d_fwd.default" in log.ops, log.ops
