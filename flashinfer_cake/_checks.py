@@ -243,12 +243,18 @@ def check_same_device(fn: str, x: torch.Tensor, others) -> None:
 
 
 def check_devices(fn: str, x: torch.Tensor, others) -> int:
-    """x on a CUDA device of a supported index and arch, and every tensor of ``others`` (name,
-    tensor or None) on it. Returns the device index."""
+    """x on a CUDA device of a supported index and arch (check_cuda_device), and every tensor of
+    ``others`` ((name, tensor or None) pairs) on it. Returns the device index."""
+    device = check_cuda_device(fn, x)
+    check_same_device(fn, x, others)
+    return device
+
+
+def check_cuda_device(fn: str, x: torch.Tensor) -> int:
+    """x on a CUDA device of a supported index and arch. Returns the device index."""
     device = x.get_device()
     if device < 0 or not x.is_cuda:
         raise ValueError(f"{fn}: x must be a CUDA tensor, got device {x.device}")
-    check_same_device(fn, x, others)
     if device >= MAX_DEVICES:
         raise RuntimeError(f"{fn}: device cuda:{device} is not supported: device indices must be below {MAX_DEVICES}")
     if arch_of(device) is None:
@@ -452,10 +458,10 @@ def check_autograd_early(fn: str, x, weight, cu_seqlens, bias, initial_states, r
 
 def check_autograd_args(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,
                         silu_grad_preactivation) -> int:
-    """cake_causal_conv1d's rules: check_autograd_early's, then the forward's that need memory
-    (devices and alignment; it writes no tensor of the caller's). Returns x's device index."""
+    """cake_causal_conv1d's rules: check_autograd_early's (the devices alike among them), then
+    the forward's that need a device and memory (x's CUDA device, alignment; it writes no tensor
+    of the caller's). Returns x's device index."""
     check_autograd_early(fn, x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation)
-    device = check_devices(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
-                                   ("initial_states", initial_states)))
+    device = check_cuda_device(fn, x)
     _check_aligned(fn, (("x", x), ("initial_states", initial_states)))
     return device

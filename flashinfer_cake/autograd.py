@@ -55,8 +55,8 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation):
-        # cake_causal_conv1d's rules whoever calls apply, before anything is made: while torch.compile
-        # traces, the types, the flag, the policy and x's range (the custom op checks the rest when it runs)
+        # cake_causal_conv1d's rules whoever calls apply, before anything is made: on the custom ops' path
+        # those that need no memory (the op's eager call checks the rest when it runs)
         if _through_custom_ops(x, weight, cu_seqlens, bias, initial_states):
             _checks.check_autograd_early(_AUTOGRAD, x, weight, cu_seqlens, bias, initial_states, return_final_states,
                                          silu_grad_preactivation)
