@@ -210,7 +210,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   __shared__ uint32_t s_pos_words[(Traits::kPosTokens + 4) / 4];
   uint8_t* const s_pos = reinterpret_cast<uint8_t*>(s_pos_words);
   __shared__ uint8_t s_flags[kStates ? 1 : Traits::kPosTokens + 2];  // document starts (scan_positions)
-  __shared__ int32_t s_entries[kStates ? 1 : T];  // scan_positions' first round
+  __shared__ int32_t s_entries[T];  // the position scan's first round (scan_positions, scan_documents)
   // kStates: the tokens' documents, and scan_documents' scratch.
   __shared__ int32_t s_doc[kStates ? Traits::kPosTokens : 1];
   __shared__ int32_t s_first_idx[kStates ? Traits::kPosTokens + 5 : 1], s_last_idx[kStates ? Traits::kPosTokens + 5 : 1];
@@ -219,7 +219,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   __shared__ uint8_t s_item_events[kItemChoice ? 2 : 1];
   // Static shared memory (the launch asks for no more): within the 48 KiB a kernel may declare,
   // counting scan_documents' (kStates) per-thread scratch. The shipped geometry's largest, WideVec8
-  // with states, has 46 800 bytes.
+  // with states, has 47 312 bytes.
   static_assert(sizeof(s_raw) + sizeof(s_pos_words) + sizeof(s_flags) + sizeof(s_entries) + sizeof(s_doc) +
                         sizeof(s_first_idx) + sizeof(s_last_idx) + (kStates ? T * sizeof(int32_t) + 8 : 0) <=
                     48 * 1024,
@@ -327,7 +327,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     }
   };
 
-  // The position scan's first load, ahead of the rows (stateless; unused, so not loaded, with states).
+  // The position scan's first load, ahead of the rows.
   const int32_t first_round = detail::load_first_round<T>(p.cu_seqlens, p.num_docs);
   // The strip's walks. Routes that fill their rings per thread (all but kWarpFill) give each strip one
   // run of the item's consecutive tokens, walked at once (kLongWalk): its ring streams on through the
@@ -392,7 +392,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     const auto scan = [&](auto blocks) {
       detail::scan_documents<T, Traits::kPosTokens, Traits::kLanesC>(p.cu_seqlens, p.num_docs, p.S, item_t0,
                                                                     group_tokens + 3, item_end, s_first_idx, s_last_idx,
-                                                                    s_pos, s_doc, blocks, p.frag_info, on_empty);
+                                                                    s_pos, s_doc, blocks, p.frag_info, on_empty,
+                                                                    &first_round, s_entries);
     };
     if constexpr (kItemChoice) {
       scan(static_cast<uint8_t*>(s_item_events));

@@ -451,6 +451,12 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // or written for it (its halo rows may hold anything; an empty fragment's dinit rows are still
 // zeroed, on_empty).
 //
+// first_round / entries (both or neither): as scan_positions', this thread's load_first_round and kThreads
+// ints of shared memory (a pointer, not a value: a value's address put 8 bytes of stack into every stateful
+// kernel); the search's first round then takes its entries from that early load, and
+// with num_docs < kThreads the passes read every entry (and empty documents' ends) from shared memory, so a
+// few-document scan's only load of cu_seqlens is the one issued before the rows (the backward's).
+//
 // Returns whether the passes recorded an entry in [first_token - 2, first_token + count + 2] (for
 // content in order: whether one lies there): when none did, no token has kInDoc or an end
 // distance, and the codes are the positions alone (written without the per-token search: a tile
@@ -461,14 +467,15 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // cu_seqlens padded to a fixed length) have no token: the whole CTA runs on_empty(d, row, vec) for
 // rows 0..2 and vectors 0 .. kTileVecs - 1 of each, a pass of entries at a time. Documents with
 // entries out of [0, S] or out of order are not owned (their states stay unwritten), but every read
-// and write stays in cu_seqlens[0 .. num_docs] and the scratch: first_idx / last_idx, int32 [count
+// and write stays in cu_seqlens[0 .. num_docs], entries[0 .. kThreads) and the scratch: first_idx / last_idx, int32 [count
 // + 5] each (the least / greatest entry index of each value first_token - 2 .. first_token + count
 // + 2).
 template <int kThreads, int kBlock, int kTileVecs, class Blocks, class OnEmpty>
 __device__ __forceinline__ bool scan_documents(const int32_t* __restrict__ cu, int num_docs, int S, int first_token,
                                                int count, int own_end, int32_t* first_idx, int32_t* last_idx,
                                                uint8_t* code, int32_t* doc, Blocks blocks,
-                                               const int32_t* __restrict__ frag_info, OnEmpty&& on_empty) {
+                                               const int32_t* __restrict__ frag_info, OnEmpty&& on_empty,
+                                               const int32_t* first_round = nullptr, int32_t* entries = nullptr) {
   constexpr bool kBlocks = !std::is_same_v<Blocks, std::nullptr_t>;
   static_assert(kBlocks ? std::is_same_v<Blocks, uint8_t*> : true, "blocks: uint8_t* or nullptr");
   __shared__ int32_t s_empty[kThreads];  // per thread: the owned empty document its entry starts, or -1
@@ -487,21 +494,23 @@ __device__ __forceinline__ bool scan_documents(const int32_t* __restrict__ cu, i
   }
   // Ordered by the search's barriers, as the scratch (its loop runs at least once: num_docs >= 0).
   if (threadIdx.x == 0) s_hit = false;
-  const int64_t lo = search_first_entry<kThreads>(cu, num_docs, first);
+  if (entries) entries[threadIdx.x] = *first_round;  // likewise; entries[0] is cu[0]
+  const bool all_read = entries && num_docs < kThreads;  // the first round read entries 0 .. num_docs
+  const int64_t lo = search_first_entry<kThreads>(cu, num_docs, first, first_round);
   // Passes over the entries from lo until one > last, one barrier each (two with empty documents).
   // s_more alternates so that a pass's flag is never rewritten before every thread has read it
   // (the next pass's barrier separates them).
   for (int pass = 0;; ++pass) {
     const int64_t d = lo + int64_t(pass) * kThreads + threadIdx.x;
     const bool in = d <= num_docs;
-    const int v = in ? __ldg(cu + d) : 0;
+    const int v = in ? (all_read ? entries[d] : __ldg(cu + d)) : 0;
     bool empty = false;
     if (in && v >= first && v <= last) {
       s_hit = true;  // every write the same true, read after the passes' barriers
       atomicMin(first_idx + (v - first), static_cast<int32_t>(d));
       atomicMax(last_idx + (v - first), static_cast<int32_t>(d));
       const bool owned = (v >= first_token && v < own_end) || (v == S && own_end == S);
-      empty = owned && d < num_docs && __ldg(cu + d + 1) == v;
+      empty = owned && d < num_docs && (all_read ? entries[d + 1] : __ldg(cu + d + 1)) == v;
     }
     s_empty[threadIdx.x] = empty ? static_cast<int32_t>(d) : -1;
     if (threadIdx.x == kThreads - 1) s_more[pass & 1] = in && v <= last;
@@ -514,7 +523,7 @@ __device__ __forceinline__ bool scan_documents(const int32_t* __restrict__ cu, i
     }
     if (!s_more[pass & 1]) break;
   }
-  const int64_t none_below = lo == 0 ? int64_t(__ldg(cu)) : int64_t(INT32_MIN);
+  const int64_t none_below = lo == 0 ? int64_t(entries ? entries[0] : __ldg(cu)) : int64_t(INT32_MIN);
   if (!s_hit) {  // the scratch untouched: what the loop below gives for it (keep the two in step)
     for (int j = threadIdx.x; j < count; j += kThreads) {
       code[j] = first_token + j < none_below ? 0 : 3;
