@@ -120,8 +120,9 @@ __global__ void __launch_bounds__(detail::kCpThreads) causal_conv1d_cp_kernel(co
     float g[V] = {};
     if (code >= 0 && (code >> 2) < p.num_frags) {
       const int f = code >> 2, i = code & 3;
-      const int start = p.cu_seqlens[f], n = p.cu_seqlens[f + 1] - start;
-      if (i < 3 && i < n && start >= 0 && start + n <= p.S) {
+      // (0 <= start < end <= S before their difference: any table content stays in int32)
+      const int start = p.cu_seqlens[f], end = p.cu_seqlens[f + 1];
+      if (i < 3 && start >= 0 && end <= p.S && end > start && i < end - start) {
         detail::cp_grad_at<kRoundPreact>(p, f, start, p.frag_info[f] & kCpHeadMask, i, v, w, b, g);
       }
     }
@@ -134,8 +135,9 @@ __global__ void __launch_bounds__(detail::kCpThreads) causal_conv1d_cp_kernel(co
   const int f = p.frags[item / 3], r = item % 3;
   if (f < 0 || f >= p.num_frags) return;
   const int info = p.frag_info[f], head = info & kCpHeadMask;
-  const int start = p.cu_seqlens[f], n = p.cu_seqlens[f + 1] - start;
-  if (start < 0 || n <= 0 || start + n > p.S) return;
+  const int start = p.cu_seqlens[f], end = p.cu_seqlens[f + 1];
+  if (start < 0 || end > p.S || end <= start) return;  // (before the difference: no int32 overflow)
+  const int n = end - start;
   uint4* const out = reinterpret_cast<uint4*>(p.out);
   const size_t vecs = p.C / V;
 
