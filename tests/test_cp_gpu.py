@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import random
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from doclengths import fill, one_doc, split, tiny_docs
 import cp_by_hand
 from launched import launched_route
+from sanitizer import assert_sanitizer_clean, needs_sanitizer
 from cp_by_hand import exchanged_by_hand, random_fragments
 from flashinfer_cake import cake_causal_conv1d, cake_causal_conv1d_train_backward
 from flashinfer_cake.cp import (
@@ -244,6 +246,57 @@ def test_main_backward_reads_no_halo_of_a_fragment_that_starts_its_document(layo
             poisoned[read] = float("nan")
             _, (dw,), _ = cp_by_hand.backward_interior(ctx, (xl,), (dl,), (w,), (b,), (poisoned,), policy)
             assert dw.isnan().any(), f"rank {r}: the continuing fragments' halo was not read"
+
+
+_CP_PASSES_MEMCHECK_SCRIPT = r"""
+import dataclasses, random, sys
+sys.path.insert(0, {tests!r})
+import torch
+import cp_by_hand
+from flashinfer_cake.cp import build_cp_context, cp_partition
+
+C, I32 = 72, torch.int32
+lengths = [5, 50, 1, 2, 23, 9]  # 90 tokens: the cut at 45 inside the second document
+cu = [0]
+for n in lengths:
+    cu.append(cu[-1] + n)
+part = cp_partition(cu, 2, "contiguous")
+w = torch.randn(C, 4, device="cuda")
+b = torch.randn(C, device="cuda").to(torch.bfloat16)
+ctxs = [build_cp_context(part, None, r, "cuda") for r in range(2)]
+xs = [torch.randn(c.num_tokens, C, device="cuda").to(torch.bfloat16) for c in ctxs]
+dys = [torch.randn_like(x) for x in xs]
+sends = [cp_by_hand.send_rows(c, (x,), (w,), (b,))[0] for c, x in zip(ctxs, xs)]
+received = cp_by_hand.exchanged_by_hand(ctxs, sends, "halo")
+rng = random.Random(5)
+lo, hi = -2**31, 2**31 - 1
+for rank, (ctx, x, dy, rows) in enumerate(zip(ctxs, xs, dys, received)):
+    S, F = ctx.num_tokens, ctx.num_fragments
+    tables = [[S - 1, lo + 5] + [S] * (F - 1), [hi - 1, hi] + [S] * (F - 1), [-5, 3] + [S] * (F - 1),
+              [0, S + 1] + [S + 1] * (F - 1), [lo] + [hi] * F]
+    tables += [[rng.randint(lo, hi) for _ in range(F + 1)] for _ in range(20)]
+    for table in tables:
+        forged = dataclasses.replace(ctx, cu_seqlens=torch.tensor(table, dtype=I32, device="cuda"))
+        y = cp_by_hand.forward_interior(forged, (x,), (w,), (b,))
+        spare = rows.new_zeros(1, C)
+        halos = cp_by_hand.forward_heads(forged, y, (x,), (w,), (b,), torch.cat([rows, spare]))
+        g_send, g_recv = cp_by_hand.grad_send(forged, (x,), (dy,), (w,), (b,), halos, "bf16")
+        (dx,), _, _ = cp_by_hand.backward_interior(forged, (x,), (dy,), (w,), (b,), halos, "bf16")
+        g_in = torch.randn(g_recv.shape, device="cuda")  # any received terms
+        cp_by_hand.backward_tails(forged, (dx,), (x,), (dy,), (w,), (b,), halos, g_in, "bf16")
+torch.cuda.synchronize()
+print("sanitizer-script-done")
+"""
+
+
+@needs_sanitizer
+def test_cp_passes_stay_in_bounds_for_any_table_content(tmp_path):
+    """The CP passes (and the main kernels with frag_info) under compute-sanitizer's memcheck with a
+    context's cu_seqlens replaced by any int32 content (a fragment ending near INT32_MIN after one
+    starting at S - 1, entries past S, negative, decreasing, random): no access outside the
+    tensors (the passes compare 0 <= start < end <= S before taking a fragment's length)."""
+    tests = str(Path(__file__).resolve().parent)
+    assert_sanitizer_clean(_CP_PASSES_MEMCHECK_SCRIPT.format(tests=tests), tmp_path)
 
 
 @pytest.mark.parametrize("C", [8, 1032, 2056])
