@@ -436,24 +436,37 @@ def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, initial_states
     return device
 
 
-def check_autograd_early(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,
-                         silu_grad_preactivation) -> None:
-    """The rules of cake_causal_conv1d that need no data pointer, so they also run while
-    torch.compile traces (on fake tensors): the tensors' types, the flag and the policy, x within
-    the backward's range (an error now, not in the backward), the parameters, the initial states
-    on x's device. x's being a CUDA device of a supported arch, alignment and overlap are checked
-    when the op runs."""
+def check_autograd_constants(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,
+                             silu_grad_preactivation) -> None:
+    """The rules of cake_causal_conv1d on what is not a size: the arguments' types, the flag and
+    the policy (constants while torch.compile traces)."""
     check_types(fn, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens)),
                 (("bias", bias), ("initial_states", initial_states)))
     if not isinstance(return_final_states, bool):
         raise TypeError(f"{fn}: return_final_states must be a bool, got {type(return_final_states).__name__}")
     check_policy(fn, silu_grad_preactivation)
+
+
+def check_autograd_sizes(fn: str, x, weight, cu_seqlens, bias, initial_states) -> None:
+    """The rules of cake_causal_conv1d on the tensors' metadata that need no data pointer (so they
+    also run on fake tensors): x within the backward's range (an error now, not in the backward),
+    the parameters, the initial states, all on x's device."""
     C = check_x(fn, x, "backward")[1]
     check_params(fn, weight, cu_seqlens, bias, C)
     if initial_states is not None:
         check_states(fn, "initial_states", initial_states, cu_seqlens.shape[0] - 1, C)
     check_same_device(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
                               ("initial_states", initial_states)))
+
+
+def check_autograd_early(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,
+                         silu_grad_preactivation) -> None:
+    """The rules of cake_causal_conv1d that need no data pointer: check_autograd_constants' and
+    check_autograd_sizes'. x's being a CUDA device of a supported arch, alignment and overlap are
+    checked when the op runs."""
+    check_autograd_constants(fn, x, weight, cu_seqlens, bias, initial_states, return_final_states,
+                             silu_grad_preactivation)
+    check_autograd_sizes(fn, x, weight, cu_seqlens, bias, initial_states)
 
 
 def check_autograd_args(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import rows_read_as_they_are, states_read_as_they_are
+from ._checks import check_autograd_sizes, rows_read_as_they_are, states_read_as_they_are
 from .cake_causal_conv1d_train import cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
+
+
+AUTOGRAD = "cake_causal_conv1d"  # the ops are its forward and backward: their errors name it
 
 
 def empty_states(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -30,6 +33,9 @@ def causal_conv1d_fwd_op(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
 
 @causal_conv1d_fwd_op.register_fake
 def _(x, weight, cu_seqlens, bias, initial_states, return_final_states):
+    # cake_causal_conv1d's size rules while torch.compile traces: dynamo quotes a failed rule's
+    # message whole from here (from traced code, torch 2.11 shows it in pieces when sizes are symbolic)
+    check_autograd_sizes(AUTOGRAD, x, weight, cu_seqlens, bias, initial_states)
     y = x.new_empty(x.shape)  # contiguous, whatever x's row stride
     return y, empty_states(x, cu_seqlens) if return_final_states else x.new_empty(0)
 

@@ -7,13 +7,14 @@ import functools
 import torch
 
 from . import _checks, _dispatch
+from ._custom_ops import AUTOGRAD as _AUTOGRAD
 from ._custom_ops import backward_of_any_grads, empty_states
 from .cake_causal_conv1d_train import cake_causal_conv1d_train_forward
 
 __all__ = ["CakeCausalConv1dFunction", "cake_causal_conv1d"]
 
-_AUTOGRAD = "cake_causal_conv1d"
 _is_compiling, _is_tracing = torch.compiler.is_compiling, torch._C._is_tracing
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 def _through_custom_ops(*tensors) -> bool:
@@ -56,10 +57,13 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation):
         # cake_causal_conv1d's rules whoever calls apply, before anything is made: on the custom ops' path
-        # those that need no memory (the op's eager call checks the rest when it runs)
+        # those that need no memory (the op's eager call checks the rest when it runs; while dynamo
+        # traces, the size rules run in the op's fake implementation)
         if _through_custom_ops(x, weight, cu_seqlens, bias, initial_states):
-            _checks.check_autograd_early(_AUTOGRAD, x, weight, cu_seqlens, bias, initial_states, return_final_states,
-                                         silu_grad_preactivation)
+            _checks.check_autograd_constants(_AUTOGRAD, x, weight, cu_seqlens, bias, initial_states,
+                                             return_final_states, silu_grad_preactivation)
+            if not _is_dynamo_compiling():
+                _checks.check_autograd_sizes(_AUTOGRAD, x, weight, cu_seqlens, bias, initial_states)
             y, final_states = torch.ops.flashinfer_cake.causal_conv1d_fwd(x, weight, cu_seqlens, bias, initial_states,
                                                                           return_final_states)
         else:
