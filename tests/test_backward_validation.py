@@ -854,6 +854,25 @@ def test_tensors_without_memory_go_through_the_fake_implementations(mode):
             cake_causal_conv1d(x, w.unsqueeze(1), cu)
 
 
+@pytest.mark.parametrize("bad, argname", [
+    pytest.param({"w": lambda: torch.empty(C, 1, 4, device="meta")}, "weight", id="conv1d-weight"),
+    pytest.param({"h0": lambda: torch.empty(3, 3, C, dtype=BF16, device="meta")}, "initial_states",
+                 id="states-of-other-docs"),
+    pytest.param({"x": lambda: torch.empty(2, S, C, dtype=BF16, device="meta")}, "x", id="batched-x"),
+])
+def test_the_forward_ops_fake_implementation_checks_the_sizes(bad, argname):
+    """The forward op's fake implementation runs cake_causal_conv1d's size rules (dynamo quotes its
+    error whole while tracing), also for a direct call of the op: a wrong fake output never."""
+    args = {"x": lambda: torch.empty(S, C, dtype=BF16, device="meta"), "w": lambda: torch.empty(C, 4, device="meta"),
+            "cu": lambda: torch.empty(3, dtype=I32, device="meta"),
+            "h0": lambda: torch.empty(2, 3, C, dtype=BF16, device="meta")}
+    a = {name: make() for name, make in {**args, **bad}.items()}
+    with pytest.raises(ValueError, match=rf"^{AUTOGRAD}: {argname}\b"):
+        torch.ops.flashinfer_cake.causal_conv1d_fwd(a["x"], a["w"], a["cu"], None, a["h0"], True)
+    y, fs = torch.ops.flashinfer_cake.causal_conv1d_fwd(*(args[n]() for n in ("x", "w", "cu")), None, None, True)
+    assert (y.shape, fs.shape) == ((S, C), (2, 3, C))
+
+
 def test_make_fx_traces_the_call_with_symbolic_shapes():
     """make_fx with symbolic shapes (FakeTensors whose sizes, strides and storage sizes are
     SymInts): the call's rules that need no memory hold symbolically, the storage-bounds rule is
