@@ -459,22 +459,15 @@ def check_autograd_sizes(fn: str, x, weight, cu_seqlens, bias, initial_states) -
                               ("initial_states", initial_states)))
 
 
-def check_autograd_early(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,
-                         silu_grad_preactivation) -> None:
-    """The rules of cake_causal_conv1d that need no data pointer: check_autograd_constants' and
-    check_autograd_sizes'. x's being a CUDA device of a supported arch, alignment and overlap are
-    checked when the op runs."""
+def check_autograd_args(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,
+                        silu_grad_preactivation) -> int:
+    """cake_causal_conv1d's rules: those that need no data pointer (check_autograd_constants',
+    check_autograd_sizes': the devices alike among them), then the forward's that need a device and
+    memory (x's CUDA device, alignment; it writes no tensor of the caller's). Returns x's device
+    index."""
     check_autograd_constants(fn, x, weight, cu_seqlens, bias, initial_states, return_final_states,
                              silu_grad_preactivation)
     check_autograd_sizes(fn, x, weight, cu_seqlens, bias, initial_states)
-
-
-def check_autograd_args(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,
-                        silu_grad_preactivation) -> int:
-    """cake_causal_conv1d's rules: check_autograd_early's (the devices alike among them), then
-    the forward's that need a device and memory (x's CUDA device, alignment; it writes no tensor
-    of the caller's). Returns x's device index."""
-    check_autograd_early(fn, x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation)
     device = check_cuda_device(fn, x)
     _check_aligned(fn, (("x", x), ("initial_states", initial_states)))
     return device
