@@ -11,6 +11,7 @@ the warm path. The limits mirror include/flashinfer_cake/causal_conv1d_contract.
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 
@@ -54,10 +55,11 @@ def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
         S, C = shape[1], shape[2]
     else:
         hint = ("; a [B, T, C] batch of equal-length sequences is x.reshape(B * T, C) with cu_seqlens "
-                "torch.arange(0, B * T + 1, T, dtype=torch.int32)" if len(shape) == 3 else "")
+                "torch.arange(0, B * T + 1, T, dtype=torch.int32, device=x.device)" if len(shape) == 3 else "")
         raise ValueError(f"{fn}: x must have shape [S, C] or [1, S, C], got {tuple(shape)}{hint}")
     if C <= 0 or C % 8 or C >= MAX_C:
-        raise ValueError(f"{fn}: x's channel count C must be a positive multiple of 8 below 2^28, got C={C}")
+        raise ValueError(f"{fn}: x's channel count C must be a positive multiple of 8 below 2^28, got C={C}"
+                         f"{_channels_first_hint('x', x)}")
     max_s, max_elements = MAX_S[op], MAX_ELEMENTS[op]
     if S >= max_s or S * C >= max_elements:
         whose = "" if op == "forward" else " (the backward's range)"
@@ -96,6 +98,15 @@ def states_read_as_they_are(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 and t.is_contiguous() and not t.is_neg() and not t.is_conj() and _aligned(t)
 
 
+def _channels_first_hint(name: str, t: torch.Tensor) -> str:
+    """The fix for a channels-first [.., C, S] view whose channels are its contiguous dimension (Dao's
+    channel-last [B, C, S] layout): rows are the last dimension here. "" for any other tensor."""
+    if t.dim() >= 2 and t.shape[-2] > 1 and t.stride(-2) == 1 and t.stride(-1) != 1:
+        return (f"; {name} looks channels-first ({name}.shape[-2] has the unit stride, as Dao's channel-last "
+                f"[B, C, S] view): pass {name}.transpose(-1, -2), token-major [S, C] or [1, S, C]")
+    return ""
+
+
 def check_rows(fn: str, name: str, t: torch.Tensor, op: str) -> None:
     """An [S, C] / [1, S, C] tensor the kernels read or write in place, row by row: contiguous
     channels (stride(-1) == 1) and, for S > 1, a row stride stride(-2) of at least C elements, a
@@ -104,7 +115,7 @@ def check_rows(fn: str, name: str, t: torch.Tensor, op: str) -> None:
     problem = _row_problem(t, op)
     if problem == "channels":
         raise ValueError(f"{fn}: {name} must have contiguous channels (stride(-1) == 1; rows may be strided), "
-                         f"got strides {t.stride()}")
+                         f"got strides {t.stride()}{_channels_first_hint(name, t)}")
     if problem == "stride":
         raise ValueError(f"{fn}: {name}'s row stride stride(-2) must be at least C = {t.shape[-1]} and a multiple "
                          f"of 8 elements (16 bytes), got strides {t.stride()}")
@@ -128,8 +139,11 @@ def check_states(fn: str, name: str, t: torch.Tensor, num_docs: int, C: int) -> 
     if t.dtype != torch.bfloat16:
         raise ValueError(f"{fn}: {name} must have dtype torch.bfloat16, got {t.dtype}")
     if t.shape != (num_docs, 3, C):
+        hint = ("; fla's [N, C, 4] state is s[:, :, 1:].transpose(1, 2).contiguous()" if t.shape == (num_docs, C, 4)
+                else "; Dao's [N, C, 3] state is s.transpose(1, 2).contiguous()" if t.shape == (num_docs, C, 3)
+                else "")
         raise ValueError(f"{fn}: {name} must have shape [num_docs, 3, C] = [{num_docs}, 3, {C}] (num_docs from "
-                         f"cu_seqlens, C from x), got {tuple(t.shape)}")
+                         f"cu_seqlens, C from x), got {tuple(t.shape)}{hint}")
     if not t.is_contiguous():
         raise ValueError(f"{fn}: {name} must be contiguous, got strides {t.stride()}")
     check_memory(fn, name, t)
@@ -177,12 +191,20 @@ def check_memory(fn: str, name: str, t: torch.Tensor) -> None:
                              f"since, e.g. by untyped_storage().resize_())")
 
 
-def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, C: int) -> None:
-    """weight FP32/BF16 [C, 4], bias None or FP32/BF16 [C], cu_seqlens int32 [num_docs + 1]."""
+def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, x: torch.Tensor) -> None:
+    """weight FP32/BF16 [C, 4], bias None or FP32/BF16 [C], cu_seqlens int32 [num_docs + 1] (C: x's
+    channels, x checked by check_x)."""
+    S, C = x.shape[-2], x.shape[-1]
+    if bias is not None and bias.dtype == torch.int32 and cu_seqlens.is_floating_point():
+        # Dao's causal_conv1d_fn(x, weight, bias, ...): said before bias's own dtype rule
+        raise ValueError(f"{fn}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}, and bias "
+                         f"torch.float32 or torch.bfloat16, got torch.int32: the order is (x, weight, cu_seqlens, bias)")
     if weight.dtype not in PARAM_DTYPES:
         raise ValueError(f"{fn}: weight must have dtype torch.float32 or torch.bfloat16, got {weight.dtype}")
     if weight.shape != (C, 4):
-        hint = "; an nn.Conv1d weight [C, 1, 4] is weight.squeeze(1)" if weight.shape == (C, 1, 4) else ""
+        hint = ("; an nn.Conv1d weight [C, 1, 4] is weight.squeeze(1)" if weight.shape == (C, 1, 4) else
+                f"; x looks channels-first [1, C, S] (the weight's C is x.shape[-2]): pass "
+                f"x.transpose(-1, -2).contiguous(), token-major" if weight.shape in ((S, 4), (S, 1, 4)) else "")
         raise ValueError(f"{fn}: weight must have shape [C, 4] = [{C}, 4] (C from x), got {tuple(weight.shape)}{hint}")
     if not weight.is_contiguous():
         raise ValueError(f"{fn}: weight must be contiguous, got strides {weight.stride()}")
@@ -292,15 +314,34 @@ def check_no_overlap(fn: str, tensors, written) -> None:
                 raise ValueError(f"{fn}: {name} must not overlap {other}")
 
 
-def check_sizes(S, C, device, op: str) -> torch.device:
-    """Arguments of the *_workspace_bytes functions of ``op`` ("forward" or "backward")."""
-    if not isinstance(S, int) or isinstance(S, bool) or S < 0:
-        raise ValueError(f"S must be a non-negative int, got {S!r}")
-    if not isinstance(C, int) or isinstance(C, bool) or C <= 0 or C % 8 or C >= MAX_C:
-        raise ValueError(f"C must be a positive multiple of 8 below 2^28, got {C!r}")
+def check_sizes(fn: str, S, C, op: str) -> tuple[int, int]:
+    """S and C of ``fn``, a *_workspace_bytes / *_workspace function of ``op`` ("forward" or
+    "backward"): integers (Python's, NumPy's: operator.index) within op's range. Returns them as ints."""
+    values = []
+    for name, v in (("S", S), ("C", C)):
+        try:
+            values.append(operator.index(v) if not isinstance(v, bool) else None)
+        except TypeError:
+            values.append(None)
+        if values[-1] is None:  # a ValueError, as for a negative S (the rule is on the value)
+            raise ValueError(f"{fn}: {name} must be an int, got {type(v).__name__} {v!r}")
+    S, C = values
+    if S < 0:
+        raise ValueError(f"{fn}: S must be a non-negative int, got {S}")
+    if C <= 0 or C % 8 or C >= MAX_C:
+        raise ValueError(f"{fn}: C must be a positive multiple of 8 below 2^28, got {C}")
     if S >= MAX_S[op] or S * C >= MAX_ELEMENTS[op]:
-        raise ValueError(f"S must be below 2^{MAX_S[op].bit_length() - 1} and S * C below "
+        raise ValueError(f"{fn}: S must be below 2^{MAX_S[op].bit_length() - 1} and S * C below "
                          f"2^{MAX_ELEMENTS[op].bit_length() - 1} for the {op}, got S={S}, C={C}")
+    return S, C
+
+
+def check_workspace_device(fn: str, device) -> torch.device:
+    """The device a *_workspace function allocates on: what torch.device takes (a torch.device, a
+    string, an index), not None."""
+    if device is None or isinstance(device, bool):
+        raise TypeError(f"{fn}: device must be a torch.device, a device string or an index, e.g. x.device, "
+                        f"got {device!r}")
     return torch.device(device)
 
 
@@ -352,7 +393,7 @@ def check_forward_args(fn: str, x, weight, cu_seqlens, bias, initial_states, fin
                 (("bias", bias), ("initial_states", initial_states), ("final_states_out", final_states_out),
                  ("out", out), ("workspace", workspace)))
     S, C = check_x(fn, x, op)
-    check_params(fn, weight, cu_seqlens, bias, C)
+    check_params(fn, weight, cu_seqlens, bias, x)
     for name, t in (("initial_states", initial_states), ("final_states_out", final_states_out)):
         if t is not None:
             check_states(fn, name, t, cu_seqlens.shape[0] - 1, C)
@@ -365,12 +406,11 @@ def check_forward_args(fn: str, x, weight, cu_seqlens, bias, initial_states, fin
         check_no_grad(fn, (("x", x), ("weight", weight), ("bias", bias), ("initial_states", initial_states)),
                       (("final_states_out", final_states_out), ("out", out), ("workspace", workspace)),
                       "for gradients call flashinfer_cake.cake_causal_conv1d")
-    device = check_devices(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
-                                   ("initial_states", initial_states), ("final_states_out", final_states_out),
-                                   ("out", out), ("workspace", workspace)))
-    check_has_memory(fn, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
-                          ("initial_states", initial_states), ("final_states_out", final_states_out), ("out", out),
-                          ("workspace", workspace)))
+    named = (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
+             ("initial_states", initial_states), ("final_states_out", final_states_out), ("out", out),
+             ("workspace", workspace))
+    check_has_memory(fn, named)  # first: a meta tensor's error says where such tensors go, not "not CUDA"
+    device = check_devices(fn, x, named[1:])
     _check_aligned(fn, (("x", x), ("out", out), ("initial_states", initial_states),
                         ("final_states_out", final_states_out)))
     # out and the final states are written while x, the parameters, cu_seqlens and the initial
@@ -390,7 +430,7 @@ def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, initial_states
                  ("dinitial_states", dinitial_states)))
     check_policy(fn, silu_grad_preactivation)
     S, C = check_x(fn, x, "backward")
-    check_params(fn, weight, cu_seqlens, bias, C)
+    check_params(fn, weight, cu_seqlens, bias, x)
     check_rows_like(fn, "dy", dy, x, "backward")
     if dinitial_states is not None and initial_states is None:
         raise ValueError(f"{fn}: dinitial_states must be None when initial_states is None, got a tensor of shape "
@@ -417,8 +457,8 @@ def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, initial_states
     named = (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens), ("dy", dy), ("bias", bias),
              ("initial_states", initial_states), ("dfinal_states", dfinal_states), ("workspace", workspace),
              ("dx", dx), ("dweight", dweight), ("dbias", dbias), ("dinitial_states", dinitial_states))
+    check_has_memory(fn, named)  # first: a meta tensor's error says where such tensors go, not "not CUDA"
     device = check_devices(fn, x, named[1:])
-    check_has_memory(fn, named)
     # 8-byte vectors for x, dy, dx (16 keeps the forward's rule); the partial rows are summed with
     # 16-byte loads
     _check_aligned(fn, (("x", x), ("dy", dy), ("dx", dx), ("initial_states", initial_states),
@@ -452,7 +492,7 @@ def check_autograd_sizes(fn: str, x, weight, cu_seqlens, bias, initial_states) -
     also run on fake tensors): x within the backward's range (an error now, not in the backward),
     the parameters, the initial states, all on x's device."""
     C = check_x(fn, x, "backward")[1]
-    check_params(fn, weight, cu_seqlens, bias, C)
+    check_params(fn, weight, cu_seqlens, bias, x)
     if initial_states is not None:
         check_states(fn, "initial_states", initial_states, cu_seqlens.shape[0] - 1, C)
     check_same_device(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),

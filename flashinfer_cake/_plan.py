@@ -103,7 +103,7 @@ def header_plan(sizes, include_dir: str | Path | None = None) -> dict[tuple[int,
 
     sizes = [(int(S), int(C)) for S, C in sizes]
     for S, C in sizes:  # the backward's range, where the header's arithmetic holds: its ValueError
-        _checks.check_sizes(S, C, "cpu", "backward")
+        _checks.check_sizes("header_plan", S, C, "backward")
     probe = _probe(str(Path(include_dir or env.include_dir()).resolve()))
     out = subprocess.run([str(probe)], input="".join(f"{S} {C}\n" for S, C in sizes), capture_output=True,
                          text=True, check=True).stdout

@@ -25,42 +25,48 @@ _FWD = "cake_causal_conv1d_train_forward"
 _BWD = "cake_causal_conv1d_train_backward"
 
 
-def cake_causal_conv1d_train_forward_workspace_bytes(S: int, C: int, device) -> int:
-    """Bytes of int32 workspace a forward of ``[S, C]`` on ``device`` needs: the most over every
-    route (two token-chunk counters; no route of today writes them)."""
-    _checks.check_sizes(S, C, device, "forward")
+def cake_causal_conv1d_train_forward_workspace_bytes(S: int, C: int, device=None) -> int:
+    """Bytes of int32 workspace a forward of ``[S, C]`` needs: the most over every route (two
+    token-chunk counters; no route of today writes them). ``device`` does not change it (the
+    parameter mirrors :func:`cake_causal_conv1d_train_forward_workspace`)."""
+    _checks.check_sizes("cake_causal_conv1d_train_forward_workspace_bytes", S, C, "forward")
     return 4 * _checks.FWD_WORKSPACE_COUNTERS
 
 
 def cake_causal_conv1d_train_forward_workspace(S: int, C: int, device) -> torch.Tensor:
     """A zeroed int32 workspace of at least
-    ``cake_causal_conv1d_train_forward_workspace_bytes(S, C, device)`` bytes on ``device``.
+    ``cake_causal_conv1d_train_forward_workspace_bytes(S, C)`` bytes on ``device``.
     Every launch leaves it zero, so one serves every later call of one stream (graph replays
     included); launches that may run at once need one each."""
-    device = _checks.check_sizes(S, C, device, "forward")
-    nbytes = cake_causal_conv1d_train_forward_workspace_bytes(S, C, device)
+    fn = "cake_causal_conv1d_train_forward_workspace"
+    S, C = _checks.check_sizes(fn, S, C, "forward")
+    device = _checks.check_workspace_device(fn, device)
+    nbytes = cake_causal_conv1d_train_forward_workspace_bytes(S, C)
     return torch.zeros(math.ceil(nbytes / 4), dtype=torch.int32, device=device)
 
 
-def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device) -> int:
-    """Bytes of FP32 workspace a backward of ``[S, C]`` on ``device`` needs: one partial row of
-    the four taps' and the bias's gradient sums per token group (5 x C x 4 bytes per group of
-    128 to 1024 tokens, the group count rounded up: 1 % to 8.1 % of x's bytes from S = 4096 on, up
-    to 15 % from S = 128, a third of that against the bytes the backward moves; a single group
-    below S = 128); 0 when ``S == 0``.
+def cake_causal_conv1d_train_backward_workspace_bytes(S: int, C: int, device=None) -> int:
+    """Bytes of FP32 workspace a backward of ``[S, C]`` needs: one partial row of the four taps'
+    and the bias's gradient sums per token group (5 x C x 4 bytes per group of 128 to 1024 tokens,
+    the group count rounded up: 1 % to 8.1 % of x's bytes from S = 4096 on, up to 15 % from S =
+    128, a third of that against the bytes the backward moves; a single group below S = 128); 0
+    when ``S == 0``. ``device`` does not change it (the parameter mirrors
+    :func:`cake_causal_conv1d_train_backward_workspace`).
     Never decreases with S: a workspace for the largest S serves every smaller one. (The rule is
     causal_conv1d_bwd_plan.h's; nothing is built to compute it.)"""
-    _checks.check_sizes(S, C, device, "backward")
+    S, C = _checks.check_sizes("cake_causal_conv1d_train_backward_workspace_bytes", S, C, "backward")
     return _plan.workspace_bytes(S, C)
 
 
 def cake_causal_conv1d_train_backward_workspace(S: int, C: int, device) -> torch.Tensor:
-    """An FP32 workspace of at least ``cake_causal_conv1d_train_backward_workspace_bytes(S, C,
-    device)`` bytes on ``device`` (uninitialized: its content never matters). One serves every
-    later call of one stream, of any shape it is large enough for, CUDA Graph replays included;
-    calls that may run at once need one each."""
-    device = _checks.check_sizes(S, C, device, "backward")
-    nbytes = cake_causal_conv1d_train_backward_workspace_bytes(S, C, device)
+    """An FP32 workspace of at least ``cake_causal_conv1d_train_backward_workspace_bytes(S, C)``
+    bytes on ``device`` (uninitialized: its content never matters). One serves every later call
+    of one stream, of any shape it is large enough for, CUDA Graph replays included; calls that
+    may run at once need one each."""
+    fn = "cake_causal_conv1d_train_backward_workspace"
+    S, C = _checks.check_sizes(fn, S, C, "backward")
+    device = _checks.check_workspace_device(fn, device)
+    nbytes = cake_causal_conv1d_train_backward_workspace_bytes(S, C)
     return torch.empty(math.ceil(nbytes / 4), dtype=torch.float32, device=device)
 
 

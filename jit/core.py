@@ -154,7 +154,7 @@ def _disabled_error(spec: JitSpec, cache: Path) -> RuntimeError:
     searched = [str(d) for d in env.aot_dirs()] + [str(cache)]
     return RuntimeError(
         f"flashinfer_cake: {spec.uri} is not prebuilt (searched {searched}) and FLASHINFER_CAKE_DISABLE_JIT "
-        f"is set. Prebuild it with `flashinfer-cake build` (into the JIT cache) or `python scripts/aot_build.py` "
+        f"is set. Prebuild it with `flashinfer-cake build` (into the JIT cache) or `flashinfer-cake build --aot` "
         f"(into the installed package), or unset FLASHINFER_CAKE_DISABLE_JIT."
     )
 

@@ -7,12 +7,12 @@ cache root the first time a module is looked up, :func:`output_dir` a prebuild's
 Environment variables:
     FLASHINFER_CAKE_CACHE_DIR      JIT cache root (default ``~/.cache/flashinfer_cake/<version>``).
     FLASHINFER_CAKE_AOT_DIR        a directory of prebuilt modules, searched before the package's aot/.
-    FLASHINFER_CAKE_CUDA_ARCH_LIST archs that ``build`` / ``aot_build.py`` prebuild (default ``9.0a``).
+    FLASHINFER_CAKE_CUDA_ARCH_LIST archs that ``flashinfer-cake build`` prebuilds (default ``9.0a``).
     FLASHINFER_CAKE_NVCC           the nvcc to build with (else $CUDA_HOME/bin/nvcc, PATH, /usr/local/cuda).
     CXX                            the C++ compiler of the torch binding (else c++ / g++ on PATH).
     FLASHINFER_CAKE_DISABLE_JIT    ``1``: calls never compile; a module that is not prebuilt is an
-                                   error. Explicit prebuilds (``flashinfer-cake build``,
-                                   scripts/aot_build.py) still compile: that is what they are for.
+                                   error. Explicit prebuilds (``flashinfer-cake build``) still
+                                   compile: that is what they are for.
     MAX_JOBS                       parallel compile jobs for ninja.
 """
 
@@ -36,12 +36,13 @@ logger = logging.getLogger("flashinfer_cake.jit")
 # Device compute capability -> the arch a variant is compiled for. Data, not code: a new arch is a
 # new row once its kernels are tested on it.
 ARCH_OF_CAPABILITY = {(9, 0): "sm_90a"}
-# Spellings accepted in FLASHINFER_CAKE_CUDA_ARCH_LIST: 9.0, 9.0a, 90, 90a and the arch itself.
+# Spellings accepted in FLASHINFER_CAKE_CUDA_ARCH_LIST and --arch: 9.0, 9.0a, 90, 90a, sm_90 and the arch itself.
 _ARCH_TOKENS = {token: arch for (major, minor), arch in ARCH_OF_CAPABILITY.items()
-                for token in (f"{major}.{minor}", f"{major}.{minor}a", f"{major}{minor}", f"{major}{minor}a", arch)}
+                for token in (f"{major}.{minor}", f"{major}.{minor}a", f"{major}{minor}", f"{major}{minor}a",
+                              f"sm_{major}{minor}", arch)}
 
 PACKAGE_DIR = Path(_version.__file__).resolve().parent  # the flashinfer_cake package
-PACKAGE_AOT_DIR = PACKAGE_DIR / "aot"  # where scripts/aot_build.py prebuilds by default
+PACKAGE_AOT_DIR = PACKAGE_DIR / "aot"  # where `flashinfer-cake build --aot` prebuilds
 
 
 @functools.cache
@@ -218,7 +219,8 @@ def require_nvcc() -> Path:
              "No nvcc found (looked at FLASHINFER_CAKE_NVCC, $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc, "
              "PATH and /usr/local/cuda/bin/nvcc). ")
             + "Install the CUDA toolkit (12.8 or newer) and set FLASHINFER_CAKE_NVCC or CUDA_HOME, "
-            "or use prebuilt modules (scripts/aot_build.py, FLASHINFER_CAKE_AOT_DIR)."
+            "or use modules prebuilt elsewhere (`flashinfer-cake build --out DIR` there, then "
+            "FLASHINFER_CAKE_AOT_DIR=DIR)."
         )
     return nvcc
 

@@ -19,4 +19,5 @@ from flashinfer_cake.cli import main
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    sys.exit(main(["build", *([] if "--out" in args else ["--aot"]), *args]))
+    out_given = any(a == "--out" or a.startswith("--out=") for a in args)
+    sys.exit(main(["build", *([] if out_given else ["--aot"]), *args]))

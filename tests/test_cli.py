@@ -289,3 +289,9 @@ def test_aot_build_script_is_build_aot(monkeypatch):
     with pytest.raises(SystemExit) as e:
         exec(compile(script.read_text(), str(script), "exec"), {"__name__": "__main__"})
     assert e.value.code == 0 and calls == [["build", "--aot", "-j", "3"]]
+    for out in (["--out", "/tmp/d"], ["--out=/tmp/d"]):  # an output directory replaces --aot, in either form
+        calls.clear()
+        monkeypatch.setattr(sys, "argv", [str(script), *out])
+        with pytest.raises(SystemExit):
+            exec(compile(script.read_text(), str(script), "exec"), {"__name__": "__main__"})
+        assert calls == [["build", *out]], out

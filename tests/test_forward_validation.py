@@ -354,12 +354,34 @@ def test_supported_raises_for_a_device_torch_cannot_parse(device):
     pytest.param({"cu_seqlens": lambda: torch.tensor([0, 5, 5, S])}, r"cu_seqlens\.to\(torch\.int32\)", id="int64-cu"),
     pytest.param({"cu_seqlens": lambda: torch.randn(C)}, r"\(x, weight, cu_seqlens, bias\)", id="dao-order"),
     pytest.param({"weight": lambda: torch.randn(C, 1, 4)}, r"weight\.squeeze\(1\)", id="conv1d-weight"),
-    pytest.param({"x": lambda: torch.randn(2, S, C).to(BF16)}, r"x\.reshape\(B \* T, C\)", id="batched-x"),
+    pytest.param({"x": lambda: torch.randn(2, S, C).to(BF16)},
+                 r"x\.reshape\(B \* T, C\) .*device=x\.device", id="batched-x"),
+    # Dao's causal_conv1d_fn(x, weight, bias, ...): the order's hint although bias's dtype is wrong too
+    pytest.param({"cu_seqlens": lambda: torch.randn(C), "bias": lambda: torch.tensor([0, 5, 5, S], dtype=I32)},
+                 r"\(x, weight, cu_seqlens, bias\)", id="dao-order-with-bias"),
+    # Dao's channel-last [1, C, S] view as x (its rows taken as channels: 32 tokens of 16 / of 12 channels)
+    pytest.param({"x": lambda: torch.randn(1, S, C).to(BF16).transpose(1, 2)},
+                 r"contiguous channels .*x\.transpose\(-1, -2\), token-major", id="dao-channel-last-x"),
+    pytest.param({"x": lambda: torch.randn(1, 12, C).to(BF16).transpose(1, 2)},
+                 r"multiple of 8 .*x\.transpose\(-1, -2\), token-major", id="dao-channel-last-x-C12"),
+    pytest.param({"initial_states": lambda: torch.randn(D, C, 4).to(BF16)},
+                 r"fla's .*s\[:, :, 1:\]\.transpose\(1, 2\)\.contiguous\(\)", id="fla-state"),
+    pytest.param({"final_states_out": lambda: torch.randn(D, C, 3).to(BF16)},
+                 r"Dao's .*s\.transpose\(1, 2\)\.contiguous\(\)", id="dao-state"),
 ])
 def test_messages_show_the_fix_for_a_peers_layout(override, words):
     """Arguments in fla's / Dao's / nn.Conv1d's layouts: the ValueError names the argument and the fix."""
     args = valid_args(**{name: make() for name, make in override.items()})
     with pytest.raises(ValueError, match=rf"^{FN}: {next(iter(override))}\b.*{words}"):
+        call(args)
+
+
+def test_a_channels_first_x_gets_the_fix_in_the_weights_message():
+    """A contiguous [1, C, S] x (Dao's layout made contiguous): its S is read as C, so the weight's
+    shape is the first rule it breaks, and that message says how to pass x."""
+    args = valid_args(x=torch.randn(1, C, S).to(BF16))
+    with pytest.raises(ValueError, match=rf"^{FN}: weight must have shape \[C, 4\] = \[{S}, 4\] .*x looks "
+                                         rf"channels-first .*x\.transpose\(-1, -2\)\.contiguous\(\)"):
         call(args)
 
 
@@ -434,8 +456,27 @@ def test_workspace_bytes_is_positive_and_monotone_in_S():
     ],
 )
 def test_workspace_bytes_rejects_bad_sizes(s, c, argname):
-    with pytest.raises(ValueError, match=rf"\b{argname}\b"):
+    with pytest.raises(ValueError, match=rf"^cake_causal_conv1d_train_forward_workspace_bytes: {argname}\b"):
         cake_causal_conv1d_train_forward_workspace_bytes(s, c, torch.device("cpu"))
+
+
+def test_workspace_functions_take_integers_and_name_a_bad_argument():
+    """S and C: any integer (operator.index), named when not one; the *_bytes functions need no device
+    (the size does not depend on it); the allocating ones name a missing device."""
+    from flashinfer_cake import (cake_causal_conv1d_train_backward_workspace,
+                                 cake_causal_conv1d_train_backward_workspace_bytes)
+    want = cake_causal_conv1d_train_backward_workspace_bytes(4096, 4096, "cpu")
+    assert cake_causal_conv1d_train_backward_workspace_bytes(_Index(4096), _Index(4096)) == want
+    assert cake_causal_conv1d_train_forward_workspace_bytes(_Index(16), 32) == 8
+    ws = cake_causal_conv1d_train_backward_workspace(_Index(4096), 4096, "cpu")
+    assert ws.dtype == torch.float32 and ws.numel() * 4 >= want and ws.numel() * 4 < want + 4
+    for fn, args, exc, words in [
+        (cake_causal_conv1d_train_forward_workspace_bytes, (16.0, 32), ValueError, "S must be an int, got float"),
+        (cake_causal_conv1d_train_backward_workspace_bytes, (16, True), ValueError, "C must be an int, got bool"),
+        (cake_causal_conv1d_train_backward_workspace, (16, 32, None), TypeError, "device must be a torch.device"),
+    ]:
+        with pytest.raises(exc, match=rf"^{fn.__name__}: {words}"):
+            fn(*args)
 
 
 @pytest.mark.parametrize("shape", [(2**31, 8), (2**28, 128), (1, 2**30, 32)], ids=["S=2^31", "SC=2^35", "3d"])
@@ -472,3 +513,7 @@ def test_tensors_without_memory_are_named():
             _checks.check_has_memory("f", (("x", torch.zeros(1)), ("dy", t)))
     for t in (torch.zeros(2), torch.nn.Parameter(torch.zeros(2)), torch.zeros(2).as_subclass(torch.nn.Parameter)):
         assert not _checks.without_memory(t)
+    # The raw forward on meta tensors: this error, not "x must be a CUDA tensor" (which would hide where they go)
+    meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in valid_args().items()}
+    with pytest.raises(ValueError, match=rf"^{FN}: x must be a CUDA tensor with memory of its own"):
+        call(meta)
