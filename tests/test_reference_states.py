@@ -118,3 +118,47 @@ def test_states_of_the_wrong_shape_are_refused():
         causal_conv1d_reference(x, w, cu, b, initial_states=init[:1])
     with pytest.raises(ValueError, match="dfinal_states must have shape"):
         causal_conv1d_backward_reference(x, w, cu, x, b, dfinal_states=init.transpose(1, 2))
+
+
+def extended(cu, t, states):
+    """Each document's rows after its 3 state rows: [states[0], t[doc 0], states[1], t[doc 1], ...]."""
+    parts = []
+    for d in range(cu.numel() - 1):
+        parts += [states[d], t[int(cu[d]):int(cu[d + 1])]]
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+def test_states_are_the_stateless_conv_of_the_extended_sequence(seed, policy):
+    """The identity a kernel may run the states on: with each document's 3 initial rows placed
+    before its tokens (documents of n + 3 rows), the stateless conv of that sequence gives y at the
+    token rows and the final states as each document's last 3 rows; its stateless backward with
+    dy = 0 on the state rows and the final states' gradient added to those last 3 rows gives dx
+    at the token rows, dinitial_states at the state rows, and dweight / dbias (empty and 1-2-token
+    documents included)."""
+    rng = random.Random(100 + seed)
+    S, C = 200, 8
+    cu = make_cu(S, mixes(S, rng), device="cpu").long()
+    num_docs = cu.numel() - 1
+    x, w, b, init = inputs(S, C, num_docs, seed=seed)
+    g = torch.Generator().manual_seed(200 + seed)
+    dy, dfinal = torch.randn(S, C, generator=g, dtype=F64), torch.randn(num_docs, 3, C, generator=g, dtype=F64)
+    cu_ext = cu + 3 * torch.arange(num_docs + 1)
+    tokens = extended(cu, torch.ones(S, dtype=torch.bool), torch.zeros(num_docs, 3, dtype=torch.bool))
+    last3 = torch.stack([cu_ext[1:] - 3 + i for i in range(3)], 1)  # [num_docs, 3]: each document's last 3 rows
+
+    y, final = causal_conv1d_reference(x, w, cu, b, initial_states=init, return_final_states=True)
+    x_ext = extended(cu, x, init)
+    assert torch.equal(causal_conv1d_reference(x_ext, w, cu_ext, b)[tokens], y)
+    assert torch.equal(x_ext[last3], final)
+
+    dx, dw, db, dinit = causal_conv1d_backward_reference(x, w, cu, dy, b, initial_states=init, dfinal_states=dfinal,
+                                                         silu_grad_preactivation=policy)
+    dy_ext = extended(cu, dy, torch.zeros_like(init))
+    dx_ext, dw_ext, db_ext = causal_conv1d_backward_reference(x_ext, w, cu_ext, dy_ext, b,
+                                                              silu_grad_preactivation=policy)
+    dx_ext[last3] += dfinal
+    for name, got, want in (("dx", dx_ext[tokens], dx), ("dinitial_states", dx_ext[~tokens].view(-1, 3, C), dinit),
+                            ("dweight", dw_ext, dw), ("dbias", db_ext, db)):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), name
