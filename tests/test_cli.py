@@ -254,6 +254,9 @@ def test_build_destination(argv, where, tmp_path, monkeypatch, capsys):
         return {spec: Path(out) / f"{spec.uri}.so" for spec in specs}
 
     monkeypatch.setattr(jit, "prebuild", fake_prebuild)
+    # the package this process runs is the installed one (whichever way the suite runs: python -m from
+    # the checkout imports the checkout's sources)
+    monkeypatch.setattr(jit_env, "installed_package_dir", lambda: jit_env.PACKAGE_DIR)
     argv = [str(tmp_path / "dir") if a == "DIR" else a for a in argv]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
