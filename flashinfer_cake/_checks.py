@@ -56,10 +56,12 @@ def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
     else:
         hint = ("; a [B, T, C] batch of equal-length sequences is x.reshape(B * T, C) with cu_seqlens "
                 "torch.arange(0, B * T + 1, T, dtype=torch.int32, device=x.device)" if len(shape) == 3 else "")
+        if len(shape) == 3 and shape[1] > 1 and x.stride(1) == 1 and x.stride(2) != 1:
+            hint += " (Dao's channel-last [B, C, T] view: x.transpose(1, 2).reshape(B * T, C))"
         raise ValueError(f"{fn}: x must have shape [S, C] or [1, S, C], got {tuple(shape)}{hint}")
     if C <= 0 or C % 8 or C >= MAX_C:
         raise ValueError(f"{fn}: x's channel count C must be a positive multiple of 8 below 2^28, got C={C}"
-                         f"{_channels_first_hint('x', x)}")
+                         f"{_unit_stride_rows_hint('x', x)}")
     max_s, max_elements = MAX_S[op], MAX_ELEMENTS[op]
     if S >= max_s or S * C >= max_elements:
         whose = "" if op == "forward" else " (the backward's range)"
@@ -98,13 +100,17 @@ def states_read_as_they_are(t: torch.Tensor) -> bool:
     return t.dtype == torch.bfloat16 and t.is_contiguous() and not t.is_neg() and not t.is_conj() and _aligned(t)
 
 
-def _channels_first_hint(name: str, t: torch.Tensor) -> str:
-    """The fix for a channels-first [.., C, S] view whose channels are its contiguous dimension (Dao's
-    channel-last [B, C, S] layout): rows are the last dimension here. "" for any other tensor."""
-    if t.dim() >= 2 and t.shape[-2] > 1 and t.stride(-2) == 1 and t.stride(-1) != 1:
-        return (f"; {name} looks channels-first ({name}.shape[-2] has the unit stride, as Dao's channel-last "
-                f"[B, C, S] view): pass {name}.transpose(-1, -2), token-major [S, C] or [1, S, C]")
-    return ""
+def _unit_stride_rows_hint(name: str, t: torch.Tensor) -> str:
+    """For a tensor whose dimension -2 has the unit stride (channels not contiguous), the fixes of
+    its two readings; "" for any other tensor. x: either Dao's channel-last [B, C, S] view (the
+    transpose) or an [S, C] stored column-major (a copy): the strides cannot tell which, the caller
+    can. dy, out, dx (x's shape already): a copy."""
+    if t.dim() < 2 or t.shape[-2] <= 1 or t.stride(-2) != 1 or t.stride(-1) == 1:
+        return ""
+    if name != "x":
+        return f"; pass {name}.contiguous()"
+    return ("; if x is Dao's channel-last [1, C, S] view, pass x.transpose(-1, -2) (token-major [1, S, C]); "
+            "if it is [S, C] stored column-major, x.contiguous()")
 
 
 def check_rows(fn: str, name: str, t: torch.Tensor, op: str) -> None:
@@ -115,7 +121,7 @@ def check_rows(fn: str, name: str, t: torch.Tensor, op: str) -> None:
     problem = _row_problem(t, op)
     if problem == "channels":
         raise ValueError(f"{fn}: {name} must have contiguous channels (stride(-1) == 1; rows may be strided), "
-                         f"got strides {t.stride()}{_channels_first_hint(name, t)}")
+                         f"got strides {t.stride()}{_unit_stride_rows_hint(name, t)}")
     if problem == "stride":
         raise ValueError(f"{fn}: {name}'s row stride stride(-2) must be at least C = {t.shape[-1]} and a multiple "
                          f"of 8 elements (16 bytes), got strides {t.stride()}")
@@ -134,14 +140,25 @@ def check_rows_like(fn: str, name: str, t: torch.Tensor, x: torch.Tensor, op: st
     check_memory(fn, name, t)
 
 
+STATE_INPUTS = ("initial_states", "dfinal_states")  # the states the kernels read (the others they write)
+
+
 def check_states(fn: str, name: str, t: torch.Tensor, num_docs: int, C: int) -> None:
     """Per-document conv states: BF16 [num_docs, 3, C], contiguous."""
     if t.dtype != torch.bfloat16:
         raise ValueError(f"{fn}: {name} must have dtype torch.bfloat16, got {t.dtype}")
     if t.shape != (num_docs, 3, C):
-        hint = ("; fla's [N, C, 4] state is s[:, :, 1:].transpose(1, 2).contiguous()" if t.shape == (num_docs, C, 4)
-                else "; Dao's [N, C, 3] state is s.transpose(1, 2).contiguous()" if t.shape == (num_docs, C, 3)
-                else "")
+        # (compared, not looked up: sizes are SymInts while torch.compile traces, which do not hash)
+        peer, fix = (("fla's [N, C, 4]", "s[:, :, 1:].transpose(1, 2).contiguous()") if t.shape == (num_docs, C, 4)
+                     else ("Dao's [N, C, 3]", "s.transpose(1, 2).contiguous()") if t.shape == (num_docs, C, 3)
+                     else (None, None))
+        if peer is None:
+            hint = ""
+        elif name in STATE_INPUTS:
+            hint = f"; {peer} state s is {fix}"
+        else:  # an output is written in place: a converted copy of it would not be the caller's tensor
+            hint = (f"; for {peer} states pass a new [num_docs, 3, C] tensor and convert it after (README: the "
+                    f"peers' layouts)")
         raise ValueError(f"{fn}: {name} must have shape [num_docs, 3, C] = [{num_docs}, 3, {C}] (num_docs from "
                          f"cu_seqlens, C from x), got {tuple(t.shape)}{hint}")
     if not t.is_contiguous():
@@ -198,7 +215,8 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
     if bias is not None and bias.dtype == torch.int32 and cu_seqlens.is_floating_point():
         # Dao's causal_conv1d_fn(x, weight, bias, ...): said before bias's own dtype rule
         raise ValueError(f"{fn}: cu_seqlens must have dtype torch.int32, got {cu_seqlens.dtype}, and bias "
-                         f"torch.float32 or torch.bfloat16, got torch.int32: the order is (x, weight, cu_seqlens, bias)")
+                         f"torch.float32 or torch.bfloat16, got torch.int32: the order is (x, weight, cu_seqlens, "
+                         f"bias)")
     if weight.dtype not in PARAM_DTYPES:
         raise ValueError(f"{fn}: weight must have dtype torch.float32 or torch.bfloat16, got {weight.dtype}")
     if weight.shape != (C, 4):
@@ -319,8 +337,8 @@ def check_sizes(fn: str, S, C, op: str) -> tuple[int, int]:
     "backward"): integers (Python's, NumPy's: operator.index) within op's range. Returns them as ints."""
     values = []
     for name, v in (("S", S), ("C", C)):
-        try:
-            values.append(operator.index(v) if not isinstance(v, bool) else None)
+        try:  # not a bool, nor a tensor (operator.index reads a one-element one, a CUDA one with a sync)
+            values.append(None if isinstance(v, (bool, torch.Tensor)) else operator.index(v))
         except TypeError:
             values.append(None)
         if values[-1] is None:  # a ValueError, as for a negative S (the rule is on the value)

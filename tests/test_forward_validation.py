@@ -359,15 +359,25 @@ def test_supported_raises_for_a_device_torch_cannot_parse(device):
     # Dao's causal_conv1d_fn(x, weight, bias, ...): the order's hint although bias's dtype is wrong too
     pytest.param({"cu_seqlens": lambda: torch.randn(C), "bias": lambda: torch.tensor([0, 5, 5, S], dtype=I32)},
                  r"\(x, weight, cu_seqlens, bias\)", id="dao-order-with-bias"),
-    # Dao's channel-last [1, C, S] view as x (its rows taken as channels: 32 tokens of 16 / of 12 channels)
+    # Dao's channel-last [1, C, S] view as x (its rows taken as channels: 32 tokens of 16 / of 12 channels);
+    # the strides are also those of a column-major [S, C]: both fixes
     pytest.param({"x": lambda: torch.randn(1, S, C).to(BF16).transpose(1, 2)},
-                 r"contiguous channels .*x\.transpose\(-1, -2\), token-major", id="dao-channel-last-x"),
+                 r"contiguous channels .*Dao's channel-last .*x\.transpose\(-1, -2\) .*column-major, x\.contiguous\(\)",
+                 id="dao-channel-last-x"),
     pytest.param({"x": lambda: torch.randn(1, 12, C).to(BF16).transpose(1, 2)},
-                 r"multiple of 8 .*x\.transpose\(-1, -2\), token-major", id="dao-channel-last-x-C12"),
+                 r"multiple of 8 .*x\.transpose\(-1, -2\)", id="dao-channel-last-x-C12"),
+    pytest.param({"x": lambda: torch.randn(2, S, C).to(BF16).transpose(1, 2)},
+                 r"x\.transpose\(1, 2\)\.reshape\(B \* T, C\)", id="dao-channel-last-batch"),
+    pytest.param({"out": lambda: torch.empty(C, S, dtype=BF16).t()}, r"pass out\.contiguous\(\)$",
+                 id="column-major-out"),
     pytest.param({"initial_states": lambda: torch.randn(D, C, 4).to(BF16)},
                  r"fla's .*s\[:, :, 1:\]\.transpose\(1, 2\)\.contiguous\(\)", id="fla-state"),
-    pytest.param({"final_states_out": lambda: torch.randn(D, C, 3).to(BF16)},
+    pytest.param({"initial_states": lambda: torch.randn(D, C, 3).to(BF16)},
                  r"Dao's .*s\.transpose\(1, 2\)\.contiguous\(\)", id="dao-state"),
+    # an output is written in place: no converted copy
+    pytest.param({"final_states_out": lambda: torch.empty(D, C, 3, dtype=BF16)},
+                 r"Dao's \[N, C, 3\] states pass a new \[num_docs, 3, C\] tensor and convert it after",
+                 id="dao-state-out"),
 ])
 def test_messages_show_the_fix_for_a_peers_layout(override, words):
     """Arguments in fla's / Dao's / nn.Conv1d's layouts: the ValueError names the argument and the fix."""
@@ -474,6 +484,8 @@ def test_workspace_functions_take_integers_and_name_a_bad_argument():
         (cake_causal_conv1d_train_forward_workspace_bytes, (16.0, 32), ValueError, "S must be an int, got float"),
         (cake_causal_conv1d_train_backward_workspace_bytes, (16, True), ValueError, "C must be an int, got bool"),
         (cake_causal_conv1d_train_backward_workspace, (16, 32, None), TypeError, "device must be a torch.device"),
+        (cake_causal_conv1d_train_backward_workspace_bytes, (torch.tensor(16), 32), ValueError,
+         "S must be an int, got Tensor"),
     ]:
         with pytest.raises(exc, match=rf"^{fn.__name__}: {words}"):
             fn(*args)

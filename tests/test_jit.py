@@ -394,6 +394,35 @@ def test_no_top_level_jit_module(fresh_import):
     assert not [f for f in files if f.parts[0] in ("jit", "jit.py")]
 
 
+def test_the_sdist_carries_the_test_suite_and_its_scripts(tmp_path):
+    """The source distribution (setuptools' sdist of the checkout's tracked files) holds every tracked
+    tests/*.py (conftest.py and the helpers too) and scripts/*.py / *.sh the tests run, so the README's
+    test command works from it; not the outputs of runs beside them."""
+    root = Path(__file__).resolve().parent.parent
+    listed = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    tracked = listed.stdout.split()
+    src = tmp_path / "src"
+    for name in tracked:
+        if (root / name).is_file():  # (a tracked link: flashinfer_cake/jit, copied as a link)
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / name, src / name, follow_symlinks=False)
+    for output in ("scripts/tune.json", "scripts/probe/r1.sh", "tests/__pycache__/conftest.cpython-312.pyc"):
+        (src / output).parent.mkdir(parents=True, exist_ok=True)
+        (src / output).write_text("")  # a run's outputs beside the sources
+    r = subprocess.run([sys.executable, "-c", f"from setuptools import build_meta; "
+                        f"print(build_meta.build_sdist({str(tmp_path / 'dist')!r}))"],
+                       cwd=src, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import tarfile
+    with tarfile.open(tmp_path / "dist" / r.stdout.split()[-1]) as tar:
+        shipped = {"/".join(n.split("/")[1:]) for n in tar.getnames()}
+    want = {n for n in tracked if re.fullmatch(r"tests/[^/]+\.py|scripts/[^/]+\.(py|sh)", n)}
+    assert "tests/conftest.py" in want and not want - shipped, sorted(want - shipped)
+    assert not [n for n in shipped if "tune.json" in n or "probe" in n or "__pycache__" in n]
+
+
 def test_the_checkout_root_imports_its_own_package(tmp_path):
     """`python -c 'import flashinfer_cake'` (and the README's example) in the checkout's root, where
     the checkout's sources shadow an installed copy (CI: after `pip install .`): they import,
