@@ -91,6 +91,28 @@ def test_bad_partitions_are_value_errors(cu, world_size, layout, frags, match):
         cp_partition(cu, world_size, layout, fragments=frags)
 
 
+def test_partitions_take_the_integers_data_loaders_give():
+    """cu_seqlens as any integer CPU tensor, a list of 0-d tensors (list(tensor)) or NumPy's
+    integers, world_size as any integer: the same partition as from ints; floats and CUDA tensors
+    are refused."""
+    want = cp_partition([0, 5, 9, 20], 3, "zigzag")
+    forms = [torch.tensor([0, 5, 9, 20], dtype=torch.int16), list(torch.tensor([0, 5, 9, 20])), (0, 5, 9, 20)]
+    try:
+        import numpy as np
+    except ImportError:  # (not a dependency: the torch forms still run)
+        np = None
+    if np is not None:
+        forms += [np.array([0, 5, 9, 20]), list(np.array([0, 5, 9, 20], dtype=np.int32))]
+    for cu in forms:
+        assert cp_partition(cu, 3, "zigzag") == want, cu
+    assert cp_partition([0, 5, 9, 20], torch.tensor(3), "zigzag") == want
+    for cu, match in [(torch.tensor([0.0, 5.0]), "float32"), (torch.tensor([True, False]), "torch.bool"),
+                      ([0, torch.tensor(5.0)], r"must hold ints, got tensor\(5\.\)")]:
+        with pytest.raises(ValueError, match=match):
+            cp_partition(cu, 2)
+
+
+
 def gathered_states(part, x_global: torch.Tensor, rank: int) -> torch.Tensor:
     """What halo_exchange gives `rank`, computed from the tables alone on one process: every
     rank's rows for it, then a zero row, indexed by its import rows."""
@@ -409,8 +431,9 @@ _VERIFY_WORKER = textwrap.dedent("""
     cfg = json.loads(sys.argv[1])
     P = cfg.get("P", [world] * world)[rank]
     part = cp_partition(cfg["cu"][rank], P, cfg["layout"][rank])  # each rank its own batch / layout / size
+    group = dist.new_group(cfg["group"]) if "group" in cfg else None
     try:
-        build_cp_context(part, None, rank, "cpu", verify=True)
+        build_cp_context(part, group, cfg.get("rank", range(world))[rank], "cpu", verify=cfg.get("verify", True))
         error = None
     except ValueError as e:
         error = str(e)
@@ -443,6 +466,16 @@ def test_verify_names_ranks_that_planned_different_partitions(cfg, differ, tmp_p
         assert differ in errors[0], errors[0]
 
 
+def test_a_process_outside_the_group_is_told_so(tmp_path):
+    """build_cp_context with a group this process is not in: a ValueError saying so (not "the group
+    has -1 ranks"); the member builds its context."""
+    cfg = {"cu": [[0, 10]] * 2, "layout": ["contiguous"] * 2, "P": [1, 1], "group": [1], "rank": [0, 0],
+           "verify": False}  # every rank creates the group of rank 1 alone; rank 0 is not in it
+    results = run_ranks(2, cfg, str(tmp_path / "store"), timeout=90, worker=_VERIFY_WORKER)
+    assert "(global rank 0) is not a member of the group" in results[0]["error"]
+    assert results[1]["error"] is None
+
+
 def test_conv_argument_errors_name_the_call_and_the_tensor():
     """The CP conv's own rules run before any collective, for every tensor, under the name of the
     function called and of the argument (xs[i] / weights[i] / biases[i] in a multi call)."""
@@ -467,6 +500,9 @@ def test_conv_argument_errors_name_the_call_and_the_tensor():
         (lambda: cake_causal_conv1d_cp_multi([x, x], [w, "w"], ctx), TypeError,
          r"^cake_causal_conv1d_cp_multi: weights\[1\] must be a torch.Tensor, got str"),
         (lambda: cake_causal_conv1d_cp_multi([x, x], [w], ctx), ValueError, r"got 2 inputs, 1 weights, 2 biases"),
+        # one tensor where a list goes (iterated, its rows would pass for tensors)
+        (lambda: cake_causal_conv1d_cp_multi([x, x], [w, w], ctx, torch.zeros(16)), TypeError,
+         r"^cake_causal_conv1d_cp_multi: biases must be a list of tensors or None, got a tensor of shape \(16,\)"),
         (lambda: cake_causal_conv1d_cp_multi([x], [w], ctx), ValueError,
          r"^cake_causal_conv1d_cp_multi \(xs\[0\] as x, weights\[0\], biases\[0\]\): x must be"),
         (lambda: CPRecomputeHandle(max_kept=0), ValueError, r"max_kept must be an int >= 1, got 0"),
@@ -526,6 +562,12 @@ def test_exchange_and_context_argument_errors():
         (lambda: build_cp_context(part, None, 1, "cpu"), ValueError, r"rank must be in \[0, 1\), got 1"),
         (lambda: build_cp_context(ctx, None, 0, "cpu"), TypeError, r"partition must be a CPPartition"),
         (lambda: build_cp_context(part, None, 0, "cpu", verify=True), ValueError, r"initialized torch.distributed"),
+        (lambda: build_cp_context(part, [0, 1], 0, "cpu"), TypeError,
+         r"group must be a torch.distributed ProcessGroup or None .*got list .*dist.new_group\(ranks\)"),
+        (lambda: build_cp_context(part, "cp", 0, "cpu"), TypeError, r"group must be .*got str"),
+        (lambda: part.global_tokens(-1), ValueError, r"^CPPartition.global_tokens: rank must be an int in \[0, 1\)"),
+        (lambda: part.local_cu_seqlens(1), ValueError, r"^CPPartition.local_cu_seqlens: rank .* got 1"),
+        (lambda: part.local_tokens(True), ValueError, r"^CPPartition.local_tokens: rank .* got True"),
     ]
     for call, error, match in cases:
         with pytest.raises(error, match=match):

@@ -222,6 +222,10 @@ def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.
     error where it declines, all under the caller's name. On a context built with verify=True the
     Python rules run first, with check_call's test that every rank makes the same call (except in
     the recomputation through a recompute_handle, which exchanges nothing)."""
+    for name, seq in (("xs", xs), ("weights", weights), ("biases", biases)):
+        if isinstance(seq, torch.Tensor):  # iterated, a tensor's rows would pass for a list of tensors
+            raise TypeError(f"{fn}: {name} must be a list of tensors{' or None' if name == 'biases' else ''}, got a "
+                            f"tensor of shape {tuple(seq.shape)} (one per input: [{name[:-1]}])")
     xs, weights = tuple(xs), tuple(weights)
     biases = (None,) * len(xs) if biases is None else tuple(biases)
     check_context(fn, ctx)

@@ -41,36 +41,64 @@ class CPPartition:
     fragments: tuple[tuple[tuple[int, int, int], ...], ...]
     layout: str
 
+    def _rank(self, fn: str, rank) -> int:
+        """``rank`` as an index into the partition's ranks (not Python's negative indexing: a -1
+        would pick the last rank's tokens)."""
+        value = _as_int(rank)
+        if value is None or not 0 <= value < self.world_size:
+            raise ValueError(f"CPPartition.{fn}: rank must be an int in [0, {self.world_size}) (the rank within "
+                             f"the CP group), got {rank!r}")
+        return value
+
     def local_tokens(self, rank: int) -> int:
-        return sum(length for _, _, length in self.fragments[rank])
+        return sum(length for _, _, length in self.fragments[self._rank("local_tokens", rank)])
 
     def local_cu_seqlens(self, rank: int) -> list[int]:
         """The local batch's cu_seqlens: one local document per fragment (zero-length ones too)."""
         cu = [0]
-        for _, _, length in self.fragments[rank]:
+        for _, _, length in self.fragments[self._rank("local_cu_seqlens", rank)]:
             cu.append(cu[-1] + length)
         return cu
 
     def global_tokens(self, rank: int) -> list[int]:
         """The global token index of each local token of ``rank``, in local order."""
+        frags = self.fragments[self._rank("global_tokens", rank)]
         starts = [0]
         for n in self.doc_lengths:
             starts.append(starts[-1] + n)
-        return [starts[d] + o + i for d, o, n in self.fragments[rank] for i in range(n)]
+        return [starts[d] + o + i for d, o, n in frags for i in range(n)]
+
+
+def _as_int(v) -> int | None:
+    """An integer of any library (Python's, NumPy's, a 0-d integer tensor: operator.index) as an
+    int; None for anything else, bools included."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
+_CU_FORMS = "a 1-D integer CPU tensor, a 1-D integer NumPy array, or a list / tuple of ints"
 
 
 def _doc_lengths(cu_seqlens) -> tuple[int, ...]:
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.is_cuda:
-            raise ValueError("cp_partition: cu_seqlens_global_cpu must be a 1-D int32/int64 CPU tensor or a list of "
-                             f"ints, got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)} on {cu_seqlens.device}")
+        if (cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex
+                or cu_seqlens.dtype == torch.bool or cu_seqlens.device.type != "cpu"):
+            raise ValueError(f"cp_partition: cu_seqlens_global_cpu must be {_CU_FORMS}, got {cu_seqlens.dtype} of "
+                             f"shape {tuple(cu_seqlens.shape)} on {cu_seqlens.device} (read on the host once per "
+                             f"batch: keep the data loader's CPU copy)")
         cu = cu_seqlens.tolist()
     else:
+        if type(cu_seqlens).__name__ == "ndarray" and getattr(cu_seqlens, "ndim", None) == 1:
+            cu_seqlens = cu_seqlens.tolist()  # NumPy's integers become ints (its floats stay floats: refused below)
         if not isinstance(cu_seqlens, (list, tuple)):
-            raise ValueError("cp_partition: cu_seqlens_global_cpu must be a 1-D int32/int64 CPU tensor or a list of "
-                             f"ints, got {type(cu_seqlens).__name__}")
-        cu = list(cu_seqlens)
-        bad = next((v for v in cu if not isinstance(v, int) or isinstance(v, bool)), None)
+            raise ValueError(f"cp_partition: cu_seqlens_global_cpu must be {_CU_FORMS}, got "
+                             f"{type(cu_seqlens).__name__}")
+        cu = [_as_int(v) for v in cu_seqlens]
+        bad = next((v for v, i in zip(cu_seqlens, cu) if i is None), None)
         if bad is not None:
             raise ValueError(f"cp_partition: cu_seqlens_global_cpu must hold ints, got {bad!r} "
                              f"({type(bad).__name__})")
@@ -138,8 +166,9 @@ def cp_partition(cu_seqlens_global_cpu, world_size: int, layout: str | None = No
     ``fragments``: explicit ``[(doc, offset, length), ...]`` per rank instead of a layout (any
     order; zero-length and short fragments allowed; every token of every document in exactly
     one). Raises ValueError naming what is wrong."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+    if _as_int(world_size) is None or _as_int(world_size) < 1:
         raise ValueError(f"cp_partition: world_size must be a positive int, got {world_size!r}")
+    world_size = _as_int(world_size)
     lengths = _doc_lengths(cu_seqlens_global_cpu)
     if fragments is not None:
         if layout is not None:
@@ -344,6 +373,14 @@ def _context_problem(partition, group, rank) -> Exception | None:
         return TypeError(f"build_cp_context: rank must be an int, got {rank!r} ({type(rank).__name__})")
     if not 0 <= rank < partition.world_size:
         return ValueError(f"build_cp_context: rank must be in [0, {partition.world_size}), got {rank}")
+    if dist.is_available() and group is dist.GroupMember.NON_GROUP_MEMBER:  # dist.new_group's answer to a non-member
+        return ValueError(f"build_cp_context: this process (global rank {dist.get_rank()}) is not a member of the "
+                          f"group: pass the CP group this process belongs to")
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        hint = " (a list of ranks, e.g. Megatron's CP ranks, is dist.new_group(ranks))" if isinstance(
+            group, (list, tuple)) else ""
+        return TypeError(f"build_cp_context: group must be a torch.distributed ProcessGroup or None (the default "
+                         f"group), got {type(group).__name__}{hint}")
     if dist.is_available() and dist.is_initialized():  # (group None: the default group)
         size, group_rank = dist.get_world_size(group), dist.get_rank(group)
         if size != partition.world_size or group_rank != rank:
