@@ -221,8 +221,8 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
         raise ValueError(f"{fn}: weight must have dtype torch.float32 or torch.bfloat16, got {weight.dtype}")
     if weight.shape != (C, 4):
         hint = ("; an nn.Conv1d weight [C, 1, 4] is weight.squeeze(1)" if weight.shape == (C, 1, 4) else
-                f"; x looks channels-first [1, C, S] (the weight's C is x.shape[-2]): pass "
-                f"x.transpose(-1, -2).contiguous(), token-major" if weight.shape in ((S, 4), (S, 1, 4)) else "")
+                "; x looks channels-first [1, C, S] (the weight's C is x.shape[-2]): pass "
+                "x.transpose(-1, -2).contiguous(), token-major" if weight.shape in ((S, 4), (S, 1, 4)) else "")
         raise ValueError(f"{fn}: weight must have shape [C, 4] = [{C}, 4] (C from x), got {tuple(weight.shape)}{hint}")
     if not weight.is_contiguous():
         raise ValueError(f"{fn}: weight must be contiguous, got strides {weight.stride()}")
@@ -332,15 +332,24 @@ def check_no_overlap(fn: str, tensors, written) -> None:
                 raise ValueError(f"{fn}: {name} must not overlap {other}")
 
 
+def as_int(v, tensors: bool = True) -> int | None:
+    """An integer of any library as an int (operator.index: Python's, NumPy's, with ``tensors`` a
+    0-d integer tensor too); None for anything else, bools included."""
+    if isinstance(v, bool) or (not tensors and isinstance(v, torch.Tensor)):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
 def check_sizes(fn: str, S, C, op: str) -> tuple[int, int]:
     """S and C of ``fn``, a *_workspace_bytes / *_workspace function of ``op`` ("forward" or
-    "backward"): integers (Python's, NumPy's: operator.index) within op's range. Returns them as ints."""
+    "backward"): integers (as_int; not tensors, whose read may be a device sync) within op's range.
+    Returns them as ints."""
     values = []
     for name, v in (("S", S), ("C", C)):
-        try:  # not a bool, nor a tensor (operator.index reads a one-element one, a CUDA one with a sync)
-            values.append(None if isinstance(v, (bool, torch.Tensor)) else operator.index(v))
-        except TypeError:
-            values.append(None)
+        values.append(as_int(v, tensors=False))
         if values[-1] is None:  # a ValueError, as for a negative S (the rule is on the value)
             raise ValueError(f"{fn}: {name} must be an int, got {type(v).__name__} {v!r}")
     S, C = values

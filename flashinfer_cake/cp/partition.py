@@ -15,7 +15,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
-import operator
 
 import torch
 import torch.distributed as dist
@@ -44,7 +43,7 @@ class CPPartition:
     def _rank(self, fn: str, rank) -> int:
         """``rank`` as an index into the partition's ranks (not Python's negative indexing: a -1
         would pick the last rank's tokens)."""
-        value = _as_int(rank)
+        value = _checks.as_int(rank)
         if value is None or not 0 <= value < self.world_size:
             raise ValueError(f"CPPartition.{fn}: rank must be an int in [0, {self.world_size}) (the rank within "
                              f"the CP group), got {rank!r}")
@@ -69,17 +68,6 @@ class CPPartition:
         return [starts[d] + o + i for d, o, n in frags for i in range(n)]
 
 
-def _as_int(v) -> int | None:
-    """An integer of any library (Python's, NumPy's, a 0-d integer tensor: operator.index) as an
-    int; None for anything else, bools included."""
-    if isinstance(v, bool):
-        return None
-    try:
-        return operator.index(v)
-    except TypeError:
-        return None
-
-
 _CU_FORMS = "a 1-D integer CPU tensor, a 1-D integer NumPy array, or a list / tuple of ints"
 
 
@@ -97,7 +85,7 @@ def _doc_lengths(cu_seqlens) -> tuple[int, ...]:
         if not isinstance(cu_seqlens, (list, tuple)):
             raise ValueError(f"cp_partition: cu_seqlens_global_cpu must be {_CU_FORMS}, got "
                              f"{type(cu_seqlens).__name__}")
-        cu = [_as_int(v) for v in cu_seqlens]
+        cu = [_checks.as_int(v) for v in cu_seqlens]
         bad = next((v for v, i in zip(cu_seqlens, cu) if i is None), None)
         if bad is not None:
             raise ValueError(f"cp_partition: cu_seqlens_global_cpu must hold ints, got {bad!r} "
@@ -166,9 +154,9 @@ def cp_partition(cu_seqlens_global_cpu, world_size: int, layout: str | None = No
     ``fragments``: explicit ``[(doc, offset, length), ...]`` per rank instead of a layout (any
     order; zero-length and short fragments allowed; every token of every document in exactly
     one). Raises ValueError naming what is wrong."""
-    if _as_int(world_size) is None or _as_int(world_size) < 1:
+    if (_checks.as_int(world_size) or 0) < 1:
         raise ValueError(f"cp_partition: world_size must be a positive int, got {world_size!r}")
-    world_size = _as_int(world_size)
+    world_size = _checks.as_int(world_size)
     lengths = _doc_lengths(cu_seqlens_global_cpu)
     if fragments is not None:
         if layout is not None:
@@ -262,7 +250,7 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
         _verify_same_partition(partition, group, problem)
     if problem is not None:
         raise problem
-    rank = operator.index(rank)
+    rank = _checks.as_int(rank)
     P, lengths = partition.world_size, partition.doc_lengths
     frags = partition.fragments
     # The documents this rank holds fragments of (empty ones too: they have a halo) are the only
@@ -365,12 +353,9 @@ def _context_problem(partition, group, rank) -> Exception | None:
     if not isinstance(partition, CPPartition):
         return TypeError(f"build_cp_context: partition must be a CPPartition (cp_partition), got "
                          f"{type(partition).__name__}")
-    try:
-        if isinstance(rank, bool):
-            raise TypeError
-        rank = operator.index(rank)  # ints, numpy ints, 0-d integer tensors
-    except TypeError:
+    if _checks.as_int(rank) is None:  # ints, numpy ints, 0-d integer tensors
         return TypeError(f"build_cp_context: rank must be an int, got {rank!r} ({type(rank).__name__})")
+    rank = _checks.as_int(rank)
     if not 0 <= rank < partition.world_size:
         return ValueError(f"build_cp_context: rank must be in [0, {partition.world_size}), got {rank}")
     if dist.is_available() and group is dist.GroupMember.NON_GROUP_MEMBER:  # dist.new_group's answer to a non-member
