@@ -8,7 +8,8 @@ Environment variables:
     FLASHINFER_CAKE_CACHE_DIR      JIT cache root (default ``~/.cache/flashinfer_cake/<version>``).
     FLASHINFER_CAKE_AOT_DIR        a directory of prebuilt modules, searched before the package's aot/.
     FLASHINFER_CAKE_CUDA_ARCH_LIST archs that ``flashinfer-cake build`` prebuilds (default ``9.0a``).
-    FLASHINFER_CAKE_NVCC           the nvcc to build with (else $CUDA_HOME/bin/nvcc, PATH, /usr/local/cuda).
+    FLASHINFER_CAKE_NVCC           the nvcc to build with (else $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc,
+                                   NVIDIA's CUDA wheels in this Python environment, PATH, /usr/local/cuda).
     CXX                            the C++ compiler of the torch binding (else c++ / g++ on PATH).
     FLASHINFER_CAKE_DISABLE_JIT    ``1``: calls never compile; a module that is not prebuilt is an
                                    error. Explicit prebuilds (``flashinfer-cake build``) still
@@ -26,6 +27,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 from pathlib import Path
 
 from .. import _version
@@ -195,15 +197,62 @@ def aot_dirs() -> list[Path]:
     return dirs
 
 
+# NVIDIA's CUDA wheels install one toolkit tree per CUDA major version into the `nvidia` namespace package
+# (site-packages/nvidia/cu13/{bin,nvvm,include,lib}). What a build reads of the tree, and the wheel that ships it:
+PIP_TOOLKIT_TREES = ("cu13",)
+PIP_TOOLKIT_PARTS = (
+    ("bin/nvcc", "nvidia-cuda-nvcc"),
+    ("nvvm/bin/cicc", "nvidia-nvvm"),
+    ("include/crt/host_config.h", "nvidia-cuda-crt"),
+    ("include/cuda_runtime.h", "nvidia-cuda-runtime"),
+    ("lib/libcudart_static.a", "nvidia-cuda-runtime"),
+    ("include/nv/target", "nvidia-cuda-cccl"),
+)
+# nvcc's ptxas reads only the PTX of a cicc of its own release (nvcc 13.0.88 with nvidia-nvvm 13.5.37, what pip
+# resolves beside torch 2.11's pins for a bare `pip install nvidia-cuda-nvcc`: "ptxas fatal: Unsupported .version
+# 9.5; current version is '9.0'"), and the crt headers are nvcc's own: these three come from one release.
+PIP_TOOLKIT_ONE_RELEASE = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
+PIP_TOOLKIT_INSTALL = 'pip install "flashinfer_cake[cu13]"'  # pyproject.toml's extra: one tested release
+SYSTEM_NVCC = "/usr/local/cuda/bin/nvcc"
+
+
+def pip_toolkits() -> list[tuple[Path, list[str]]]:
+    """NVIDIA's toolkit trees that hold an nvcc in this Python environment's import path (absolute
+    entries only), each with what keeps it from building (empty: usable): the wheels whose parts are
+    missing, and nvcc, nvvm and crt of different releases (read from the site directory's
+    metadata, where it has any). Stats and metadata reads only: no process."""
+    found = []
+    for entry in dict.fromkeys(sys.path):
+        if not entry or not os.path.isabs(entry):
+            continue
+        for tree in PIP_TOOLKIT_TREES:
+            top = Path(entry) / "nvidia" / tree
+            if not os.path.isfile(top / "bin" / "nvcc"):
+                continue
+            problems = [f"{wheel} is not installed (no {top / part})" for part, wheel in PIP_TOOLKIT_PARTS
+                        if not os.path.exists(top / part)]
+            versions = {}
+            for dist in importlib.metadata.distributions(path=[entry]):
+                name = (dist.metadata["Name"] or "").lower().replace("_", "-")
+                if name in PIP_TOOLKIT_ONE_RELEASE:
+                    versions[name] = dist.version
+            if len(set(versions.values())) > 1:
+                problems.append(", ".join(f"{n} {v}" for n, v in sorted(versions.items())) +
+                                " are of different releases (nvcc reads only its own release's nvvm PTX and crt)")
+            found.append((top, problems))
+    return found
+
+
 def nvcc_path() -> Path | None:
     """The nvcc to build with, or None when there is none."""
-    candidates = [os.environ.get("FLASHINFER_CAKE_NVCC")]
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            candidates.append(os.path.join(os.environ[var], "bin", "nvcc"))
-    candidates += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
-    if os.environ.get("FLASHINFER_CAKE_NVCC"):
-        candidates = candidates[:1]  # an explicit choice is never silently replaced
+    explicit = os.environ.get("FLASHINFER_CAKE_NVCC")
+    if explicit:  # an explicit choice is never silently replaced
+        candidates = [explicit]
+    else:
+        candidates = [os.path.join(os.environ[var], "bin", "nvcc") for var in ("CUDA_HOME", "CUDA_PATH")
+                      if os.environ.get(var)]
+        candidates += [str(top / "bin" / "nvcc") for top, problems in pip_toolkits() if not problems]
+        candidates += [shutil.which("nvcc"), SYSTEM_NVCC]
     for c in candidates:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return Path(c).absolute()
@@ -214,15 +263,27 @@ def require_nvcc() -> Path:
     nvcc = nvcc_path()
     if nvcc is None:
         explicit = os.environ.get("FLASHINFER_CAKE_NVCC")
+        unusable = "" if explicit else "".join(
+            f" NVIDIA's CUDA wheels at {top} cannot build: {'; '.join(problems)}." for top, problems in pip_toolkits())
         raise RuntimeError(
             (f"FLASHINFER_CAKE_NVCC={explicit!r} is not an executable file. " if explicit else
-             "No nvcc found (looked at FLASHINFER_CAKE_NVCC, $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc, "
-             "PATH and /usr/local/cuda/bin/nvcc). ")
-            + "Install the CUDA toolkit (12.8 or newer) and set FLASHINFER_CAKE_NVCC or CUDA_HOME, "
-            "or use modules prebuilt elsewhere (`flashinfer-cake build --out DIR` there, then "
-            "FLASHINFER_CAKE_AOT_DIR=DIR)."
+             f"No nvcc found (looked at FLASHINFER_CAKE_NVCC, $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc, NVIDIA's "
+             f"CUDA wheels in this Python environment, PATH and {SYSTEM_NVCC}).{unusable} ")
+            + f"Install NVIDIA's CUDA 13 compiler wheels (`{PIP_TOOLKIT_INSTALL}`) or the CUDA toolkit (12.8 or "
+            "newer; set FLASHINFER_CAKE_NVCC or CUDA_HOME), or use modules prebuilt elsewhere (`flashinfer-cake "
+            "build --out DIR` there, then FLASHINFER_CAKE_AOT_DIR=DIR)."
         )
     return nvcc
+
+
+def toolkit_link_flags(nvcc: Path) -> tuple[str, ...]:
+    """Link flags a toolkit's own nvcc.profile leaves out: NVIDIA's CUDA wheels keep the static CUDA
+    runtime in <tree>/lib, and their profile names only lib64 (the link failed: "cannot find
+    -lcudart_static"). A toolkit with lib64 needs none."""
+    top = nvcc.resolve().parent.parent
+    if not (top / "lib64").exists() and (top / "lib" / "libcudart_static.a").is_file():
+        return (f"-L{top / 'lib'}",)
+    return ()
 
 
 def cxx_path() -> Path:
@@ -255,8 +316,8 @@ def _toolchain_digest(fingerprint: str) -> str:
             if target.is_file() and target != nvcc:
                 h.update(_fingerprint(target).encode())
                 files.append(target)
-    for f in files:  # the toolkit's own identity files, when present
-        for ident in ("version.json", "include/cuda.h"):
+    for f in files:  # the toolkit's own identity files, when present (NVIDIA's wheels update cicc apart from nvcc)
+        for ident in ("version.json", "include/cuda.h", "nvvm/bin/cicc"):
             p = f.parent.parent / ident
             if p.is_file():
                 h.update(_fingerprint(p).encode())
@@ -266,7 +327,7 @@ def _toolchain_digest(fingerprint: str) -> str:
 def toolchain_digest(nvcc: Path) -> str:
     """Identity of an nvcc without running it (the warm path starts no process): path, size and
     mtime of the nvcc binary (through a wrapper script to the nvcc it runs) and of the toolkit's
-    version.json / cuda.h. A new or updated toolkit changes it."""
+    version.json / cuda.h / cicc. A new or updated toolkit changes it."""
     return _toolchain_digest(_fingerprint(nvcc.resolve()))
 
 

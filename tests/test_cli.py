@@ -87,6 +87,22 @@ def test_env(built, tmp_path, state):
             assert uri in shipped or re.search(rf"^\s+{uri}\s+not built$", r.stdout, re.M), r.stdout
 
 
+def test_env_names_nvidia_cuda_wheels_it_cannot_build_with(built, tmp_path):
+    """A bare nvidia-cuda-nvcc wheel (no nvvm, crt, runtime or cccl beside it) is passed over for the next nvcc; `env`
+    says so on a line of its own, and that is not an error."""
+    nvcc = tmp_path / "site" / "nvidia" / "cu13" / "bin" / "nvcc"
+    nvcc.parent.mkdir(parents=True)
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    r = flashinfer_cake("env", cache=built[0], cwd=tmp_path, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])))
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^nvcc\s+/\S*nvcc \(.*\d+\.\d", r.stdout, re.M) and str(nvcc) not in r.stdout.split("cuda wheels")[0]
+    line = re.search(r"^cuda wheels\s+(\S+) \(cannot build: (.*)\)$", r.stdout, re.M)
+    assert line and line[1] == str(nvcc.parent.parent), r.stdout
+    assert all(f"{w} is not installed" in line[2] for w in ("nvidia-nvvm", "nvidia-cuda-crt", "nvidia-cuda-cccl")), line[2]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the default action runs the forward on a GPU")
 def test_default_action_without_gpu(built, tmp_path):
     cache, first = built

@@ -383,6 +383,121 @@ def test_cache_dir_created_0700(monkeypatch, tmp_path, umask):
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
 
 
+def make_cuda_wheels(site: Path, versions: dict | None = None, missing: tuple[str, ...] = ()) -> Path:
+    """A site directory holding what NVIDIA's CUDA 13 wheels install (nvidia/cu13, an executable nvcc that
+    prints its path, and the wheels' metadata at ``versions``), less the ``missing`` parts; its tree."""
+    top = site / "nvidia" / "cu13"
+    for part, _ in env.PIP_TOOLKIT_PARTS:
+        if part not in missing:
+            (top / part).parent.mkdir(parents=True, exist_ok=True)
+            (top / part).write_text("#!/bin/sh\necho $0\n")
+            (top / part).chmod(0o755)
+    for name, version in (versions or {}).items():
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return top
+
+
+def fake_nvcc(directory: Path) -> Path:
+    (directory / "bin").mkdir(parents=True)
+    nvcc = directory / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    return nvcc
+
+
+ONE_RELEASE = {"nvidia-cuda-nvcc": "13.0.88", "nvidia-nvvm": "13.0.88", "nvidia-cuda-crt": "13.0.88",
+               "nvidia-cuda-runtime": "13.0.96"}
+
+
+@pytest.fixture
+def no_system_nvcc(monkeypatch, tmp_path):
+    """No nvcc but what a test puts in place: no explicit choice, CUDA_HOME / CUDA_PATH unset, an empty PATH
+    (a directory of the test's: fake_nvcc(tmp_path / "path") fills it) and no /usr/local/cuda."""
+    for var in ("FLASHINFER_CAKE_NVCC", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "path" / "bin"))
+    monkeypatch.setattr(env, "SYSTEM_NVCC", str(tmp_path / "no-system-cuda" / "nvcc"))
+
+
+def test_nvidia_cuda_wheels_are_found_after_cuda_home_and_before_path(no_system_nvcc, tmp_path, monkeypatch):
+    """`pip install "flashinfer_cake[cu13]"` on a machine without the CUDA toolkit: the JIT builds with the
+    wheels' nvcc. An explicit FLASHINFER_CAKE_NVCC or CUDA_HOME still wins; an nvcc on PATH does not."""
+    top = make_cuda_wheels(tmp_path / "site", ONE_RELEASE)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert env.pip_toolkits() == [(top, [])]
+    assert env.require_nvcc() == top / "bin" / "nvcc"
+    fake_nvcc(tmp_path / "path")
+    assert env.nvcc_path() == top / "bin" / "nvcc"
+    cuda_home = fake_nvcc(tmp_path / "cuda_home")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda_home"))
+    assert env.nvcc_path() == cuda_home
+    monkeypatch.setenv("FLASHINFER_CAKE_NVCC", str(tmp_path / "path" / "bin" / "nvcc"))
+    assert env.nvcc_path() == tmp_path / "path" / "bin" / "nvcc"
+    # a relative entry of the import path (the working directory) is never a place to run a compiler from
+    monkeypatch.delenv("FLASHINFER_CAKE_NVCC")
+    monkeypatch.delenv("CUDA_HOME")
+    monkeypatch.chdir(tmp_path / "site")
+    monkeypatch.setattr(sys, "path", ["", "."])
+    assert env.pip_toolkits() == [] and env.nvcc_path() == tmp_path / "path" / "bin" / "nvcc"
+
+
+@pytest.mark.parametrize("case", ["nvvm of another release", "no cccl", "no static runtime"])
+def test_nvidia_cuda_wheels_that_cannot_build_are_passed_over_and_named(no_system_nvcc, tmp_path, monkeypatch, case):
+    """A tree that would fail mid-build is not chosen: nvcc with an nvvm and crt of a newer release (what a bare
+    `pip install nvidia-cuda-nvcc` resolves to beside torch 2.11: ptxas refuses cicc's PTX), or a part missing. The
+    next nvcc builds; with none, the error names the tree, what it lacks and the extra that installs one release."""
+    versions = dict(ONE_RELEASE)
+    missing = ()
+    if case == "nvvm of another release":
+        versions.update({"nvidia-nvvm": "13.5.37", "nvidia-cuda-crt": "13.5.37"})
+    else:
+        missing = ("include/nv/target",) if case == "no cccl" else ("lib/libcudart_static.a",)
+    top = make_cuda_wheels(tmp_path / "site", versions, missing)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    [(found, problems)] = env.pip_toolkits()
+    assert found == top and len(problems) == 1, problems
+    with pytest.raises(RuntimeError) as e:
+        env.require_nvcc()
+    message = str(e.value)
+    assert f"NVIDIA's CUDA wheels at {top} cannot build" in message and env.PIP_TOOLKIT_INSTALL in message, message
+    want = {"nvvm of another release": "nvidia-cuda-crt 13.5.37, nvidia-cuda-nvcc 13.0.88, nvidia-nvvm 13.5.37 are "
+                                       "of different releases",
+            "no cccl": f"nvidia-cuda-cccl is not installed (no {top / 'include/nv/target'})",
+            "no static runtime": "nvidia-cuda-runtime is not installed"}[case]
+    assert want in message, message
+    on_path = fake_nvcc(tmp_path / "path")
+    assert env.require_nvcc() == on_path
+
+
+def test_the_link_finds_the_static_runtime_of_nvidia_cuda_wheels(tmp_path):
+    """The wheels' nvcc.profile names <tree>/lib64 for the link, the static runtime is in <tree>/lib ("cannot find
+    -lcudart_static" before): the CUDA link edges add it, not the C++ ones; a toolkit with lib64 needs nothing."""
+    top = make_cuda_wheels(tmp_path / "site")
+    nvcc = top / "bin" / "nvcc"
+    assert env.toolkit_link_flags(nvcc) == (f"-L{top / 'lib'}",)
+    cxx = core.JitSpec(uri="cxx", source="", language="c++", ldflags=("-lm",))
+    ninja = build._ninja_file([build.BuildItem(SPEC, "m", nvcc), build.BuildItem(cxx, "b", Path("/usr/bin/c++"))])
+    assert [line for line in ninja.splitlines() if line.startswith("  ldflags")] == [
+        f"  ldflags = {' '.join(SPEC.ldflags)} -L{top / 'lib'}", "  ldflags = -lm"]
+    (top / "lib64").symlink_to("lib")  # a toolkit laid out as /usr/local/cuda
+    assert env.toolkit_link_flags(nvcc) == ()
+
+
+def test_an_updated_nvvm_wheel_changes_the_module_name(tmp_path):
+    """NVIDIA's wheels update cicc (nvidia-nvvm) apart from nvcc: the compiler digest, part of a module's name,
+    reads it, so an updated cicc never loads a module it did not build."""
+    top = make_cuda_wheels(tmp_path / "site")
+    nvcc = top / "bin" / "nvcc"
+    before = env.toolchain_digest(nvcc)
+    cicc = top / "nvvm" / "bin" / "cicc"
+    cicc.write_text(cicc.read_text() + "# 13.0.89\n")
+    os.utime(cicc, ns=(cicc.stat().st_atime_ns, cicc.stat().st_mtime_ns + 10**9))
+    env._toolchain_digest.cache_clear()  # the next process (one process reads a toolkit's identity once)
+    assert env.toolchain_digest(nvcc) != before
+
+
 def test_no_top_level_jit_module(fresh_import):
     _, result = fresh_import
     assert result["jit"] == "None"
@@ -655,6 +770,45 @@ def test_corrupt_cached_module_is_rebuilt(built_cache, name, tmp_path, corrupt):
     if corrupt is not _drop_record:
         assert "ignoring corrupt module" in r.stderr
     assert build.verified_module(so) == so
+
+
+PIP_TOOLKIT = os.environ.get("FLASHINFER_CAKE_TEST_PIP_TOOLKIT")  # .ci/run: the cu13 extra, `pip install --target`
+
+
+@pytest.mark.skipif(not PIP_TOOLKIT, reason="FLASHINFER_CAKE_TEST_PIP_TOOLKIT names no `pip install --target` of "
+                                            "pyproject.toml's cu13 extra (.ci/run makes one)")
+def test_the_cu13_extra_builds_and_loads_a_variant_without_a_toolkit(tmp_path):
+    """The wheels pyproject.toml's cu13 extra pins, alone on the import path of a process with no other nvcc
+    chosen (no CUDA_HOME, FLASHINFER_CAKE_NVCC or PATH entry), build a whole variant (every translation unit, the
+    static CUDA runtime linked), which loads and names itself."""
+    import tomllib
+
+    pins = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    pins = dict(r.split("==") for r in pins["project"]["optional-dependencies"]["cu13"])
+    installed = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions(path=[PIP_TOOLKIT])}
+    assert installed == pins, f"{PIP_TOOLKIT} holds {installed}, the extra pins {pins}"
+    code = """
+    import json, sys
+    from flashinfer_cake import jit
+    from flashinfer_cake.jit import env
+    assert env.nvcc_path().is_relative_to(sys.argv[1]), env.nvcc_path()
+    [path] = jit.prebuild([jit.variant_spec("fp32", "none", "sm_90a")], sys.argv[2]).values()
+    from flashinfer_cake.jit.module import KernelModule
+    module = KernelModule(path)
+    print(json.dumps({"record": json.loads(path.with_suffix(".json").read_text()), "variant": module.variant}))
+    """
+    child = {k: v for k, v in child_env().items() if k not in ("FLASHINFER_CAKE_NVCC", "CUDA_HOME", "CUDA_PATH")}
+    child.update(PYTHONPATH=os.pathsep.join(filter(None, [PIP_TOOLKIT, os.environ.get("PYTHONPATH")])),
+                 PATH="/usr/bin:/bin", FLASHINFER_CAKE_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.Popen([sys.executable, "-c", PREAMBLE + textwrap.dedent(code), PIP_TOOLKIT, str(tmp_path / "aot")],
+                         cwd=tmp_path, env=child, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    out, err = p.communicate(timeout=900)
+    assert p.returncode == 0, err
+    result = json.loads(out.splitlines()[-1])
+    assert result["record"]["compiler"].startswith(PIP_TOOLKIT), result
+    assert f"V{pins['nvidia-cuda-nvcc']}" in result["record"]["compiler_version"], result
+    assert result["variant"] == SPEC.uri
 
 
 # --------------------------------------------------------------------------- loader order, AOT
