@@ -64,8 +64,11 @@ def cmd_env(args) -> int:
     _line("torch", f"{torch.__version__} (CUDA {torch.version.cuda})", problems)
     _line("gpus", _cuda_devices, problems)
     _line("nvcc", lambda: "not found" if nvcc is None else f"{nvcc} ({compiler_version(nvcc)})", problems)
-    for top, unusable in env.pip_toolkits():  # NVIDIA's CUDA wheels: why one nvcc was not chosen is not an error
-        print(f"{'cuda wheels':16s} {top} ({'cannot build: ' + '; '.join(unusable) if unusable else 'usable'})")
+    for top, unusable in env.pip_toolkits():  # NVIDIA's CUDA wheels: why one was passed over (not an error)
+        state = (f"cannot build: {'; '.join(unusable)}; `pip install \"{env.PIP_TOOLKIT_REQUIREMENT}\"` installs one "
+                 f"release" if unusable else "the nvcc above" if nvcc == top / "bin" / "nvcc" else
+                 "can build; an nvcc earlier in the search order is taken (FLASHINFER_CAKE_NVCC, CUDA_HOME, CUDA_PATH)")
+        print(f"{'cuda wheels':16s} {top} ({state})")
     _line("c++", lambda: f"{env.cxx_path()} ({compiler_version(env.cxx_path())})  (CXX)", problems)
     _line("arch list", lambda: f"{' '.join(env.arch_list())}  (FLASHINFER_CAKE_CUDA_ARCH_LIST)", problems)
     _line("cache dir", lambda: f"{env.cache_dir()}  (FLASHINFER_CAKE_CACHE_DIR)", problems)

@@ -198,7 +198,8 @@ def aot_dirs() -> list[Path]:
 
 
 # NVIDIA's CUDA wheels install one toolkit tree per CUDA major version into the `nvidia` namespace package
-# (site-packages/nvidia/cu13/{bin,nvvm,include,lib}). What a build reads of the tree, and the wheel that ships it:
+# (site-packages/nvidia/cu13/{bin,nvvm,include,lib}); nvcc reads every part from its own tree. What a build reads,
+# and the wheel that ships it:
 PIP_TOOLKIT_TREES = ("cu13",)
 PIP_TOOLKIT_PARTS = (
     ("bin/nvcc", "nvidia-cuda-nvcc"),
@@ -206,54 +207,79 @@ PIP_TOOLKIT_PARTS = (
     ("include/crt/host_config.h", "nvidia-cuda-crt"),
     ("include/cuda_runtime.h", "nvidia-cuda-runtime"),
     ("lib/libcudart_static.a", "nvidia-cuda-runtime"),
-    ("include/nv/target", "nvidia-cuda-cccl"),
+    ("include/cccl/nv/target", "nvidia-cuda-cccl"),
 )
-# nvcc's ptxas reads only the PTX of a cicc of its own release (nvcc 13.0.88 with nvidia-nvvm 13.5.37, what pip
-# resolves beside torch 2.11's pins for a bare `pip install nvidia-cuda-nvcc`: "ptxas fatal: Unsupported .version
-# 9.5; current version is '9.0'"), and the crt headers are nvcc's own: these three come from one release.
+# ptxas reads only the PTX of a cicc of its own release, and the crt headers are nvcc's own: these three wheels come
+# from one release. Pinning nvidia-cuda-nvcc alone (==13.0.88, torch 2.11's CUDA) lets pip take nvvm and crt
+# 13.5.37, and every build then fails in ptxas ("Unsupported .version 9.5; current version is '9.0'").
 PIP_TOOLKIT_ONE_RELEASE = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
-PIP_TOOLKIT_INSTALL = 'pip install "flashinfer_cake[cu13]"'  # pyproject.toml's extra: one tested release
+# pyproject.toml's cu13 extra (tests/test_jit.py keeps the two equal): NVIDIA's meta-package pins one release of every
+# part, the release that torch's own CUDA pins allow (torch 2.11: 13.0.2).
+PIP_TOOLKIT_REQUIREMENT = "cuda-toolkit[nvcc,nvvm,crt,cudart,cccl]>=13.0,<14"
 SYSTEM_NVCC = "/usr/local/cuda/bin/nvcc"
 
 
-def pip_toolkits() -> list[tuple[Path, list[str]]]:
-    """NVIDIA's toolkit trees that hold an nvcc in this Python environment's import path (absolute
-    entries only), each with what keeps it from building (empty: usable): the wheels whose parts are
-    missing, and nvcc, nvvm and crt of different releases (read from the site directory's
-    metadata, where it has any). Stats and metadata reads only: no process."""
-    found = []
-    for entry in dict.fromkeys(sys.path):
-        if not entry or not os.path.isabs(entry):
+def _pip_toolkit_trees():
+    """(site directory, tree) of each NVIDIA toolkit tree holding an nvcc in this Python environment's
+    import path: absolute str entries only (the working directory is no place to run a compiler
+    from), each tree once however its path is spelled."""
+    seen = set()
+    for entry in sys.path:
+        if not isinstance(entry, str) or not os.path.isabs(entry):
             continue
         for tree in PIP_TOOLKIT_TREES:
             top = Path(entry) / "nvidia" / tree
-            if not os.path.isfile(top / "bin" / "nvcc"):
-                continue
-            problems = [f"{wheel} is not installed (no {top / part})" for part, wheel in PIP_TOOLKIT_PARTS
-                        if not os.path.exists(top / part)]
-            versions = {}
-            for dist in importlib.metadata.distributions(path=[entry]):
-                name = (dist.metadata["Name"] or "").lower().replace("_", "-")
-                if name in PIP_TOOLKIT_ONE_RELEASE:
-                    versions[name] = dist.version
-            if len(set(versions.values())) > 1:
-                problems.append(", ".join(f"{n} {v}" for n, v in sorted(versions.items())) +
-                                " are of different releases (nvcc reads only its own release's nvvm PTX and crt)")
-            found.append((top, problems))
-    return found
+            if os.path.isfile(top / "bin" / "nvcc") and os.path.realpath(top) not in seen:
+                seen.add(os.path.realpath(top))
+                yield Path(entry), top
+
+
+def _pip_toolkit_problems(site: Path, top: Path) -> list[str]:
+    """What keeps the tree ``top`` from building (empty: nothing): a wheel whose files are not in it,
+    and nvcc, nvvm and crt of different releases (read from ``site``'s wheel metadata, where it has
+    any). Stats and three metadata look-ups: no process."""
+    problems = []
+    for wheel in dict.fromkeys(wheel for _, wheel in PIP_TOOLKIT_PARTS):
+        lacking = [part for part, w in PIP_TOOLKIT_PARTS if w == wheel and not os.path.exists(top / part)]
+        if lacking:
+            problems.append(f"no {top / lacking[0]}: {wheel} is not installed into {site} (nvcc reads every part "
+                            f"from its own tree: a {wheel} installed elsewhere does not count)")
+    versions = {}
+    for name in PIP_TOOLKIT_ONE_RELEASE:
+        for dist in importlib.metadata.distributions(name=name, path=[str(site)]):
+            versions[name] = dist.version
+            break
+    if len(set(versions.values())) > 1:
+        problems.append(", ".join(f"{n} {v}" for n, v in versions.items()) + " are of different releases (ptxas "
+                        "reads only the PTX of its own release's nvvm)")
+    return problems
+
+
+def pip_toolkits() -> list[tuple[Path, list[str]]]:
+    """Each NVIDIA toolkit tree in this Python environment, with what keeps it from building (empty: it
+    can build)."""
+    return [(top, _pip_toolkit_problems(site, top)) for site, top in _pip_toolkit_trees()]
+
+
+def _nvcc_candidates():
+    """The places an nvcc may be, in order; each looked at only once the ones before it are not there."""
+    explicit = os.environ.get("FLASHINFER_CAKE_NVCC")
+    if explicit:  # an explicit choice is never silently replaced
+        yield explicit
+        return
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            yield os.path.join(os.environ[var], "bin", "nvcc")
+    for site, top in _pip_toolkit_trees():
+        if not _pip_toolkit_problems(site, top):
+            yield str(top / "bin" / "nvcc")
+    yield shutil.which("nvcc")
+    yield SYSTEM_NVCC
 
 
 def nvcc_path() -> Path | None:
     """The nvcc to build with, or None when there is none."""
-    explicit = os.environ.get("FLASHINFER_CAKE_NVCC")
-    if explicit:  # an explicit choice is never silently replaced
-        candidates = [explicit]
-    else:
-        candidates = [os.path.join(os.environ[var], "bin", "nvcc") for var in ("CUDA_HOME", "CUDA_PATH")
-                      if os.environ.get(var)]
-        candidates += [str(top / "bin" / "nvcc") for top, problems in pip_toolkits() if not problems]
-        candidates += [shutil.which("nvcc"), SYSTEM_NVCC]
-    for c in candidates:
+    for c in _nvcc_candidates():
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return Path(c).absolute()
     return None
@@ -269,20 +295,21 @@ def require_nvcc() -> Path:
             (f"FLASHINFER_CAKE_NVCC={explicit!r} is not an executable file. " if explicit else
              f"No nvcc found (looked at FLASHINFER_CAKE_NVCC, $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc, NVIDIA's "
              f"CUDA wheels in this Python environment, PATH and {SYSTEM_NVCC}).{unusable} ")
-            + f"Install NVIDIA's CUDA 13 compiler wheels (`{PIP_TOOLKIT_INSTALL}`) or the CUDA toolkit (12.8 or "
-            "newer; set FLASHINFER_CAKE_NVCC or CUDA_HOME), or use modules prebuilt elsewhere (`flashinfer-cake "
-            "build --out DIR` there, then FLASHINFER_CAKE_AOT_DIR=DIR)."
+            + f"Install NVIDIA's CUDA 13 compiler wheels (`pip install \"{PIP_TOOLKIT_REQUIREMENT}\"`, or the "
+            "package's cu13 extra) or the CUDA toolkit (12.8 or newer; set FLASHINFER_CAKE_NVCC or CUDA_HOME), or "
+            "use modules prebuilt elsewhere (`flashinfer-cake build --out DIR` there, then FLASHINFER_CAKE_AOT_DIR=DIR)."
         )
     return nvcc
 
 
 def toolkit_link_flags(nvcc: Path) -> tuple[str, ...]:
-    """Link flags a toolkit's own nvcc.profile leaves out: NVIDIA's CUDA wheels keep the static CUDA
-    runtime in <tree>/lib, and their profile names only lib64 (the link failed: "cannot find
-    -lcudart_static"). A toolkit with lib64 needs none."""
-    top = nvcc.resolve().parent.parent
-    if not (top / "lib64").exists() and (top / "lib" / "libcudart_static.a").is_file():
-        return (f"-L{top / 'lib'}",)
+    """Link flags an NVIDIA wheel tree's own nvcc.profile leaves out: it links from <tree>/lib64, the
+    wheels put the static CUDA runtime in <tree>/lib ("cannot find -lcudart_static"). For ``nvcc`` or
+    the nvcc a wrapper script of it runs; other toolkits need none."""
+    for binary in _nvcc_binaries(nvcc.resolve()):
+        top = binary.parent.parent
+        if top.parent.name == "nvidia" and top.name in PIP_TOOLKIT_TREES and not (top / "lib64").exists():
+            return (f"-L{top / 'lib'}",)
     return ()
 
 
@@ -303,21 +330,30 @@ def _fingerprint(path: Path) -> str:
     return f"{path}\0{st.st_size}\0{st.st_mtime_ns}"
 
 
+def _nvcc_binaries(nvcc: Path) -> list[Path]:
+    """``nvcc`` and, when it is a wrapper script (under 64 KiB), the nvcc binaries it names."""
+    files = [nvcc]
+    if nvcc.stat().st_size < 65536:
+        for target in re.findall(rb"(/[^\s'\"]*/nvcc)\b", nvcc.read_bytes()):
+            target = Path(target.decode(errors="replace")).resolve()
+            if target.is_file() and target not in files:
+                files.append(target)
+    return files
+
+
 @functools.lru_cache(maxsize=8)
 def _toolchain_digest(fingerprint: str) -> str:
     nvcc = Path(fingerprint.split("\0")[0])
     h = hashlib.sha256(fingerprint.encode())
-    files = [nvcc]
-    if nvcc.stat().st_size < 65536:  # a wrapper script: identify the nvcc it runs too
-        text = nvcc.read_bytes()
-        h.update(text)
-        for target in re.findall(rb"(/[^\s'\"]*/nvcc)\b", text):
-            target = Path(target.decode(errors="replace")).resolve()
-            if target.is_file() and target != nvcc:
-                h.update(_fingerprint(target).encode())
-                files.append(target)
-    for f in files:  # the toolkit's own identity files, when present (NVIDIA's wheels update cicc apart from nvcc)
-        for ident in ("version.json", "include/cuda.h", "nvvm/bin/cicc"):
+    if nvcc.stat().st_size < 65536:  # a wrapper script: its text, and the nvcc it runs
+        h.update(nvcc.read_bytes())
+    files = _nvcc_binaries(nvcc)
+    for target in files[1:]:
+        h.update(_fingerprint(target).encode())
+    # The toolkit's own identity files, when present: NVIDIA's wheels update cicc, crt and CCCL apart from nvcc.
+    for f in files:
+        for ident in ("version.json", "include/cuda.h", "nvvm/bin/cicc", "include/crt/host_config.h",
+                      "include/cccl/nv/target"):
             p = f.parent.parent / ident
             if p.is_file():
                 h.update(_fingerprint(p).encode())
@@ -327,7 +363,7 @@ def _toolchain_digest(fingerprint: str) -> str:
 def toolchain_digest(nvcc: Path) -> str:
     """Identity of an nvcc without running it (the warm path starts no process): path, size and
     mtime of the nvcc binary (through a wrapper script to the nvcc it runs) and of the toolkit's
-    version.json / cuda.h / cicc. A new or updated toolkit changes it."""
+    version.json, cuda.h, cicc, crt and CCCL headers. A new or updated toolkit changes it."""
     return _toolchain_digest(_fingerprint(nvcc.resolve()))
 
 

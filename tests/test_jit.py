@@ -384,13 +384,13 @@ def test_cache_dir_created_0700(monkeypatch, tmp_path, umask):
 
 
 def make_cuda_wheels(site: Path, versions: dict | None = None, missing: tuple[str, ...] = ()) -> Path:
-    """A site directory holding what NVIDIA's CUDA 13 wheels install (nvidia/cu13, an executable nvcc that
-    prints its path, and the wheels' metadata at ``versions``), less the ``missing`` parts; its tree."""
+    """A site directory holding what NVIDIA's CUDA 13 wheels install (nvidia/cu13 with an executable nvcc, and the
+    wheels' metadata at ``versions``), less the ``missing`` parts; its tree."""
     top = site / "nvidia" / "cu13"
     for part, _ in env.PIP_TOOLKIT_PARTS:
         if part not in missing:
             (top / part).parent.mkdir(parents=True, exist_ok=True)
-            (top / part).write_text("#!/bin/sh\necho $0\n")
+            (top / part).write_text("#!/bin/sh\n")
             (top / part).chmod(0o755)
     for name, version in (versions or {}).items():
         info = site / f"{name.replace('-', '_')}-{version}.dist-info"
@@ -412,20 +412,23 @@ ONE_RELEASE = {"nvidia-cuda-nvcc": "13.0.88", "nvidia-nvvm": "13.0.88", "nvidia-
 
 
 @pytest.fixture
-def no_system_nvcc(monkeypatch, tmp_path):
+def only_test_nvcc(monkeypatch, tmp_path):
     """No nvcc but what a test puts in place: no explicit choice, CUDA_HOME / CUDA_PATH unset, an empty PATH
-    (a directory of the test's: fake_nvcc(tmp_path / "path") fills it) and no /usr/local/cuda."""
+    (fake_nvcc(tmp_path / "path") fills it), no /usr/local/cuda, and an import path without NVIDIA's wheels (a
+    machine with the cu13 extra installed has them); returns a function putting a site directory first on it."""
     for var in ("FLASHINFER_CAKE_NVCC", "CUDA_HOME", "CUDA_PATH"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "path" / "bin"))
     monkeypatch.setattr(env, "SYSTEM_NVCC", str(tmp_path / "no-system-cuda" / "nvcc"))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (isinstance(p, str) and os.path.isdir(os.path.join(p, "nvidia")))])
+    return lambda site: monkeypatch.setattr(sys, "path", [str(site), *sys.path])
 
 
-def test_nvidia_cuda_wheels_are_found_after_cuda_home_and_before_path(no_system_nvcc, tmp_path, monkeypatch):
-    """`pip install "flashinfer_cake[cu13]"` on a machine without the CUDA toolkit: the JIT builds with the
-    wheels' nvcc. An explicit FLASHINFER_CAKE_NVCC or CUDA_HOME still wins; an nvcc on PATH does not."""
+def test_nvidia_cuda_wheels_are_found_after_cuda_home_and_before_path(only_test_nvcc, tmp_path, monkeypatch):
+    """The cu13 extra on a machine without the CUDA toolkit: the JIT builds with the wheels' nvcc. An explicit
+    FLASHINFER_CAKE_NVCC or CUDA_HOME still wins; an nvcc on PATH does not."""
     top = make_cuda_wheels(tmp_path / "site", ONE_RELEASE)
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    only_test_nvcc(tmp_path / "site")
     assert env.pip_toolkits() == [(top, [])]
     assert env.require_nvcc() == top / "bin" / "nvcc"
     fake_nvcc(tmp_path / "path")
@@ -435,65 +438,89 @@ def test_nvidia_cuda_wheels_are_found_after_cuda_home_and_before_path(no_system_
     assert env.nvcc_path() == cuda_home
     monkeypatch.setenv("FLASHINFER_CAKE_NVCC", str(tmp_path / "path" / "bin" / "nvcc"))
     assert env.nvcc_path() == tmp_path / "path" / "bin" / "nvcc"
-    # a relative entry of the import path (the working directory) is never a place to run a compiler from
-    monkeypatch.delenv("FLASHINFER_CAKE_NVCC")
-    monkeypatch.delenv("CUDA_HOME")
+
+
+def test_the_import_path_is_read_as_the_import_system_reads_it(only_test_nvcc, tmp_path, monkeypatch):
+    """A tree is listed once however its site directory is spelled (a trailing slash, a link: venvs with lib64 ->
+    lib); relative entries (the working directory) and entries that are not strings are passed over, never an
+    error; with CUDA_HOME's nvcc there, the import path is not read at all."""
+    top = make_cuda_wheels(tmp_path / "site", ONE_RELEASE)
+    (tmp_path / "link").symlink_to(tmp_path / "site")
     monkeypatch.chdir(tmp_path / "site")
-    monkeypatch.setattr(sys, "path", ["", "."])
-    assert env.pip_toolkits() == [] and env.nvcc_path() == tmp_path / "path" / "bin" / "nvcc"
+    monkeypatch.setattr(sys, "path", [b"/bytes", 3, "", ".", "site", str(tmp_path / "site") + "/", str(tmp_path / "link"),
+                                      *sys.path])
+    assert env.pip_toolkits() == [(Path(str(tmp_path / "site") + "/") / "nvidia" / "cu13", [])]
+    assert env.nvcc_path().resolve() == (top / "bin" / "nvcc").resolve()
+    cuda_home = fake_nvcc(tmp_path / "cuda_home")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda_home"))
+    monkeypatch.setattr(env, "_pip_toolkit_trees", lambda: pytest.fail("read the import path past CUDA_HOME's nvcc"))
+    assert env.nvcc_path() == cuda_home
 
 
-@pytest.mark.parametrize("case", ["nvvm of another release", "no cccl", "no static runtime"])
-def test_nvidia_cuda_wheels_that_cannot_build_are_passed_over_and_named(no_system_nvcc, tmp_path, monkeypatch, case):
-    """A tree that would fail mid-build is not chosen: nvcc with an nvvm and crt of a newer release (what a bare
-    `pip install nvidia-cuda-nvcc` resolves to beside torch 2.11: ptxas refuses cicc's PTX), or a part missing. The
-    next nvcc builds; with none, the error names the tree, what it lacks and the extra that installs one release."""
+@pytest.mark.parametrize("case", ["nvvm of another release", "no cccl", "runtime in another site directory"])
+def test_nvidia_cuda_wheels_that_cannot_build_are_passed_over_and_named(only_test_nvcc, tmp_path, case):
+    """A tree that would fail mid-build is not chosen: nvvm and crt of another release than nvcc (pip's choice for a
+    pinned nvidia-cuda-nvcc==13.0.88 beside torch 2.11: ptxas then refuses cicc's PTX), a wheel missing, or one
+    installed into another site directory (a venv over system site-packages: nvcc reads its own tree only). The next
+    nvcc builds; with none, the error names the tree, what is wrong and the requirement that installs one release."""
     versions = dict(ONE_RELEASE)
     missing = ()
     if case == "nvvm of another release":
         versions.update({"nvidia-nvvm": "13.5.37", "nvidia-cuda-crt": "13.5.37"})
+    elif case == "no cccl":
+        missing = ("include/cccl/nv/target",)
     else:
-        missing = ("include/nv/target",) if case == "no cccl" else ("lib/libcudart_static.a",)
+        missing = ("include/cuda_runtime.h", "lib/libcudart_static.a")
+        make_cuda_wheels(tmp_path / "system-site", {"nvidia-cuda-runtime": "13.0.96"}, missing=tuple(
+            part for part, wheel in env.PIP_TOOLKIT_PARTS if wheel != "nvidia-cuda-runtime"))  # the runtime alone
+        only_test_nvcc(tmp_path / "system-site")
     top = make_cuda_wheels(tmp_path / "site", versions, missing)
-    monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    [(found, problems)] = env.pip_toolkits()
-    assert found == top and len(problems) == 1, problems
+    only_test_nvcc(tmp_path / "site")
+    [(found, problems)] = [(t, p) for t, p in env.pip_toolkits() if t == top]
+    assert len(problems) == 1, problems
     with pytest.raises(RuntimeError) as e:
         env.require_nvcc()
     message = str(e.value)
-    assert f"NVIDIA's CUDA wheels at {top} cannot build" in message and env.PIP_TOOLKIT_INSTALL in message, message
-    want = {"nvvm of another release": "nvidia-cuda-crt 13.5.37, nvidia-cuda-nvcc 13.0.88, nvidia-nvvm 13.5.37 are "
+    assert f"NVIDIA's CUDA wheels at {top} cannot build" in message and env.PIP_TOOLKIT_REQUIREMENT in message, message
+    want = {"nvvm of another release": "nvidia-cuda-nvcc 13.0.88, nvidia-nvvm 13.5.37, nvidia-cuda-crt 13.5.37 are "
                                        "of different releases",
-            "no cccl": f"nvidia-cuda-cccl is not installed (no {top / 'include/nv/target'})",
-            "no static runtime": "nvidia-cuda-runtime is not installed"}[case]
+            "no cccl": f"no {top / 'include/cccl/nv/target'}: nvidia-cuda-cccl is not installed into {tmp_path / 'site'}",
+            "runtime in another site directory": f"no {top / 'include/cuda_runtime.h'}: nvidia-cuda-runtime is not "
+                                                 f"installed into {tmp_path / 'site'}"}[case]
     assert want in message, message
     on_path = fake_nvcc(tmp_path / "path")
     assert env.require_nvcc() == on_path
 
 
 def test_the_link_finds_the_static_runtime_of_nvidia_cuda_wheels(tmp_path):
-    """The wheels' nvcc.profile names <tree>/lib64 for the link, the static runtime is in <tree>/lib ("cannot find
-    -lcudart_static" before): the CUDA link edges add it, not the C++ ones; a toolkit with lib64 needs nothing."""
+    """The wheels' nvcc.profile links from <tree>/lib64, the static runtime is in <tree>/lib ("cannot find
+    -lcudart_static" before): the CUDA link edges add it, also through a wrapper script of the wheels' nvcc, not
+    the C++ ones; other toolkits get nothing."""
     top = make_cuda_wheels(tmp_path / "site")
     nvcc = top / "bin" / "nvcc"
     assert env.toolkit_link_flags(nvcc) == (f"-L{top / 'lib'}",)
+    wrapper = tmp_path / "wrapper" / "nvcc"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec {nvcc} "$@"\n')
+    assert env.toolkit_link_flags(wrapper) == (f"-L{top / 'lib'}",)
     cxx = core.JitSpec(uri="cxx", source="", language="c++", ldflags=("-lm",))
     ninja = build._ninja_file([build.BuildItem(SPEC, "m", nvcc), build.BuildItem(cxx, "b", Path("/usr/bin/c++"))])
     assert [line for line in ninja.splitlines() if line.startswith("  ldflags")] == [
         f"  ldflags = {' '.join(SPEC.ldflags)} -L{top / 'lib'}", "  ldflags = -lm"]
-    (top / "lib64").symlink_to("lib")  # a toolkit laid out as /usr/local/cuda
-    assert env.toolkit_link_flags(nvcc) == ()
+    other = fake_nvcc(tmp_path / "prefix")  # e.g. a conda prefix: bin/nvcc beside lib/
+    (tmp_path / "prefix" / "lib").mkdir()
+    (tmp_path / "prefix" / "lib" / "libcudart_static.a").write_text("")
+    assert env.toolkit_link_flags(other) == ()
 
 
-def test_an_updated_nvvm_wheel_changes_the_module_name(tmp_path):
-    """NVIDIA's wheels update cicc (nvidia-nvvm) apart from nvcc: the compiler digest, part of a module's name,
-    reads it, so an updated cicc never loads a module it did not build."""
+@pytest.mark.parametrize("part", ["nvvm/bin/cicc", "include/crt/host_config.h", "include/cccl/nv/target"])
+def test_an_updated_wheel_changes_the_module_name(tmp_path, part):
+    """NVIDIA's wheels update cicc (nvidia-nvvm), crt and CCCL apart from nvcc: the compiler digest, part of a
+    module's name, reads them, so an update never loads a module built before it."""
     top = make_cuda_wheels(tmp_path / "site")
     nvcc = top / "bin" / "nvcc"
     before = env.toolchain_digest(nvcc)
-    cicc = top / "nvvm" / "bin" / "cicc"
-    cicc.write_text(cicc.read_text() + "# 13.0.89\n")
-    os.utime(cicc, ns=(cicc.stat().st_atime_ns, cicc.stat().st_mtime_ns + 10**9))
+    os.utime(top / part, ns=(0, (top / part).stat().st_mtime_ns + 10**9))
     env._toolchain_digest.cache_clear()  # the next process (one process reads a toolkit's identity once)
     assert env.toolchain_digest(nvcc) != before
 
@@ -778,24 +805,24 @@ PIP_TOOLKIT = os.environ.get("FLASHINFER_CAKE_TEST_PIP_TOOLKIT")  # .ci/run: the
 @pytest.mark.skipif(not PIP_TOOLKIT, reason="FLASHINFER_CAKE_TEST_PIP_TOOLKIT names no `pip install --target` of "
                                             "pyproject.toml's cu13 extra (.ci/run makes one)")
 def test_the_cu13_extra_builds_and_loads_a_variant_without_a_toolkit(tmp_path):
-    """The wheels pyproject.toml's cu13 extra pins, alone on the import path of a process with no other nvcc
-    chosen (no CUDA_HOME, FLASHINFER_CAKE_NVCC or PATH entry), build a whole variant (every translation unit, the
-    static CUDA runtime linked), which loads and names itself."""
+    """What pyproject.toml's cu13 extra installs (env.PIP_TOOLKIT_REQUIREMENT, the string its messages name), alone
+    on the import path of a process in which no other nvcc comes before it (no FLASHINFER_CAKE_NVCC, CUDA_HOME or
+    PATH entry), builds a whole variant (every translation unit, the static CUDA runtime linked), which loads and
+    names itself."""
     import tomllib
 
-    pins = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
-    pins = dict(r.split("==") for r in pins["project"]["optional-dependencies"]["cu13"])
-    installed = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions(path=[PIP_TOOLKIT])}
-    assert installed == pins, f"{PIP_TOOLKIT} holds {installed}, the extra pins {pins}"
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["cu13"] == [env.PIP_TOOLKIT_REQUIREMENT]
+    [nvcc_version] = [d.version for d in importlib.metadata.distributions(name="nvidia-cuda-nvcc", path=[PIP_TOOLKIT])]
     code = """
     import json, sys
     from flashinfer_cake import jit
     from flashinfer_cake.jit import env
+    from flashinfer_cake.jit.module import KernelModule
+    assert [problems for top, problems in env.pip_toolkits()] == [[]], env.pip_toolkits()
     assert env.nvcc_path().is_relative_to(sys.argv[1]), env.nvcc_path()
     [path] = jit.prebuild([jit.variant_spec("fp32", "none", "sm_90a")], sys.argv[2]).values()
-    from flashinfer_cake.jit.module import KernelModule
-    module = KernelModule(path)
-    print(json.dumps({"record": json.loads(path.with_suffix(".json").read_text()), "variant": module.variant}))
+    print(json.dumps({"record": json.loads(path.with_suffix(".json").read_text()), "variant": KernelModule(path).variant}))
     """
     child = {k: v for k, v in child_env().items() if k not in ("FLASHINFER_CAKE_NVCC", "CUDA_HOME", "CUDA_PATH")}
     child.update(PYTHONPATH=os.pathsep.join(filter(None, [PIP_TOOLKIT, os.environ.get("PYTHONPATH")])),
@@ -807,7 +834,7 @@ def test_the_cu13_extra_builds_and_loads_a_variant_without_a_toolkit(tmp_path):
     assert p.returncode == 0, err
     result = json.loads(out.splitlines()[-1])
     assert result["record"]["compiler"].startswith(PIP_TOOLKIT), result
-    assert f"V{pins['nvidia-cuda-nvcc']}" in result["record"]["compiler_version"], result
+    assert f"V{nvcc_version}" in result["record"]["compiler_version"], result
     assert result["variant"] == SPEC.uri
 
 
