@@ -132,6 +132,20 @@ def compiler_version(compiler: Path) -> str:
     return next((line for line in lines if "release" in line), lines[0] if lines else f"error: {out.stderr.strip()}")
 
 
+def check_nvcc_release(nvcc: Path, version: str) -> None:
+    """Refuse an nvcc older than the kernels need (its version line, compiler_version's) before it fails
+    mid-build on a flag or an arch it does not know; a line without a release lets the build speak."""
+    found = re.search(r"release (\d+)\.(\d+)", version)
+    if found and (int(found[1]), int(found[2])) < env.MIN_NVCC_RELEASE:
+        least = ".".join(map(str, env.MIN_NVCC_RELEASE))
+        raise RuntimeError(
+            f"flashinfer_cake: {nvcc} is CUDA {found[1]}.{found[2]} ({version}); the kernels need nvcc {least} or newer "
+            f"(sm_90a, -static-global-template-stub). Point FLASHINFER_CAKE_NVCC or CUDA_HOME at a newer toolkit, or "
+            f"install NVIDIA's CUDA 13 compiler wheels (`pip install \"{env.PIP_TOOLKIT_REQUIREMENT}\"`, taken before "
+            f"PATH)."
+        )
+
+
 def publish(built: Path, out_dir: Path, name: str, record: dict) -> Path:
     """Copy the artifact into ``out_dir`` under its final name, then write its record: each with
     a temporary name (``.<name>.*``) and ``os.replace``, so readers see the old state or the new,
@@ -170,10 +184,13 @@ def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs:
         for file, source in unit_files(item):
             write_if_different(build_dir / file, source)
     write_if_different(build_dir / "build.ninja", _ninja_file(items))
+    versions = {c: compiler_version(c) for c in {item.compiler for item in items}}
+    for item in items:
+        if item.spec.language == "cuda":
+            check_nvcc_release(item.compiler, versions[item.compiler])
     uris = {item.name: item.spec.uri for item in items}
     seconds = run_ninja(build_dir, ", ".join(uris.values()), jobs=jobs, progress=progress and (
         lambda stem, done, start: progress(f"compiled {uris[stem]} ({done}/{len(items)}, {time.perf_counter() - start:.1f} s)")))
-    versions = {c: compiler_version(c) for c in {item.compiler for item in items}}
     published = {}
     for item in items:
         record = {"uri": item.spec.uri, "compiler": str(item.compiler), "compiler_version": versions[item.compiler],

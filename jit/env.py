@@ -217,6 +217,7 @@ PIP_TOOLKIT_ONE_RELEASE = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
 # part, the release that torch's own CUDA pins allow (torch 2.11: 13.0.2).
 PIP_TOOLKIT_REQUIREMENT = "cuda-toolkit[nvcc,nvvm,crt,cudart,cccl]>=13.0,<14"
 SYSTEM_NVCC = "/usr/local/cuda/bin/nvcc"
+MIN_NVCC_RELEASE = (12, 8)  # the oldest nvcc the kernels build with (jit/build.py checks it before a build)
 
 
 def _pip_toolkit_trees():
@@ -296,7 +297,8 @@ def require_nvcc() -> Path:
              f"No nvcc found (looked at FLASHINFER_CAKE_NVCC, $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc, NVIDIA's "
              f"CUDA wheels in this Python environment, PATH and {SYSTEM_NVCC}).{unusable} ")
             + f"Install NVIDIA's CUDA 13 compiler wheels (`pip install \"{PIP_TOOLKIT_REQUIREMENT}\"`, or the "
-            "package's cu13 extra) or the CUDA toolkit (12.8 or newer; set FLASHINFER_CAKE_NVCC or CUDA_HOME), or "
+            f"package's cu13 extra) or the CUDA toolkit ({'.'.join(map(str, MIN_NVCC_RELEASE))} or newer; set "
+            "FLASHINFER_CAKE_NVCC or CUDA_HOME), or "
             "use modules prebuilt elsewhere (`flashinfer-cake build --out DIR` there, then FLASHINFER_CAKE_AOT_DIR=DIR)."
         )
     return nvcc

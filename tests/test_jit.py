@@ -997,6 +997,28 @@ def test_nvcc_that_cannot_target_the_arch(tmp_path, monkeypatch):
     assert published(tmp_path / "cache") == []
 
 
+@pytest.mark.parametrize("release, refused", [("12.4", True), ("12.8", False), ("13.0", False)])
+def test_an_nvcc_older_than_the_kernels_need_is_named_before_the_build(tmp_path, monkeypatch, release, refused):
+    """An nvcc before 12.8 (a cluster's CUDA 12.4 module) is refused with its version and the fixes, before ninja
+    runs it on flags it does not know; 12.8 and later go on to the build (this fake one then fails in it)."""
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && echo 'Cuda compilation tools, release {release}, "
+                    f"V{release}.1' && exit 0\necho 'nvcc fatal   : fake' >&2\nexit 1\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("FLASHINFER_CAKE_NVCC", str(nvcc))
+    with pytest.raises(RuntimeError) as e:
+        jit.load(SPEC)
+    message = str(e.value)
+    ninja_ran = (tmp_path / "cache" / "build" / SPEC.module_name(env.toolchain_digest(nvcc)) / "build.log").exists()
+    if refused:
+        assert f"{nvcc} is CUDA {release} (Cuda compilation tools, release {release}" in message, message
+        assert "need nvcc 12.8 or newer" in message and env.PIP_TOOLKIT_REQUIREMENT in message, message
+        assert not ninja_ran
+    else:
+        assert "nvcc fatal   : fake" in message and "or newer" not in message and ninja_ran, message
+    assert published(tmp_path / "cache") == []
+
+
 def test_compile_error_carries_compiler_output(tmp_path, monkeypatch):
     broken = 'extern "C" int cake_variant() { return cake_undefined_symbol; }\n'
     with pytest.raises(RuntimeError) as e:
