@@ -146,6 +146,18 @@ def check_nvcc_release(nvcc: Path, version: str) -> None:
         )
 
 
+def check_python_headers(spec: "JitSpec") -> None:
+    """A Python extension (the torch binding) includes Python.h: name the missing development headers
+    before the compiler fails on them (a distribution's python3 without its -dev package)."""
+    if not any((Path(d) / "Python.h").is_file() for d in spec.include_dirs):
+        raise RuntimeError(
+            f"flashinfer_cake: building {spec.uri} needs Python's C headers (Python.h), which are not in "
+            f"{' or '.join(spec.include_dirs)}: install this Python's development package (e.g. `apt install "
+            f"python{sys.version_info[0]}.{sys.version_info[1]}-dev`), or use a Python that ships them (a venv of "
+            f"one that does, conda, uv, pyenv)."
+        )
+
+
 def publish(built: Path, out_dir: Path, name: str, record: dict) -> Path:
     """Copy the artifact into ``out_dir`` under its final name, then write its record: each with
     a temporary name (``.<name>.*``) and ``os.replace``, so readers see the old state or the new,
@@ -188,6 +200,8 @@ def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs:
     for item in items:
         if item.spec.language == "cuda":
             check_nvcc_release(item.compiler, versions[item.compiler])
+        if item.spec.python_extension:
+            check_python_headers(item.spec)
     uris = {item.name: item.spec.uri for item in items}
     seconds = run_ninja(build_dir, ", ".join(uris.values()), jobs=jobs, progress=progress and (
         lambda stem, done, start: progress(f"compiled {uris[stem]} ({done}/{len(items)}, {time.perf_counter() - start:.1f} s)")))

@@ -1019,6 +1019,19 @@ def test_an_nvcc_older_than_the_kernels_need_is_named_before_the_build(tmp_path,
     assert published(tmp_path / "cache") == []
 
 
+def test_a_python_without_its_headers_is_named_before_the_binding_builds(tmp_path):
+    """The torch binding includes Python.h; a distribution's python3 without its -dev package gets that said,
+    with the package to install, before any compiler runs."""
+    from flashinfer_cake.jit.binding import binding_spec
+
+    spec = binding_spec()
+    no_headers = dataclasses.replace(spec, include_dirs=(spec.include_dirs[0], str(tmp_path / "include")))
+    with pytest.raises(RuntimeError, match=r"needs Python's C headers \(Python\.h\), which are not in .*"
+                                           rf"{re.escape(str(tmp_path / 'include'))}: install .*-dev") as e:
+        jit.prebuild([no_headers], tmp_path / "out")
+    assert not (tmp_path / "out" / "build" / "prebuild" / "build.log").exists(), str(e.value)
+
+
 def test_compile_error_carries_compiler_output(tmp_path, monkeypatch):
     broken = 'extern "C" int cake_variant() { return cake_undefined_symbol; }\n'
     with pytest.raises(RuntimeError) as e:
