@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import platform
 import shutil
 import sys
@@ -56,6 +57,22 @@ def _cuda_devices() -> str:
                      for i in range(torch.cuda.device_count()))
 
 
+def _wheel_trees(nvcc) -> str:
+    """NVIDIA's CUDA wheel trees in this environment (jit/env.py), each with whether it is the nvcc taken, why
+    not, or why it cannot build: a tree passed over is not an error."""
+    states = []
+    for top, unusable in env.pip_toolkits():
+        if unusable:
+            state = f"cannot build: {'; '.join(unusable)}"
+        elif nvcc == top / "bin" / "nvcc":
+            state = "the nvcc above"
+        else:
+            first = "FLASHINFER_CAKE_NVCC" if os.environ.get("FLASHINFER_CAKE_NVCC") else nvcc
+            state = f"can build; not taken: {first} comes first in the search order"
+        states.append(f"{top} ({state})")
+    return " | ".join(states) or "none"
+
+
 def cmd_env(args) -> int:
     """Every line, whatever fails; exit status 1 (and the first problem on stderr) if any did."""
     nvcc, problems = env.nvcc_path(), []
@@ -64,11 +81,7 @@ def cmd_env(args) -> int:
     _line("torch", f"{torch.__version__} (CUDA {torch.version.cuda})", problems)
     _line("gpus", _cuda_devices, problems)
     _line("nvcc", lambda: "not found" if nvcc is None else f"{nvcc} ({compiler_version(nvcc)})", problems)
-    for top, unusable in env.pip_toolkits():  # NVIDIA's CUDA wheels: why one was passed over (not an error)
-        state = (f"cannot build: {'; '.join(unusable)}; `pip install \"{env.PIP_TOOLKIT_REQUIREMENT}\"` installs one "
-                 f"release" if unusable else "the nvcc above" if nvcc == top / "bin" / "nvcc" else
-                 "can build; an nvcc earlier in the search order is taken (FLASHINFER_CAKE_NVCC, CUDA_HOME, CUDA_PATH)")
-        print(f"{'cuda wheels':16s} {top} ({state})")
+    _line("cuda wheels", lambda: _wheel_trees(nvcc), problems)
     _line("c++", lambda: f"{env.cxx_path()} ({compiler_version(env.cxx_path())})  (CXX)", problems)
     _line("arch list", lambda: f"{' '.join(env.arch_list())}  (FLASHINFER_CAKE_CUDA_ARCH_LIST)", problems)
     _line("cache dir", lambda: f"{env.cache_dir()}  (FLASHINFER_CAKE_CACHE_DIR)", problems)

@@ -134,25 +134,23 @@ def compiler_version(compiler: Path) -> str:
 
 def check_nvcc_release(nvcc: Path, version: str) -> None:
     """Refuse an nvcc older than the kernels need (its version line, compiler_version's) before it fails
-    mid-build on a flag or an arch it does not know; a line without a release lets the build speak."""
+    mid-build on a flag it does not know; a line without a release lets the build speak."""
     found = re.search(r"release (\d+)\.(\d+)", version)
     if found and (int(found[1]), int(found[2])) < env.MIN_NVCC_RELEASE:
-        least = ".".join(map(str, env.MIN_NVCC_RELEASE))
-        raise RuntimeError(
-            f"flashinfer_cake: {nvcc} is CUDA {found[1]}.{found[2]} ({version}); the kernels need nvcc {least} or newer "
-            f"(sm_90a, -static-global-template-stub). Point FLASHINFER_CAKE_NVCC or CUDA_HOME at a newer toolkit, or "
-            f"install NVIDIA's CUDA 13 compiler wheels (`pip install \"{env.PIP_TOOLKIT_REQUIREMENT}\"`, taken before "
-            f"PATH)."
-        )
+        raise RuntimeError(f"flashinfer_cake: {nvcc} is CUDA {found[1]}.{found[2]} ({version}); the kernels need nvcc "
+                           f"{env.MIN_NVCC} or newer (their build flags): {env.other_nvcc_hint(nvcc)}.")
 
 
 def check_python_headers(spec: "JitSpec") -> None:
     """A Python extension (the torch binding) includes Python.h: name the missing development headers
-    before the compiler fails on them (a distribution's python3 without its -dev package)."""
-    if not any((Path(d) / "Python.h").is_file() for d in spec.include_dirs):
+    before the compiler fails on them (a distribution's python3 without its -dev package). The
+    compiler's own search path (CPATH, CPLUS_INCLUDE_PATH) counts."""
+    dirs = [*spec.include_dirs, *(d for var in ("CPATH", "CPLUS_INCLUDE_PATH")
+                                  for d in os.environ.get(var, "").split(os.pathsep) if d)]
+    if not any((Path(d) / "Python.h").is_file() for d in dirs):
         raise RuntimeError(
             f"flashinfer_cake: building {spec.uri} needs Python's C headers (Python.h), which are not in "
-            f"{' or '.join(spec.include_dirs)}: install this Python's development package (e.g. `apt install "
+            f"{' or '.join(dirs)}: install this Python's development package (e.g. `apt install "
             f"python{sys.version_info[0]}.{sys.version_info[1]}-dev`), or use a Python that ships them (a venv of "
             f"one that does, conda, uv, pyenv)."
         )
@@ -196,12 +194,13 @@ def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs:
         for file, source in unit_files(item):
             write_if_different(build_dir / file, source)
     write_if_different(build_dir / "build.ninja", _ninja_file(items))
+    for item in items:
+        if item.spec.python_extension:
+            check_python_headers(item.spec)
     versions = {c: compiler_version(c) for c in {item.compiler for item in items}}
     for item in items:
         if item.spec.language == "cuda":
             check_nvcc_release(item.compiler, versions[item.compiler])
-        if item.spec.python_extension:
-            check_python_headers(item.spec)
     uris = {item.name: item.spec.uri for item in items}
     seconds = run_ninja(build_dir, ", ".join(uris.values()), jobs=jobs, progress=progress and (
         lambda stem, done, start: progress(f"compiled {uris[stem]} ({done}/{len(items)}, {time.perf_counter() - start:.1f} s)")))

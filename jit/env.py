@@ -210,14 +210,22 @@ PIP_TOOLKIT_PARTS = (
     ("include/cccl/nv/target", "nvidia-cuda-cccl"),
 )
 # ptxas reads only the PTX of a cicc of its own release, and the crt headers are nvcc's own: these three wheels come
-# from one release. Pinning nvidia-cuda-nvcc alone (==13.0.88, torch 2.11's CUDA) lets pip take nvvm and crt
-# 13.5.37, and every build then fails in ptxas ("Unsupported .version 9.5; current version is '9.0'").
+# from one release. Pinning nvidia-cuda-nvcc alone (==13.0.88) lets pip take nvvm and crt 13.5.37, and every build
+# then fails in ptxas ("Unsupported .version 9.5; current version is '9.0'").
 PIP_TOOLKIT_ONE_RELEASE = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
-# pyproject.toml's cu13 extra (tests/test_jit.py keeps the two equal): NVIDIA's meta-package pins one release of every
-# part, the release that torch's own CUDA pins allow (torch 2.11: 13.0.2).
+# pyproject.toml's cu13 extra (tests/test_jit.py keeps the two and the README equal): NVIDIA's meta-package, one
+# release of every part.
 PIP_TOOLKIT_REQUIREMENT = "cuda-toolkit[nvcc,nvvm,crt,cudart,cccl]>=13.0,<14"
+INSTALL_PIP_TOOLKIT = f"NVIDIA's CUDA 13 compiler wheels (`pip install \"{PIP_TOOLKIT_REQUIREMENT}\"`, or the cu13 extra)"
 SYSTEM_NVCC = "/usr/local/cuda/bin/nvcc"
+NVCC_SEARCH_ORDER = ("FLASHINFER_CAKE_NVCC", "$CUDA_HOME/bin/nvcc", "$CUDA_PATH/bin/nvcc",
+                     "NVIDIA's CUDA wheels in this Python environment", "PATH", SYSTEM_NVCC)
 MIN_NVCC_RELEASE = (12, 8)  # the oldest nvcc the kernels build with (jit/build.py checks it before a build)
+MIN_NVCC = ".".join(map(str, MIN_NVCC_RELEASE))
+
+
+def _is_pip_tree(top: Path) -> bool:
+    return top.parent.name == "nvidia" and top.name in PIP_TOOLKIT_TREES
 
 
 def _pip_toolkit_trees():
@@ -236,15 +244,16 @@ def _pip_toolkit_trees():
 
 
 def _pip_toolkit_problems(site: Path, top: Path) -> list[str]:
-    """What keeps the tree ``top`` from building (empty: nothing): a wheel whose files are not in it,
-    and nvcc, nvvm and crt of different releases (read from ``site``'s wheel metadata, where it has
-    any). Stats and three metadata look-ups: no process."""
+    """What keeps the tree ``top`` from building (empty: nothing), each with its fix: a wheel whose
+    files are not in it, and nvcc, nvvm and crt of different releases (read from ``site``'s wheel
+    metadata, where it has any). Stats and three metadata look-ups: no process."""
     problems = []
     for wheel in dict.fromkeys(wheel for _, wheel in PIP_TOOLKIT_PARTS):
         lacking = [part for part, w in PIP_TOOLKIT_PARTS if w == wheel and not os.path.exists(top / part)]
         if lacking:
-            problems.append(f"no {top / lacking[0]}: {wheel} is not installed into {site} (nvcc reads every part "
-                            f"from its own tree: a {wheel} installed elsewhere does not count)")
+            problems.append(f"no {top / lacking[0]}: {wheel} is not installed into {site}, beside nvidia-cuda-nvcc "
+                            f"(nvcc reads every part from its own tree, so one in another site directory, e.g. the "
+                            f"system's under a venv, does not count: `pip install --ignore-installed {wheel}` here)")
     versions = {}
     for name in PIP_TOOLKIT_ONE_RELEASE:
         for dist in importlib.metadata.distributions(name=name, path=[str(site)]):
@@ -252,7 +261,8 @@ def _pip_toolkit_problems(site: Path, top: Path) -> list[str]:
             break
     if len(set(versions.values())) > 1:
         problems.append(", ".join(f"{n} {v}" for n, v in versions.items()) + " are of different releases (ptxas "
-                        "reads only the PTX of its own release's nvvm)")
+                        f"reads only the PTX of its own release's nvvm): `pip install \"{PIP_TOOLKIT_REQUIREMENT}\"` "
+                        "installs one release")
     return problems
 
 
@@ -263,7 +273,8 @@ def pip_toolkits() -> list[tuple[Path, list[str]]]:
 
 
 def _nvcc_candidates():
-    """The places an nvcc may be, in order; each looked at only once the ones before it are not there."""
+    """The places an nvcc may be (NVCC_SEARCH_ORDER), in order; each looked at only once the ones
+    before it are not there."""
     explicit = os.environ.get("FLASHINFER_CAKE_NVCC")
     if explicit:  # an explicit choice is never silently replaced
         yield explicit
@@ -294,14 +305,22 @@ def require_nvcc() -> Path:
             f" NVIDIA's CUDA wheels at {top} cannot build: {'; '.join(problems)}." for top, problems in pip_toolkits())
         raise RuntimeError(
             (f"FLASHINFER_CAKE_NVCC={explicit!r} is not an executable file. " if explicit else
-             f"No nvcc found (looked at FLASHINFER_CAKE_NVCC, $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc, NVIDIA's "
-             f"CUDA wheels in this Python environment, PATH and {SYSTEM_NVCC}).{unusable} ")
-            + f"Install NVIDIA's CUDA 13 compiler wheels (`pip install \"{PIP_TOOLKIT_REQUIREMENT}\"`, or the "
-            f"package's cu13 extra) or the CUDA toolkit ({'.'.join(map(str, MIN_NVCC_RELEASE))} or newer; set "
-            "FLASHINFER_CAKE_NVCC or CUDA_HOME), or "
-            "use modules prebuilt elsewhere (`flashinfer-cake build --out DIR` there, then FLASHINFER_CAKE_AOT_DIR=DIR)."
+             f"No nvcc found (looked at {', '.join(NVCC_SEARCH_ORDER)}).{unusable} ")
+            + f"Install {INSTALL_PIP_TOOLKIT} or the CUDA toolkit ({MIN_NVCC} or newer; set FLASHINFER_CAKE_NVCC or "
+            "CUDA_HOME), or use modules prebuilt elsewhere (`flashinfer-cake build --out DIR` there, then "
+            "FLASHINFER_CAKE_AOT_DIR=DIR)."
         )
     return nvcc
+
+
+def other_nvcc_hint(nvcc: Path) -> str:
+    """How to build with another nvcc than ``nvcc`` (nvcc_path's choice): a usable wheel tree by name
+    when there is one (CUDA_HOME, e.g. a cluster's module, comes before it), else the ways to get one."""
+    usable = [top / "bin" / "nvcc" for top, problems in pip_toolkits() if not problems and top / "bin" / "nvcc" != nvcc]
+    if usable:
+        return f"NVIDIA's CUDA wheels here can build: set FLASHINFER_CAKE_NVCC={usable[0]}"
+    return (f"point FLASHINFER_CAKE_NVCC or CUDA_HOME at a newer toolkit, or install {INSTALL_PIP_TOOLKIT}, taken "
+            f"after CUDA_HOME and CUDA_PATH and before PATH")
 
 
 def toolkit_link_flags(nvcc: Path) -> tuple[str, ...]:
@@ -310,7 +329,7 @@ def toolkit_link_flags(nvcc: Path) -> tuple[str, ...]:
     the nvcc a wrapper script of it runs; other toolkits need none."""
     for binary in _nvcc_binaries(nvcc.resolve()):
         top = binary.parent.parent
-        if top.parent.name == "nvidia" and top.name in PIP_TOOLKIT_TREES and not (top / "lib64").exists():
+        if _is_pip_tree(top) and not (top / "lib64").exists():
             return (f"-L{top / 'lib'}",)
     return ()
 
@@ -352,10 +371,10 @@ def _toolchain_digest(fingerprint: str) -> str:
     files = _nvcc_binaries(nvcc)
     for target in files[1:]:
         h.update(_fingerprint(target).encode())
-    # The toolkit's own identity files, when present: NVIDIA's wheels update cicc, crt and CCCL apart from nvcc.
+    # The toolkit's own identity files, when present: a system toolkit's version.json, and a file of each part
+    # NVIDIA's wheels update apart from nvcc (nvvm, crt, the runtime, CCCL).
     for f in files:
-        for ident in ("version.json", "include/cuda.h", "nvvm/bin/cicc", "include/crt/host_config.h",
-                      "include/cccl/nv/target"):
+        for ident in ("version.json", *(part for part, wheel in PIP_TOOLKIT_PARTS[1:] if not part.startswith("lib/"))):
             p = f.parent.parent / ident
             if p.is_file():
                 h.update(_fingerprint(p).encode())
@@ -365,7 +384,8 @@ def _toolchain_digest(fingerprint: str) -> str:
 def toolchain_digest(nvcc: Path) -> str:
     """Identity of an nvcc without running it (the warm path starts no process): path, size and
     mtime of the nvcc binary (through a wrapper script to the nvcc it runs) and of the toolkit's
-    version.json, cuda.h, cicc, crt and CCCL headers. A new or updated toolkit changes it."""
+    version.json and a file of each part NVIDIA's wheels update apart (PIP_TOOLKIT_PARTS). A new or
+    updated toolkit changes it."""
     return _toolchain_digest(_fingerprint(nvcc.resolve()))
 
 

@@ -420,7 +420,8 @@ def only_test_nvcc(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "path" / "bin"))
     monkeypatch.setattr(env, "SYSTEM_NVCC", str(tmp_path / "no-system-cuda" / "nvcc"))
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (isinstance(p, str) and os.path.isdir(os.path.join(p, "nvidia")))])
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (isinstance(p, str) and any(
+        os.path.isfile(os.path.join(p, "nvidia", tree, "bin", "nvcc")) for tree in env.PIP_TOOLKIT_TREES))])
     return lambda site: monkeypatch.setattr(sys, "path", [str(site), *sys.path])
 
 
@@ -440,7 +441,7 @@ def test_nvidia_cuda_wheels_are_found_after_cuda_home_and_before_path(only_test_
     assert env.nvcc_path() == tmp_path / "path" / "bin" / "nvcc"
 
 
-def test_the_import_path_is_read_as_the_import_system_reads_it(only_test_nvcc, tmp_path, monkeypatch):
+def test_import_path_entries_are_read_when_absolute_strings_once_per_tree(only_test_nvcc, tmp_path, monkeypatch):
     """A tree is listed once however its site directory is spelled (a trailing slash, a link: venvs with lib64 ->
     lib); relative entries (the working directory) and entries that are not strings are passed over, never an
     error; with CUDA_HOME's nvcc there, the import path is not read at all."""
@@ -455,6 +456,15 @@ def test_the_import_path_is_read_as_the_import_system_reads_it(only_test_nvcc, t
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda_home"))
     monkeypatch.setattr(env, "_pip_toolkit_trees", lambda: pytest.fail("read the import path past CUDA_HOME's nvcc"))
     assert env.nvcc_path() == cuda_home
+
+
+def test_the_cu13_extra_is_the_requirement_the_messages_and_the_readme_name():
+    """pyproject.toml's cu13 extra, env.PIP_TOOLKIT_REQUIREMENT (the errors' and `env`'s fix) and the README's command:
+    one requirement."""
+    root = Path(__file__).resolve().parent.parent
+    extra = re.search(r'^cu13 = \["([^"]+)"\]$', (root / "pyproject.toml").read_text(), re.M)
+    assert extra and extra[1] == env.PIP_TOOLKIT_REQUIREMENT, extra
+    assert f'pip install "{env.PIP_TOOLKIT_REQUIREMENT}"' in (root / "README.md").read_text()
 
 
 @pytest.mark.parametrize("case", ["nvvm of another release", "no cccl", "runtime in another site directory"])
@@ -805,14 +815,10 @@ PIP_TOOLKIT = os.environ.get("FLASHINFER_CAKE_TEST_PIP_TOOLKIT")  # .ci/run: the
 @pytest.mark.skipif(not PIP_TOOLKIT, reason="FLASHINFER_CAKE_TEST_PIP_TOOLKIT names no `pip install --target` of "
                                             "pyproject.toml's cu13 extra (.ci/run makes one)")
 def test_the_cu13_extra_builds_and_loads_a_variant_without_a_toolkit(tmp_path):
-    """What pyproject.toml's cu13 extra installs (env.PIP_TOOLKIT_REQUIREMENT, the string its messages name), alone
+    """What pyproject.toml's cu13 extra installs (.ci/run: at CI's release), alone
     on the import path of a process in which no other nvcc comes before it (no FLASHINFER_CAKE_NVCC, CUDA_HOME or
     PATH entry), builds a whole variant (every translation unit, the static CUDA runtime linked), which loads and
     names itself."""
-    import tomllib
-
-    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
-    assert project["optional-dependencies"]["cu13"] == [env.PIP_TOOLKIT_REQUIREMENT]
     [nvcc_version] = [d.version for d in importlib.metadata.distributions(name="nvidia-cuda-nvcc", path=[PIP_TOOLKIT])]
     code = """
     import json, sys
@@ -997,8 +1003,22 @@ def test_nvcc_that_cannot_target_the_arch(tmp_path, monkeypatch):
     assert published(tmp_path / "cache") == []
 
 
+def test_an_old_nvcc_of_cuda_home_names_the_wheels_that_can_build(only_test_nvcc, tmp_path, monkeypatch):
+    """A cluster's CUDA 12.4 module sets CUDA_HOME, which comes before NVIDIA's wheels: the refusal names the wheels'
+    nvcc to set, not the wheels to install."""
+    old = fake_nvcc(tmp_path / "cuda-12.4")
+    old.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.4, V12.4.131'\n")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda-12.4"))
+    top = make_cuda_wheels(tmp_path / "site", ONE_RELEASE)
+    only_test_nvcc(tmp_path / "site")
+    with pytest.raises(RuntimeError) as e:
+        jit.load(SPEC)
+    assert f"{old} is CUDA 12.4" in str(e.value) and f"set FLASHINFER_CAKE_NVCC={top / 'bin' / 'nvcc'}" in str(e.value)
+
+
 @pytest.mark.parametrize("release, refused", [("12.4", True), ("12.8", False), ("13.0", False)])
-def test_an_nvcc_older_than_the_kernels_need_is_named_before_the_build(tmp_path, monkeypatch, release, refused):
+def test_an_nvcc_older_than_the_kernels_need_is_named_before_the_build(only_test_nvcc, tmp_path, monkeypatch, release,
+                                                                       refused):
     """An nvcc before 12.8 (a cluster's CUDA 12.4 module) is refused with its version and the fixes, before ninja
     runs it on flags it does not know; 12.8 and later go on to the build (this fake one then fails in it)."""
     nvcc = tmp_path / "nvcc"
