@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from . import _checks, _dispatch
+from . import _checks, _dispatch, _dtensor
 from ._custom_ops import AUTOGRAD as _AUTOGRAD
 from ._custom_ops import backward_of_any_grads, empty_states
 from .cake_causal_conv1d_train import cake_causal_conv1d_train_forward
@@ -60,6 +60,7 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
         # those that need no memory (the op's eager call checks the rest when it runs; while dynamo
         # traces, the size rules run in the op's fake implementation)
         if _through_custom_ops(x, weight, cu_seqlens, bias, initial_states):
+            cu_seqlens = _dtensor.replicated_cu_seqlens(x, cu_seqlens)
             _checks.check_autograd_constants(_AUTOGRAD, x, weight, cu_seqlens, bias, initial_states,
                                              return_final_states, silu_grad_preactivation)
             if not _is_dynamo_compiling():
