@@ -30,7 +30,7 @@ import torch
 
 from . import __version__, jit
 from .jit import env
-from .jit.build import compiler_version
+from .jit.build import check_nvcc_release, compiler_version
 
 
 def _specs(archs: list[str] | None) -> list[jit.JitSpec]:
@@ -57,13 +57,20 @@ def _cuda_devices() -> str:
                      for i in range(torch.cuda.device_count()))
 
 
+def _nvcc_line(nvcc) -> str:
+    """The nvcc and its version; one too old to build is this line's error (the build's own check)."""
+    version = compiler_version(nvcc)
+    check_nvcc_release(nvcc, version)
+    return f"{nvcc} ({version})"
+
+
 def _wheel_trees(nvcc) -> str:
     """NVIDIA's CUDA wheel trees in this environment (jit/env.py), each with whether it is the nvcc taken, why
     not, or why it cannot build: a tree passed over is not an error."""
     states = []
     for top, unusable in env.pip_toolkits():
         if unusable:
-            state = f"cannot build: {'; '.join(unusable)}"
+            state = f"cannot build: {'; '.join(unusable)}; `pip install \"{env.PIP_TOOLKIT_REQUIREMENT}\"` fixes it"
         elif nvcc == top / "bin" / "nvcc":
             state = "the nvcc above"
         else:
@@ -80,7 +87,7 @@ def cmd_env(args) -> int:
     _line("python", platform.python_version(), problems)
     _line("torch", f"{torch.__version__} (CUDA {torch.version.cuda})", problems)
     _line("gpus", _cuda_devices, problems)
-    _line("nvcc", lambda: "not found" if nvcc is None else f"{nvcc} ({compiler_version(nvcc)})", problems)
+    _line("nvcc", lambda: "not found" if nvcc is None else _nvcc_line(nvcc), problems)
     _line("cuda wheels", lambda: _wheel_trees(nvcc), problems)
     _line("c++", lambda: f"{env.cxx_path()} ({compiler_version(env.cxx_path())})  (CXX)", problems)
     _line("arch list", lambda: f"{' '.join(env.arch_list())}  (FLASHINFER_CAKE_CUDA_ARCH_LIST)", problems)

@@ -187,6 +187,15 @@ def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs:
     """Compile ``items`` in one ninja run in ``build_dir`` and publish each into ``out_dir``. The
     caller holds the locks of ``build_dir`` and of every item. Raises RuntimeError with the
     compiler's output when the build fails."""
+    for item in items:  # what would fail mid-build is refused before anything is written
+        if item.spec.python_extension:
+            check_python_headers(item.spec)
+    versions = {c: compiler_version(c) for c in {item.compiler for item in items}}
+    for item in items:
+        if item.spec.language == "cuda":
+            check_nvcc_release(item.compiler, versions[item.compiler])
+    for compiler in dict.fromkeys(item.compiler for item in items if item.spec.language == "cuda"):
+        (progress or notice)(f"flashinfer_cake: compiling with {compiler} ({versions[compiler]})")
     set_aside(build_dir)
     build_dir.mkdir(parents=True, exist_ok=True)
     for item in items:
@@ -194,13 +203,6 @@ def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs:
         for file, source in unit_files(item):
             write_if_different(build_dir / file, source)
     write_if_different(build_dir / "build.ninja", _ninja_file(items))
-    for item in items:
-        if item.spec.python_extension:
-            check_python_headers(item.spec)
-    versions = {c: compiler_version(c) for c in {item.compiler for item in items}}
-    for item in items:
-        if item.spec.language == "cuda":
-            check_nvcc_release(item.compiler, versions[item.compiler])
     uris = {item.name: item.spec.uri for item in items}
     seconds = run_ninja(build_dir, ", ".join(uris.values()), jobs=jobs, progress=progress and (
         lambda stem, done, start: progress(f"compiled {uris[stem]} ({done}/{len(items)}, {time.perf_counter() - start:.1f} s)")))

@@ -244,16 +244,25 @@ def _pip_toolkit_trees():
 
 
 def _pip_toolkit_problems(site: Path, top: Path) -> list[str]:
-    """What keeps the tree ``top`` from building (empty: nothing), each with its fix: a wheel whose
-    files are not in it, and nvcc, nvvm and crt of different releases (read from ``site``'s wheel
-    metadata, where it has any). Stats and three metadata look-ups: no process."""
+    """What keeps the tree ``top`` from building (empty: nothing): a wheel whose files are not in it
+    (not installed, or installed into another site directory, e.g. the system's under a venv: nvcc
+    reads every part from its own tree), and nvcc, nvvm and crt of different releases (read from
+    ``site``'s wheel metadata, where it has any). Stats and metadata look-ups: no process. The fix
+    for all but the second directory is PIP_TOOLKIT_REQUIREMENT (the callers say it once)."""
     problems = []
     for wheel in dict.fromkeys(wheel for _, wheel in PIP_TOOLKIT_PARTS):
         lacking = [part for part, w in PIP_TOOLKIT_PARTS if w == wheel and not os.path.exists(top / part)]
-        if lacking:
-            problems.append(f"no {top / lacking[0]}: {wheel} is not installed into {site}, beside nvidia-cuda-nvcc "
-                            f"(nvcc reads every part from its own tree, so one in another site directory, e.g. the "
-                            f"system's under a venv, does not count: `pip install --ignore-installed {wheel}` here)")
+        if not lacking:
+            continue
+        installed = [Path(d.locate_file("")) for d in importlib.metadata.distributions(name=wheel)]
+        if site in installed:
+            why = f"{wheel} is installed into {site} without its files (`pip install --force-reinstall {wheel}`)"
+        elif installed:
+            why = (f"{wheel} is installed into {installed[0]}, not beside nvcc in {site} (`pip install "
+                   f"--ignore-installed {wheel}` puts it there)")
+        else:
+            why = f"{wheel} is not installed"
+        problems.append(f"no {top / lacking[0]}: {why}")
     versions = {}
     for name in PIP_TOOLKIT_ONE_RELEASE:
         for dist in importlib.metadata.distributions(name=name, path=[str(site)]):
@@ -261,9 +270,16 @@ def _pip_toolkit_problems(site: Path, top: Path) -> list[str]:
             break
     if len(set(versions.values())) > 1:
         problems.append(", ".join(f"{n} {v}" for n, v in versions.items()) + " are of different releases (ptxas "
-                        f"reads only the PTX of its own release's nvvm): `pip install \"{PIP_TOOLKIT_REQUIREMENT}\"` "
-                        "installs one release")
+                        "reads only the PTX of its own release's nvvm)")
     return problems
+
+
+def pip_toolkit_troubles() -> str:
+    """The wheel trees here that cannot build, and the fix, as sentences for an error; "" when none."""
+    unusable = [f"NVIDIA's CUDA wheels at {top} cannot build: {'; '.join(problems)}."
+                for top, problems in pip_toolkits() if problems]
+    return " ".join(unusable + [f"`pip install \"{PIP_TOOLKIT_REQUIREMENT}\"` installs one release of every part."]
+                    ) if unusable else ""
 
 
 def pip_toolkits() -> list[tuple[Path, list[str]]]:
@@ -301,13 +317,15 @@ def require_nvcc() -> Path:
     nvcc = nvcc_path()
     if nvcc is None:
         explicit = os.environ.get("FLASHINFER_CAKE_NVCC")
-        unusable = "" if explicit else "".join(
-            f" NVIDIA's CUDA wheels at {top} cannot build: {'; '.join(problems)}." for top, problems in pip_toolkits())
+        if explicit:
+            raise RuntimeError(f"FLASHINFER_CAKE_NVCC={explicit!r} is not an executable file: point it at an nvcc, or "
+                               "unset it to search the usual places.")
+        troubles = pip_toolkit_troubles()
         raise RuntimeError(
-            (f"FLASHINFER_CAKE_NVCC={explicit!r} is not an executable file. " if explicit else
-             f"No nvcc found (looked at {', '.join(NVCC_SEARCH_ORDER)}).{unusable} ")
-            + f"Install {INSTALL_PIP_TOOLKIT} or the CUDA toolkit ({MIN_NVCC} or newer; set FLASHINFER_CAKE_NVCC or "
-            "CUDA_HOME), or use modules prebuilt elsewhere (`flashinfer-cake build --out DIR` there, then "
+            f"No nvcc found (looked at {', '.join(NVCC_SEARCH_ORDER)}). "
+            + (troubles or f"Install {INSTALL_PIP_TOOLKIT} or the CUDA toolkit ({MIN_NVCC} or newer; set "
+                           "FLASHINFER_CAKE_NVCC or CUDA_HOME).")
+            + " Or use modules prebuilt elsewhere (`flashinfer-cake build --out DIR` there, then "
             "FLASHINFER_CAKE_AOT_DIR=DIR)."
         )
     return nvcc
@@ -315,12 +333,14 @@ def require_nvcc() -> Path:
 
 def other_nvcc_hint(nvcc: Path) -> str:
     """How to build with another nvcc than ``nvcc`` (nvcc_path's choice): a usable wheel tree by name
-    when there is one (CUDA_HOME, e.g. a cluster's module, comes before it), else the ways to get one."""
+    when there is one (CUDA_HOME, e.g. a cluster's module, comes before it), what keeps the wheel
+    trees here from building when none can, else the ways to get an nvcc."""
     usable = [top / "bin" / "nvcc" for top, problems in pip_toolkits() if not problems and top / "bin" / "nvcc" != nvcc]
     if usable:
-        return f"NVIDIA's CUDA wheels here can build: set FLASHINFER_CAKE_NVCC={usable[0]}"
-    return (f"point FLASHINFER_CAKE_NVCC or CUDA_HOME at a newer toolkit, or install {INSTALL_PIP_TOOLKIT}, taken "
-            f"after CUDA_HOME and CUDA_PATH and before PATH")
+        return (f"NVIDIA's CUDA wheels here can build: set FLASHINFER_CAKE_NVCC={usable[0]}, or unset CUDA_HOME / "
+                f"CUDA_PATH, which come before them")
+    return pip_toolkit_troubles() or (f"point FLASHINFER_CAKE_NVCC or CUDA_HOME at a newer toolkit, or install "
+                                      f"{INSTALL_PIP_TOOLKIT}, taken after CUDA_HOME and CUDA_PATH and before PATH")
 
 
 def toolkit_link_flags(nvcc: Path) -> tuple[str, ...]:

@@ -479,8 +479,9 @@ def test_nvidia_cuda_wheels_that_cannot_build_are_passed_over_and_named(only_tes
         versions.update({"nvidia-nvvm": "13.5.37", "nvidia-cuda-crt": "13.5.37"})
     elif case == "no cccl":
         missing = ("include/cccl/nv/target",)
-    else:
+    else:  # (the runtime's metadata with its files, in the other site directory)
         missing = ("include/cuda_runtime.h", "lib/libcudart_static.a")
+        del versions["nvidia-cuda-runtime"]
         make_cuda_wheels(tmp_path / "system-site", {"nvidia-cuda-runtime": "13.0.96"}, missing=tuple(
             part for part, wheel in env.PIP_TOOLKIT_PARTS if wheel != "nvidia-cuda-runtime"))  # the runtime alone
         only_test_nvcc(tmp_path / "system-site")
@@ -494,9 +495,10 @@ def test_nvidia_cuda_wheels_that_cannot_build_are_passed_over_and_named(only_tes
     assert f"NVIDIA's CUDA wheels at {top} cannot build" in message and env.PIP_TOOLKIT_REQUIREMENT in message, message
     want = {"nvvm of another release": "nvidia-cuda-nvcc 13.0.88, nvidia-nvvm 13.5.37, nvidia-cuda-crt 13.5.37 are "
                                        "of different releases",
-            "no cccl": f"no {top / 'include/cccl/nv/target'}: nvidia-cuda-cccl is not installed into {tmp_path / 'site'}",
-            "runtime in another site directory": f"no {top / 'include/cuda_runtime.h'}: nvidia-cuda-runtime is not "
-                                                 f"installed into {tmp_path / 'site'}"}[case]
+            "no cccl": f"no {top / 'include/cccl/nv/target'}: nvidia-cuda-cccl is not installed",
+            "runtime in another site directory": f"no {top / 'include/cuda_runtime.h'}: nvidia-cuda-runtime is installed "
+                                                 f"into {tmp_path / 'system-site'}, not beside nvcc in {tmp_path / 'site'} "
+                                                 f"(`pip install --ignore-installed nvidia-cuda-runtime` puts it there)"}[case]
     assert want in message, message
     on_path = fake_nvcc(tmp_path / "path")
     assert env.require_nvcc() == on_path
@@ -711,7 +713,8 @@ def test_build_logs_at_info_and_cleans_stale_temporaries(built_cache, name, tmp_
     assert not any(p.exists() for p in stale) and other.exists()
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert infos[0] == f"flashinfer_cake: building {name} (first use; later calls and processes load it from {cache})"
-    assert re.fullmatch(rf"flashinfer_cake: built {name} in \d+\.\d s", infos[1])
+    assert infos[1] == f"flashinfer_cake: compiling with {env.require_nvcc()} ({build.compiler_version(env.require_nvcc())})"
+    assert re.fullmatch(rf"flashinfer_cake: built {name} in \d+\.\d s", infos[2]) and len(infos) == 3, infos
     caplog.clear()
     monkeypatch.setattr(core, "_loaded", {})
     jit.load(SPEC)  # warm: no log line
@@ -1029,13 +1032,14 @@ def test_an_nvcc_older_than_the_kernels_need_is_named_before_the_build(only_test
     with pytest.raises(RuntimeError) as e:
         jit.load(SPEC)
     message = str(e.value)
-    ninja_ran = (tmp_path / "cache" / "build" / SPEC.module_name(env.toolchain_digest(nvcc)) / "build.log").exists()
-    if refused:
+    build_dir = tmp_path / "cache" / "build" / SPEC.module_name(env.toolchain_digest(nvcc))
+    if refused:  # nothing written: no sources, no ninja file
         assert f"{nvcc} is CUDA {release} (Cuda compilation tools, release {release}" in message, message
         assert "need nvcc 12.8 or newer" in message and env.PIP_TOOLKIT_REQUIREMENT in message, message
-        assert not ninja_ran
+        assert not build_dir.exists()
     else:
-        assert "nvcc fatal   : fake" in message and "or newer" not in message and ninja_ran, message
+        assert "nvcc fatal   : fake" in message and "or newer" not in message, message
+        assert (build_dir / "build.log").exists()
     assert published(tmp_path / "cache") == []
 
 
