@@ -191,10 +191,8 @@ def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs:
         if item.spec.python_extension:
             check_python_headers(item.spec)
     versions = {c: compiler_version(c) for c in {item.compiler for item in items}}
-    for item in items:
-        if item.spec.language == "cuda":
-            check_nvcc_release(item.compiler, versions[item.compiler])
     for compiler in dict.fromkeys(item.compiler for item in items if item.spec.language == "cuda"):
+        check_nvcc_release(compiler, versions[compiler])
         (progress or notice)(f"flashinfer_cake: compiling with {compiler} ({versions[compiler]})")
     set_aside(build_dir)
     build_dir.mkdir(parents=True, exist_ok=True)
