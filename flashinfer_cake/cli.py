@@ -70,7 +70,7 @@ def _wheel_trees(nvcc) -> str:
     states = []
     for top, unusable in env.pip_toolkits():
         if unusable:
-            state = f"cannot build: {'; '.join(unusable)}; `pip install \"{env.PIP_TOOLKIT_REQUIREMENT}\"` fixes it"
+            state = f"cannot build: {'; '.join(unusable)}; {env.PIP_TOOLKIT_COMMAND} installs one release of every part"
         elif nvcc == top / "bin" / "nvcc":
             state = "the nvcc above"
         else:

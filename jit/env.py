@@ -216,7 +216,8 @@ PIP_TOOLKIT_ONE_RELEASE = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt")
 # pyproject.toml's cu13 extra (tests/test_jit.py keeps the two and the README equal): NVIDIA's meta-package, one
 # release of every part.
 PIP_TOOLKIT_REQUIREMENT = "cuda-toolkit[nvcc,nvvm,crt,cudart,cccl]>=13.0,<14"
-INSTALL_PIP_TOOLKIT = f"NVIDIA's CUDA 13 compiler wheels (`pip install \"{PIP_TOOLKIT_REQUIREMENT}\"`, or the cu13 extra)"
+PIP_TOOLKIT_COMMAND = f'`pip install "{PIP_TOOLKIT_REQUIREMENT}"`'
+INSTALL_PIP_TOOLKIT = f"NVIDIA's CUDA 13 compiler wheels ({PIP_TOOLKIT_COMMAND}, or the cu13 extra)"
 SYSTEM_NVCC = "/usr/local/cuda/bin/nvcc"
 NVCC_SEARCH_ORDER = ("FLASHINFER_CAKE_NVCC", "$CUDA_HOME/bin/nvcc", "$CUDA_PATH/bin/nvcc",
                      "NVIDIA's CUDA wheels in this Python environment", "PATH", SYSTEM_NVCC)
@@ -247,8 +248,8 @@ def _pip_toolkit_problems(site: Path, top: Path) -> list[str]:
     """What keeps the tree ``top`` from building (empty: nothing): a wheel whose files are not in it
     (not installed, or installed into another site directory, e.g. the system's under a venv: nvcc
     reads every part from its own tree), and nvcc, nvvm and crt of different releases (read from
-    ``site``'s wheel metadata, where it has any). Stats and metadata look-ups: no process. The fix
-    for all but the second directory is PIP_TOOLKIT_REQUIREMENT (the callers say it once)."""
+    ``site``'s wheel metadata, where it has any). Stats and metadata look-ups: no process. The
+    callers add the one-release fix (PIP_TOOLKIT_COMMAND) once."""
     problems = []
     for wheel in dict.fromkeys(wheel for _, wheel in PIP_TOOLKIT_PARTS):
         lacking = [part for part, w in PIP_TOOLKIT_PARTS if w == wheel and not os.path.exists(top / part)]
@@ -278,8 +279,7 @@ def pip_toolkit_troubles() -> str:
     """The wheel trees here that cannot build, and the fix, as sentences for an error; "" when none."""
     unusable = [f"NVIDIA's CUDA wheels at {top} cannot build: {'; '.join(problems)}."
                 for top, problems in pip_toolkits() if problems]
-    return " ".join(unusable + [f"`pip install \"{PIP_TOOLKIT_REQUIREMENT}\"` installs one release of every part."]
-                    ) if unusable else ""
+    return " ".join(unusable + [f"{PIP_TOOLKIT_COMMAND} installs one release of every part."]) if unusable else ""
 
 
 def pip_toolkits() -> list[tuple[Path, list[str]]]:

@@ -136,8 +136,8 @@ def test_env_says_which_wheel_tree_is_taken_and_why_the_others_are_not(monkeypat
     monkeypatch.setattr(jit_env, "pip_toolkits", lambda: [(a, []), (b, []), (c, ["no x: y"])])
     assert cli._wheel_trees(a / "bin" / "nvcc") == (f"{a} (the nvcc above) | {b} (can build; not taken: "
                                                     f"{a / 'bin' / 'nvcc'} comes first in the search order) | "
-                                                    f"{c} (cannot build: no x: y; `pip install "
-                                                    f"\"{jit_env.PIP_TOOLKIT_REQUIREMENT}\"` fixes it)")
+                                                    f"{c} (cannot build: no x: y; {jit_env.PIP_TOOLKIT_COMMAND} "
+                                                    f"installs one release of every part)")
     monkeypatch.setenv("FLASHINFER_CAKE_NVCC", "/nonexistent/nvcc")
     assert cli._wheel_trees(None).startswith(f"{a} (can build; not taken: FLASHINFER_CAKE_NVCC comes first")
     monkeypatch.setattr(jit_env, "pip_toolkits", lambda: [])
