@@ -69,18 +69,13 @@ def test_build(built):
 
 # The kernels with local memory under nvcc 13.0 (CI's and the H200's), each with its (stack frame, spill stores, spill
 # loads) bytes; every other kernel has none:
-# - the stateful backward on the warp-filled routes of 2 and 4 channel lanes (C <= 16), bf16 taps + fp32 bias, SiLU'
-#   at the rounded pre-activation, at the 128-register cap (BwdTraits::kWarpFill's comment: 4-8 bytes, measured);
-# - the NoBias reduce kernels: ptxas keeps threadIdx.x in a 4-byte slot across their 8 float4 loads (one STL before
-#   them, one LDL after, per thread; SASS), in a kernel of a few microseconds per call: not measured.
+# the stateful backward on the warp-filled routes of 2 and 4 channel lanes (C <= 16), bf16 taps + fp32 bias, SiLU' at
+# the rounded pre-activation, at the 128-register cap (BwdTraits::kWarpFill's comment: 4-8 bytes, measured).
 KNOWN_LOCAL_MEMORY = {
     "_ZN15flashinfer_cake24causal_conv1d_bwd_kernelINS_9BwdTraitsILi4ELi2ELi32ELi64ELi12ELi16EEE13__nv_bfloat16fLb1ELb1E"
     "Lb0EEEvNS_21CausalConv1dBwdParamsE": (8, 4, 4),
     "_ZN15flashinfer_cake24causal_conv1d_bwd_kernelINS_9BwdTraitsILi4ELi4ELi64ELi64ELi12ELi8EEE13__nv_bfloat16fLb1ELb1E"
     "Lb0EEEvNS_21CausalConv1dBwdParamsE": (8, 4, 4),
-    "_ZN15flashinfer_cake31causal_conv1d_bwd_reduce_kernelI13__nv_bfloat16NS_6NoBiasEEEvNS_21CausalConv1dBwdParamsEilb":
-        (8, 4, 4),
-    "_ZN15flashinfer_cake31causal_conv1d_bwd_reduce_kernelIfNS_6NoBiasEEEvNS_21CausalConv1dBwdParamsEilb": (8, 4, 4),
 }
 
 

@@ -811,7 +811,12 @@ causal_conv1d_bwd_reduce_kernel(const CausalConv1dBwdParams p, int nodes, int64_
     s_mid[k][lane] = sum;
   }
   __syncthreads();
-  if (k != 0 || !ok) return;
+  // Warp 0 (k == 0) of the active quads goes on. threadIdx.x re-read after the barrier: tested as
+  // k != 0 || !ok, ptxas (13.0) kept that predicate in a 4-byte stack slot across the loads above
+  // in the NoBias kernels (one STL, one LDL per thread).
+  uint32_t tid;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+  if (tid >= kBwdReduceQuads || (blockIdx.x - top * quad_blocks) * kBwdReduceQuads + static_cast<int>(tid) >= quads) return;
   const int count = min(kBwdChunk, mid_nodes - top * kBwdChunk);
   float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int i = 0; i < count; ++i) {
