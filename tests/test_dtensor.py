@@ -1,7 +1,10 @@
 """cake_causal_conv1d on DTensors (tensor parallelism over channels), 2 gloo ranks. On the CPU the custom ops'
 kernels are registered from the FP64 reference (the kernels are CUDA-only): the sharding rules and the autograd
-path, the same on GPUs, against the reference of the unsharded batch. On a GPU (both ranks on one, gloo's CUDA
-collectives) the kernels themselves, against the plain call on the unsharded tensors."""
+path, the same on GPUs, against the reference of the unsharded batch. On a GPU (both ranks on one) the kernels
+themselves, against the plain call on the unsharded tensors, with no collective on CUDA tensors: gloo's all-gather
+of CUDA tensors crashes the process (SIGSEGV in both ranks under torch 2.11, H200, 2026-12-05; pytorch#152645), and
+NCCL takes one GPU per rank. So every rank builds the same global tensors from one seed and distributes them
+without a scatter (src_data_rank=None), and each rank compares its own shards with its slices of the result."""
 
 from __future__ import annotations
 
@@ -51,12 +54,13 @@ _WORKER = textwrap.dedent("""
     dy, dfinal = (t.bfloat16().to(device) for t in (torch.randn(S, C, generator=g), torch.randn(N, 3, C, generator=g)))
     place = {"channels": ([Shard(1)], [Shard(0)], [Shard(2)]), "replicated": ([Replicate()],) * 3,
              "tokens": ([Shard(0)], [Replicate()], [Replicate()])}[cfg["placement"]]
-    xd, wd, bd = (distribute_tensor(t.clone(), mesh, p).requires_grad_() for t, p in
-                  ((x, place[0]), (w, place[1]), (b, place[1])))
-    initd = distribute_tensor(init.clone(), mesh, place[2]).requires_grad_()
+    def dist_t(t, p):  # every rank holds the same t: its shard of it, no scatter
+        return distribute_tensor(t, mesh, p, src_data_rank=None)
+    xd, wd, bd = (dist_t(t.clone(), p).requires_grad_() for t, p in ((x, place[0]), (w, place[1]), (b, place[1])))
+    initd = dist_t(init.clone(), place[2]).requires_grad_()
     cu_arg = cu if cfg["plain_cu"] else DTensor.from_local(cu, mesh, [Replicate()], run_check=False)
     y, final = cake_causal_conv1d(xd, wd, cu_arg, bias=bd, initial_states=initd, return_final_states=True)
-    dyd, dfinald = distribute_tensor(dy, mesh, place[0]), distribute_tensor(dfinal, mesh, place[2])
+    dyd, dfinald = dist_t(dy, place[0]), dist_t(dfinal, place[2])
     torch.autograd.backward([y, final], [dyd, dfinald])
     got = {"y": y, "final": final, "dx": xd.grad, "dweight": wd.grad, "dbias": bd.grad, "dinit": initd.grad}
     if device == "cpu":
@@ -69,13 +73,16 @@ _WORKER = textwrap.dedent("""
         y_want, final_want = cake_causal_conv1d(xs, ws, cu, bias=bs, initial_states=inits, return_final_states=True)
         torch.autograd.backward([y_want, final_want], [dy, dfinal])
         want = {"y": y_want, "final": final_want, "dx": xs.grad, "dweight": ws.grad, "dbias": bs.grad, "dinit": inits.grad}
-    full = {k: v.full_tensor() for k, v in got.items()}
+    def mine(t, placements):  # this rank's part of the global t under a 1-D mesh's placement
+        p = placements[0]
+        return t.chunk(world, dim=p.dim)[rank] if isinstance(p, Shard) else t
+    local = {k: (v.to_local(), mine(want[k], v.placements)) for k, v in got.items()}
     print(json.dumps({"rank": rank,
                       "placements": {k: [str(p) for p in v.placements] for k, v in got.items()},
-                      "equal": {k: torch.equal(full[k], want[k]) for k in got},
+                      "equal": {k: a.shape == b.shape and torch.equal(a, b) for k, (a, b) in local.items()},
                       # a channel's dweight / dbias sum in the order of the route its C picks: FP32 summation order
-                      "close": {k: torch.allclose(full[k].float(), want[k].float(), rtol=1e-2, atol=1e-2)
-                                for k in got}}), flush=True)
+                      "close": {k: a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+                                for k, (a, b) in local.items()}}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -102,11 +109,12 @@ def test_dtensor_placements_give_the_unsharded_result(placement, plain_cu, want,
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("placement", ["channels", "replicated", "tokens"])
+@pytest.mark.parametrize("placement", ["channels", "replicated"])
 def test_dtensor_placements_on_a_gpu_give_the_plain_calls_result(placement, tmp_path):
     """The kernels through DTensors (2 ranks on one GPU, gloo) against the plain call on the unsharded tensors: y,
     the final states, dx and dinitial_states bitwise (each channel computed alone); dweight and dbias within FP32
-    summation order where a rank's channel count picks another route (channels), bitwise where it does not."""
+    summation order where a rank's channel count picks another route (channels), bitwise where it does not. (Token
+    shards need DTensor's all-gather of CUDA tensors, which one GPU cannot give: the CPU test covers that rule.)"""
     cfg = {"seed": 11, "cu": [0, 1, 4, 4, 13, 3000, 3001, 4100], "C": 256, "placement": placement, "plain_cu": True,
            "device": "cuda"}
     for result in run_ranks(2, cfg, str(tmp_path / "store"), timeout=300, worker=_WORKER):
