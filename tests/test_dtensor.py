@@ -1,9 +1,9 @@
 """cake_causal_conv1d on DTensors (tensor parallelism over channels), 2 gloo ranks. On the CPU the custom ops'
 kernels are registered from the FP64 reference (the kernels are CUDA-only): the sharding rules and the autograd
 path, the same on GPUs, against the reference of the unsharded batch. On a GPU (both ranks on one) the kernels
-themselves, against the plain call on the unsharded tensors, with no collective on CUDA tensors: gloo's all-gather
-of CUDA tensors crashes the process (SIGSEGV in both ranks under torch 2.11, H200, 2026-12-05; pytorch#152645), and
-NCCL takes one GPU per rank. So every rank builds the same global tensors from one seed and distributes them
+themselves, against the plain call on the unsharded tensors, with no collective on CUDA tensors: with gloo scattering
+and gathering them, both ranks died with SIGSEGV (torch 2.11, H200, 2026-12-05; gloo on CUDA tensors is a known crash,
+pytorch#152645), and NCCL takes one GPU per rank. So every rank builds the same global tensors from one seed and distributes them
 without a scatter (src_data_rank=None), and each rank compares its own shards with its slices of the result."""
 
 from __future__ import annotations
