@@ -1,9 +1,10 @@
 """cake_causal_conv1d on DTensors (tensor parallelism over channels), 2 gloo ranks. On the CPU the custom ops'
 kernels are registered from the FP64 reference (the kernels are CUDA-only): the sharding rules and the autograd
 path, the same on GPUs, against the reference of the unsharded batch. On a GPU (both ranks on one) the kernels
-themselves, against the plain call on the unsharded tensors, with no collective on CUDA tensors: with gloo scattering
-and gathering them, both ranks died with SIGSEGV (torch 2.11, H200, 2026-12-05; gloo on CUDA tensors is a known crash,
-pytorch#152645), and NCCL takes one GPU per rank. So every rank builds the same global tensors from one seed and distributes them
+themselves, against the plain call on the unsharded tensors, with no collective on CUDA tensors: where gloo
+scattered (distribute_tensor) and all-gathered (full_tensor) them, both ranks died with SIGSEGV (torch 2.11, H200,
+2026-12-05; its broadcast of them did not; pytorch#152645 is a crash of its all-gather on CUDA tensors), and NCCL
+takes one GPU per rank. So every rank builds the same global tensors from one seed and distributes them
 without a scatter (src_data_rank=None), and each rank compares its own shards with its slices of the result."""
 
 from __future__ import annotations
@@ -90,10 +91,19 @@ _WORKER = textwrap.dedent("""
 """)
 
 
+# The outputs' placements the sharding rules give (str of a placement: "S(dim)", "R"). A depthwise conv is
+# channel-local: channel shards stay channel shards, gradients too.
+PLACEMENTS = {"channels": {"y": "S(1)", "final": "S(2)", "dx": "S(1)", "dweight": "S(0)", "dbias": "S(0)", "dinit": "S(2)"},
+              "replicated": {k: "R" for k in ("y", "final", "dx", "dweight", "dbias", "dinit")}}
+
+
+def placements_of(result) -> dict[str, str]:
+    return {k: "".join(v) for k, v in result["placements"].items()}
+
+
 @pytest.mark.parametrize("placement, plain_cu, want", [
-    # a depthwise conv is channel-local: channel shards stay channel shards, gradients too
-    ("channels", True, {"y": "S(1)", "final": "S(2)", "dx": "S(1)", "dweight": "S(0)", "dbias": "S(0)", "dinit": "S(2)"}),
-    ("replicated", False, {k: "R" for k in ("y", "final", "dx", "dweight", "dbias", "dinit")}),
+    ("channels", True, PLACEMENTS["channels"]),
+    ("replicated", False, PLACEMENTS["replicated"]),
     # tokens sharded (context parallelism's job, flashinfer_cake.cp): DTensor gathers them first, the result is exact
     ("tokens", True, None),
 ])
@@ -104,8 +114,8 @@ def test_dtensor_placements_give_the_unsharded_result(placement, plain_cu, want,
            "device": "cpu"}
     for result in run_ranks(2, cfg, str(tmp_path / "store"), timeout=120, worker=_WORKER):
         assert all(result["equal"].values()), result
-        if want is not None:  # (str of a placement: "S(dim)", "R")
-            assert {k: "".join(v) for k, v in result["placements"].items()} == want, result
+        if want is not None:
+            assert placements_of(result) == want, result
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -113,10 +123,12 @@ def test_dtensor_placements_give_the_unsharded_result(placement, plain_cu, want,
 def test_dtensor_placements_on_a_gpu_give_the_plain_calls_result(placement, tmp_path):
     """The kernels through DTensors (2 ranks on one GPU, gloo) against the plain call on the unsharded tensors: y,
     the final states, dx and dinitial_states bitwise (each channel computed alone); dweight and dbias within FP32
-    summation order where a rank's channel count picks another route (channels), bitwise where it does not. (Token
-    shards need DTensor's all-gather of CUDA tensors, which one GPU cannot give: the CPU test covers that rule.)"""
+    summation order where a rank's channel count picks another route (channels), bitwise where it does not; the
+    placements the CPU test checks. (Token shards make DTensor all-gather CUDA tensors across the ranks: gloo's
+    all-gather of them crashed here and NCCL needs a GPU per rank, so the CPU test covers that rule.)"""
     cfg = {"seed": 11, "cu": [0, 1, 4, 4, 13, 3000, 3001, 4100], "C": 256, "placement": placement, "plain_cu": True,
            "device": "cuda"}
     for result in run_ranks(2, cfg, str(tmp_path / "store"), timeout=300, worker=_WORKER):
         exact = ("y", "final", "dx", "dinit") if placement == "channels" else tuple(result["equal"])
         assert all(result["equal"][k] for k in exact) and all(result["close"].values()), result
+        assert placements_of(result) == PLACEMENTS[placement], result
