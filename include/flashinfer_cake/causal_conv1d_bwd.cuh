@@ -89,6 +89,10 @@ struct CausalConv1dBwdParams {
   int64_t dx_row_elems;
 };
 
+#ifndef CAKE_BWD_RING_SWIZZLE
+#define CAKE_BWD_RING_SWIZZLE 1  // 0: the warp-filled rings unswizzled (tune.py: RING_SWIZZLE=0)
+#endif
+
 template <int kVec_, int kLanesC_, int kThreads_, int kStripLen_, int kRing_, int kMinCtasPerSm_>
 struct BwdTraits {
   static constexpr int kVec = kVec_;          // channels per thread: 4 (8-byte rows) or 8 (16-byte)
@@ -254,8 +258,21 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const Row* __restrict__ xv = reinterpret_cast<const Row*>(p.x);
   const Row* __restrict__ dyv = reinterpret_cast<const Row*>(p.dy);
   Row* __restrict__ dxv = reinterpret_cast<Row*>(p.dx);
-  Row* const my_xring = s_xring + threadIdx.x;
+  // kWarpFill: a ring slot of odd index holds a thread's row at entry threadIdx.x ^ kRingSwizzle (64
+  // bytes on). A warp's fill copy (and dx flush) writes (reads) 4 rows of one 64-byte piece each, slots
+  // T rows apart: unswizzled, all 4 pieces sat in the same 16 banks (4 shared-memory wavefronts for 2
+  // of data); so the odd slots' pieces take the other 16. Each thread's own row stays one entry of its
+  // slot (a permutation per slot: the per-row reads stay conflict-free). Unswizzled, ncu counted 64 %
+  // of 2097152x8's shared-memory wavefronts as bank-conflict excess, 59 % of 1048576x16's (these
+  // accesses among them; not profiled swizzled). tune.py, H100, rested, graph-replayed, unswizzled ->
+  // swizzled, bitwise the same: 2097152x8 58.9 -> 57.9 us, with 466000 documents 63.1 -> 62.1, 530000x8
+  // (2000) 27.0 -> 25.8, 1048576x16 47.2 -> 47.0; with states within 1.5 % either way (NOTES_bwd,
+  // session 55).
+  constexpr int kRingSwizzle = Traits::kWarpFill && CAKE_BWD_RING_SWIZZLE ? 8 : 0;
+  Row* const my_xring = s_xring + threadIdx.x;  // even slots; the odd ones: my_xring_odd
   Row* const my_dyring = s_dyring + threadIdx.x;
+  [[maybe_unused]] Row* const my_xring_odd = s_xring + (threadIdx.x ^ kRingSwizzle);
+  [[maybe_unused]] Row* const my_dyring_odd = s_dyring + (threadIdx.x ^ kRingSwizzle);
 
   // The first R - 1 rows of the strip at t0 into ring slots 1 .. R - 1, one cp.async group each
   // (kWarpFill: one group per chunk, below). x row i is token t0 - 3 + i; dy row i is the same
@@ -277,7 +294,11 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const bool piece_active = piece_vec < vecs_per_row;
   // phase q's owner thread is q kFillStride strips (8 q threads) on from phase 0's
   static_assert(!kWarpFill || kFillStride * Traits::kLanesC == 8, "phase q's owner is 8 q threads on");
-  Row* const piece_xring = s_xring + (threadIdx.x - lane) + piece_strip * Traits::kLanesC + piece_lane + piece_row * T;
+  // The piece's entry in its slot, before the swizzle of odd slots (the owner thread's index in the warp
+  // at phase 0; phase q adds 8 q).
+  const int piece_entry = piece_strip * Traits::kLanesC + piece_lane;
+  const int piece_swizzle = piece_row & 1 ? kRingSwizzle : 0;  // chunks start at slots multiple of 4
+  Row* const piece_xring = s_xring + (threadIdx.x - lane) + piece_row * T;
   Row* const piece_dyring = piece_xring + R * T;
   // The t0 of the warp's first strip, and of the strip a lane's piece of phase q belongs to.
   const auto warp_t0_of = [&](int t0) { return t0 - strip_in_warp * L; };
@@ -289,7 +310,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     const int i = 4 * k - 1 + piece_row;  // ring row: token st0 - 3 + i
     const int t = st0 - 3 + i;
     const bool valid = piece_active && st0 < item_end && i < N && t >= 0 && t < p.S;
-    const int dst = first_slot * T + 8 * q;
+    const int dst = first_slot * T + ((piece_entry + 8 * q) ^ piece_swizzle);
     detail::cp_async_row(piece_xring + dst, xv + (valid ? static_cast<uint32_t>(t) * xs + piece_vec : 0u), valid);
     detail::cp_async_row(piece_dyring + dst, dyv + (valid ? static_cast<uint32_t>(t) * dys + piece_vec : 0u), valid && i >= 3);
   };
@@ -300,7 +321,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     const int st0 = piece_t0(warp_t0, q);
     const int t = st0 + 4 * m + piece_row;
     const Row v =
-        s_dxring[(first_slot + piece_row) * T + (threadIdx.x - lane) + piece_strip * Traits::kLanesC + piece_lane + 8 * q];
+        s_dxring[(first_slot + piece_row) * T + (threadIdx.x - lane) + ((piece_entry + 8 * q) ^ piece_swizzle)];
     if (piece_active && st0 < item_end && t < p.S) dxv[static_cast<uint32_t>(t) * dxs + piece_vec] = v;
   };
   const auto prefetch = [&](int t0) {
@@ -428,7 +449,9 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
       __syncwarp();
     }
 #pragma unroll
-    for (int i = 0; i < 3 && kWarpFill; ++i) detail::row_to_float(my_xring[(i + 1) * T], xm[i + 1]);
+    for (int i = 0; i < 3 && kWarpFill; ++i) {  // slot i + 1
+      detail::row_to_float((i % 2 == 0 ? my_xring_odd : my_xring)[(i + 1) * T], xm[i + 1]);
+    }
 #pragma unroll
     for (int i = 0; i < 3 && !kWarpFill; ++i) {
       if (i + R - 1 < N) {
@@ -559,8 +582,9 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         }
       }
       float xt[V], dyt[V], g[V];
-      detail::row_to_float(my_xring[(cur + q) * T], xt);
-      detail::row_to_float(my_dyring[(cur + q) * T], dyt);
+      // (kWarpFill: cur is a multiple of 4, so the slot's parity is q's)
+      detail::row_to_float((q % 2 ? my_xring_odd : my_xring)[(cur + q) * T], xt);
+      detail::row_to_float((q % 2 ? my_dyring_odd : my_dyring)[(cur + q) * T], dyt);
       float a[V];
 #pragma unroll
       for (int j = 0; j < V; ++j) {
@@ -620,7 +644,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         }
         if constexpr (kDxSlots > 0) {  // token r - 3 into slot (r - 3) mod 12 = flush_slot + 5 + q mod 12
           const int slot = flush_slot + 5 + q >= kDxSlots ? flush_slot + 5 + q - kDxSlots : flush_slot + 5 + q;
-          s_dxring[slot * T + threadIdx.x] = detail::pack_row<V>(d);
+          // (the slot's parity is q + 1's: flush_slot is a multiple of 4)
+          s_dxring[slot * T + ((q + 1) % 2 ? threadIdx.x ^ kRingSwizzle : threadIdx.x)] = detail::pack_row<V>(d);
         } else {
           if (kInside || dx_t < dx_lim) dxv[dx_off] = detail::pack_row<V>(d);
         }
