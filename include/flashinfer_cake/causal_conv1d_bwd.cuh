@@ -111,7 +111,7 @@ struct BwdTraits {
   // its own, and wrote shared memory one line at a time: at C = 8, 16 wavefronts per cp.async, and
   // short-scoreboard stalls were 43 % of the samples (ncu, H200). Warp-filled (tune.py, H200,
   // graph-replayed): 1048576x16 47.6 -> 40.9 us, 2097152x8 76.8 -> 74.9 us; with states 2097152x8
-  // 129 -> 89 us, 1048576x16 with 4096 documents 66.3 -> 71.0 us (the stateful kernel spills 4-8
+  // 129 -> 89 us, 1048576x16 with 4096 documents 66.3 -> 71.0 us (the stateful kernel then spilled 4-8
   // bytes at 128 registers). With 8 lanes (C = 32, 4 strips per warp) 1-2 % slower: not taken.
   static constexpr bool kWarpFill = kLanesC <= 4;
   // A strip walks one even run of its group's tokens (the kernel says why): not where the warp fills its
@@ -258,21 +258,23 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const Row* __restrict__ xv = reinterpret_cast<const Row*>(p.x);
   const Row* __restrict__ dyv = reinterpret_cast<const Row*>(p.dy);
   Row* __restrict__ dxv = reinterpret_cast<Row*>(p.dx);
-  // kWarpFill: a ring slot of odd index holds a thread's row at entry threadIdx.x ^ kRingSwizzle (64
-  // bytes on). A warp's fill copy (and dx flush) writes (reads) 4 rows of one 64-byte piece each, slots
-  // T rows apart: unswizzled, all 4 pieces sat in the same 16 banks (4 shared-memory wavefronts for 2
-  // of data); so the odd slots' pieces take the other 16. Each thread's own row stays one entry of its
-  // slot (a permutation per slot: the per-row reads stay conflict-free). Unswizzled, ncu counted 64 %
-  // of 2097152x8's shared-memory wavefronts as bank-conflict excess, 59 % of 1048576x16's (these
-  // accesses among them; not profiled swizzled). tune.py, H100, rested, graph-replayed, unswizzled ->
-  // swizzled, bitwise the same: 2097152x8 58.9 -> 57.9 us, with 466000 documents 63.1 -> 62.1, 530000x8
-  // (2000) 27.0 -> 25.8, 1048576x16 47.2 -> 47.0; with states within 1.5 % either way (NOTES_bwd,
-  // session 55).
+  // kWarpFill: a ring slot of odd index holds a thread's row at entry threadIdx.x ^ kRingSwizzle (8 row
+  // vectors on, in the owner's warp). A warp's fill copy (and dx flush) writes (reads) 4 rows of one
+  // 8-vector piece each, slots T rows apart: unswizzled, all 4 pieces sat in the same banks (at 8-byte
+  // rows 4 shared-memory wavefronts for 2 of data); so the odd slots' pieces take the other half. Each
+  // thread's own row stays one entry of its slot (a permutation per slot: the per-row reads stay
+  // conflict-free). Slots of one parity: cur, prev, a fill's first slot and flush_slot are multiples of
+  // 4, and so are R and kDxSlots. ncu counted 64 % of 2097152x8's shared-memory wavefronts as
+  // bank-conflict excess unswizzled (these accesses among them). tune.py, H100, graph-replayed, the same
+  // tree with RING_SWIZZLE=0 -> swizzled, bitwise the same: 2097152x8 58.9 -> 57.9 us, 530000x8 with
+  // 2000 documents 27.0 -> 25.8, 1048576x16 47.2 -> 47.0; with states from 1.1 % faster to 1.5 % slower
+  // (NOTES_bwd, session 55).
   constexpr int kRingSwizzle = Traits::kWarpFill && CAKE_BWD_RING_SWIZZLE ? 8 : 0;
-  Row* const my_xring = s_xring + threadIdx.x;  // even slots; the odd ones: my_xring_odd
+  static_assert(kDxSlots % 4 == 0, "a dx chunk's 4 slots start at a slot of even index");
+  Row* const my_xring = s_xring + threadIdx.x;  // kWarpFill: the even slots; the odd ones: my_xring_odd
   Row* const my_dyring = s_dyring + threadIdx.x;
-  [[maybe_unused]] Row* const my_xring_odd = s_xring + (threadIdx.x ^ kRingSwizzle);
-  [[maybe_unused]] Row* const my_dyring_odd = s_dyring + (threadIdx.x ^ kRingSwizzle);
+  Row* const my_xring_odd = s_xring + (threadIdx.x ^ kRingSwizzle);
+  Row* const my_dyring_odd = s_dyring + (threadIdx.x ^ kRingSwizzle);
 
   // The first R - 1 rows of the strip at t0 into ring slots 1 .. R - 1, one cp.async group each
   // (kWarpFill: one group per chunk, below). x row i is token t0 - 3 + i; dy row i is the same
