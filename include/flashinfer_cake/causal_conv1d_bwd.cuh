@@ -258,23 +258,23 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const Row* __restrict__ xv = reinterpret_cast<const Row*>(p.x);
   const Row* __restrict__ dyv = reinterpret_cast<const Row*>(p.dy);
   Row* __restrict__ dxv = reinterpret_cast<Row*>(p.dx);
-  // kWarpFill: a ring slot of odd index holds a thread's row at entry threadIdx.x ^ kRingSwizzle (8 row
-  // vectors on, in the owner's warp). A warp's fill copy (and dx flush) writes (reads) 4 rows of one
-  // 8-vector piece each, slots T rows apart: unswizzled, all 4 pieces sat in the same banks (at 8-byte
-  // rows 4 shared-memory wavefronts for 2 of data); so the odd slots' pieces take the other half. Each
-  // thread's own row stays one entry of its slot (a permutation per slot: the per-row reads stay
-  // conflict-free). Slots of one parity: cur, prev, a fill's first slot and flush_slot are multiples of
-  // 4, and so are R and kDxSlots. ncu counted 64 % of 2097152x8's shared-memory wavefronts as
-  // bank-conflict excess unswizzled (these accesses among them). tune.py, H100, graph-replayed, the same
-  // tree with RING_SWIZZLE=0 -> swizzled, bitwise the same: 2097152x8 58.9 -> 57.9 us, 530000x8 with
-  // 2000 documents 27.0 -> 25.8, 1048576x16 47.2 -> 47.0; with states from 1.1 % faster to 1.5 % slower
-  // (NOTES_bwd, session 55).
-  constexpr int kRingSwizzle = Traits::kWarpFill && CAKE_BWD_RING_SWIZZLE ? 8 : 0;
+  // kWarpFill without states: a ring slot of odd index holds a thread's row at entry threadIdx.x ^
+  // kRingSwizzle (8 row vectors on, in the owner's warp). A warp's fill copy (and dx flush) writes (reads) 4
+  // rows of one 8-vector piece each, slots T rows apart: unswizzled, all 4 pieces sat in the same banks (at
+  // 8-byte rows 4 shared-memory wavefronts for 2 of data); so the odd slots' pieces take the other half.
+  // Each thread's own row stays one entry of its slot (a permutation per slot: the per-row reads stay
+  // conflict-free). Slots of one parity: cur, prev, a fill's first slot and flush_slot are multiples of 4,
+  // and so are R and kDxSlots. ncu counted 64 % of 2097152x8's shared-memory wavefronts as bank-conflict
+  // excess unswizzled (these accesses among them). tune.py, H100, graph-replayed, the same tree with
+  // RING_SWIZZLE=0 -> swizzled, bitwise the same: 2097152x8 58.9 -> 57.9 us, 530000x8 with 2000 documents
+  // 27.0 -> 25.8, 1048576x16 47.2 -> 47.0. Stateless only: with states it read from 1.1 % faster to 1.5 %
+  // slower, and the stateful kernels of BF16 taps spilled 4-12 bytes (NOTES_bwd, session 55).
+  constexpr int kRingSwizzle = Traits::kWarpFill && !kStates && CAKE_BWD_RING_SWIZZLE ? 8 : 0;
   static_assert(kDxSlots % 4 == 0, "a dx chunk's 4 slots start at a slot of even index");
-  Row* const my_xring = s_xring + threadIdx.x;  // kWarpFill: the even slots; the odd ones: my_xring_odd
+  Row* const my_xring = s_xring + threadIdx.x;  // kRingSwizzle: the even slots; the odd ones: my_xring_odd
   Row* const my_dyring = s_dyring + threadIdx.x;
-  Row* const my_xring_odd = s_xring + (threadIdx.x ^ kRingSwizzle);
-  Row* const my_dyring_odd = s_dyring + (threadIdx.x ^ kRingSwizzle);
+  Row* const my_xring_odd = kRingSwizzle ? s_xring + (threadIdx.x ^ kRingSwizzle) : my_xring;
+  Row* const my_dyring_odd = kRingSwizzle ? s_dyring + (threadIdx.x ^ kRingSwizzle) : my_dyring;
 
   // The first R - 1 rows of the strip at t0 into ring slots 1 .. R - 1, one cp.async group each
   // (kWarpFill: one group per chunk, below). x row i is token t0 - 3 + i; dy row i is the same
@@ -300,7 +300,10 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // at phase 0; phase q adds 8 q).
   const int piece_entry = piece_strip * Traits::kLanesC + piece_lane;
   const int piece_swizzle = piece_row & 1 ? kRingSwizzle : 0;  // chunks start at slots multiple of 4
-  Row* const piece_xring = s_xring + (threadIdx.x - lane) + piece_row * T;
+  // (Unswizzled, the stateful kernels' form before the swizzle: their SASS is unchanged.)
+  Row* const piece_xring =
+      kRingSwizzle ? s_xring + (threadIdx.x - lane) + piece_row * T
+                   : s_xring + (threadIdx.x - lane) + piece_strip * Traits::kLanesC + piece_lane + piece_row * T;
   Row* const piece_dyring = piece_xring + R * T;
   // The t0 of the warp's first strip, and of the strip a lane's piece of phase q belongs to.
   const auto warp_t0_of = [&](int t0) { return t0 - strip_in_warp * L; };
@@ -312,7 +315,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     const int i = 4 * k - 1 + piece_row;  // ring row: token st0 - 3 + i
     const int t = st0 - 3 + i;
     const bool valid = piece_active && st0 < item_end && i < N && t >= 0 && t < p.S;
-    const int dst = first_slot * T + ((piece_entry + 8 * q) ^ piece_swizzle);
+    const int dst = first_slot * T + (kRingSwizzle ? (piece_entry + 8 * q) ^ piece_swizzle : 8 * q);
     detail::cp_async_row(piece_xring + dst, xv + (valid ? static_cast<uint32_t>(t) * xs + piece_vec : 0u), valid);
     detail::cp_async_row(piece_dyring + dst, dyv + (valid ? static_cast<uint32_t>(t) * dys + piece_vec : 0u), valid && i >= 3);
   };
