@@ -124,8 +124,9 @@ def test_dtensor_placements_on_a_gpu_give_the_plain_calls_result(placement, tmp_
     """The kernels through DTensors (2 ranks on one GPU, gloo) against the plain call on the unsharded tensors: y,
     the final states, dx and dinitial_states bitwise (each channel computed alone); dweight and dbias bitwise when
     replicated, within rtol = atol = 1e-2 as channel shards (a rank's channel count may pick another route, which
-    sums in another fixed order); the placements the CPU test checks. (Token shards make DTensor all-gather CUDA tensors across the ranks: gloo's
-    all-gather of them crashed here and NCCL needs a GPU per rank, so the CPU test covers that rule.)"""
+    sums in another fixed order); the placements the CPU test checks. (Token shards make DTensor all-gather CUDA
+    tensors across the ranks: gloo's all-gather of them crashed here and NCCL needs a GPU per rank, so the CPU
+    test covers that rule.)"""
     cfg = {"seed": 11, "cu": [0, 1, 4, 4, 13, 3000, 3001, 4100], "C": 256, "placement": placement, "plain_cu": True,
            "device": "cuda"}
     for result in run_ranks(2, cfg, str(tmp_path / "store"), timeout=300, worker=_WORKER):
