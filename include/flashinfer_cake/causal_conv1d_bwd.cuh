@@ -656,9 +656,19 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         }
       }
       if constexpr (kDxSlots > 0) {
-        // Chunk r0 / 4 - 2 (its last row was stored 2 rows into the step before, before the
-        // step's __syncwarp); the peeled step leaves its chunks to the tail.
-        if (r - q >= 8 && r - q + 4 <= L + 3) flush_piece(warp_t0_of(t0), (r - q) / 4 - 2, flush_slot, phase);
+        // Chunk r / 4 - 2, at the step's first row (its last row was stored 2 rows into the step
+        // before, before the step's __syncwarp); the peeled step leaves its chunks to the tail. Its
+        // 4 phases at once: one phase per row re-formed the lane's piece terms for each row under
+        // the register cap (the 4-row loop 738 -> 698 instructions, NOTES_bwd session 56).
+        if constexpr (q == 0) {
+          if (r >= 8 && r + 4 <= L + 3) {
+            const int warp_t0 = warp_t0_of(t0), m = r / 4 - 2;
+            flush_piece(warp_t0, m, flush_slot, std::integral_constant<int, 0>{});
+            flush_piece(warp_t0, m, flush_slot, std::integral_constant<int, 1>{});
+            flush_piece(warp_t0, m, flush_slot, std::integral_constant<int, 2>{});
+            flush_piece(warp_t0, m, flush_slot, std::integral_constant<int, 3>{});
+          }
+        }
         if constexpr (q == 3) flush_slot = flush_slot + 4 == kDxSlots ? 0 : flush_slot + 4;
       }
       ++dx_t;
