@@ -90,7 +90,7 @@ struct CausalConv1dBwdParams {
 };
 
 #ifndef CAKE_BWD_RING_SWIZZLE
-#define CAKE_BWD_RING_SWIZZLE 1  // 0: the warp-filled rings unswizzled (tune.py: RING_SWIZZLE=0)
+#define CAKE_BWD_RING_SWIZZLE 0  // 1: the stateless warp-filled rings swizzled (tune.py: RING_SWIZZLE=1)
 #endif
 
 template <int kVec_, int kLanesC_, int kThreads_, int kStripLen_, int kRing_, int kMinCtasPerSm_>
@@ -265,10 +265,12 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // Each thread's own row stays one entry of its slot (a permutation per slot: the per-row reads stay
   // conflict-free). Slots of one parity: cur, prev, a fill's first slot and flush_slot are multiples of 4,
   // and so are R and kDxSlots. ncu counted 64 % of 2097152x8's shared-memory wavefronts as bank-conflict
-  // excess unswizzled (these accesses among them). tune.py, H100, graph-replayed, the same tree with
-  // RING_SWIZZLE=0 -> swizzled, bitwise the same: 2097152x8 58.9 -> 57.9 us, 530000x8 with 2000 documents
-  // 27.0 -> 25.8, 1048576x16 47.2 -> 47.0. Stateless only: with states it read from 1.1 % faster to 1.5 %
-  // slower, and the stateful kernels of BF16 taps spilled 4-12 bytes (NOTES_bwd, session 55).
+  // excess unswizzled (these accesses among them). tune.py, graph-replayed, unswizzled -> swizzled, bitwise
+  // the same: on an H100 2097152x8 58.9 -> 57.9 us, 530000x8 with 2000 documents 27.0 -> 25.8, 1048576x16
+  // 47.2 -> 47.0; on an H200 2097152x8 46.9 -> 46.8, with 466000 documents 50.3 -> 51.1, 530000x8 24.0 ->
+  // 24.4, 1048576x16 38.4 -> 41.4 (NOTES_bwd, sessions 55 and 56). So off by default (the H200 is the
+  // target). With states it is never on: there it read from 1.1 % faster to 1.5 % slower on the H100,
+  // and the stateful kernels of BF16 taps spilled 4-12 bytes.
   constexpr int kRingSwizzle = Traits::kWarpFill && !kStates && CAKE_BWD_RING_SWIZZLE ? 8 : 0;
   static_assert(kDxSlots % 4 == 0, "a dx chunk's 4 slots start at a slot of even index");
   Row* const my_xring = s_xring + threadIdx.x;  // kRingSwizzle: the even slots; the odd ones: my_xring_odd
