@@ -266,11 +266,12 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // conflict-free). Slots of one parity: cur, prev, a fill's first slot and flush_slot are multiples of 4,
   // and so are R and kDxSlots. ncu counted 64 % of 2097152x8's shared-memory wavefronts as bank-conflict
   // excess unswizzled (these accesses among them). tune.py, graph-replayed, unswizzled -> swizzled, bitwise
-  // the same: on an H100 2097152x8 58.9 -> 57.9 us, 530000x8 with 2000 documents 27.0 -> 25.8, 1048576x16
-  // 47.2 -> 47.0; on an H200 2097152x8 46.9 -> 46.8, with 466000 documents 50.3 -> 51.1, 530000x8 24.0 ->
-  // 24.4, 1048576x16 38.4 -> 41.4 (NOTES_bwd, sessions 55 and 56). So off by default (the H200 is the
-  // target). With states it is never on: there it read from 1.1 % faster to 1.5 % slower on the H100,
-  // and the stateful kernels of BF16 taps spilled 4-12 bytes.
+  // the same: on an H100 (before the batched dx flush, r211) 2097152x8 58.9 -> 57.9 us, 530000x8 with 2000
+  // documents 27.0 -> 25.8, 1048576x16 47.2 -> 47.0; on an H200 (with it, r217) 2097152x8 46.9 -> 46.8,
+  // with 466000 documents 50.3 -> 51.1, 530000x8 24.0 -> 24.4, 1048576x16 38.4 -> 41.4. It adds 72
+  // instructions to Narrow2's 4-row loop (626 -> 698, cuobjdump). So off by default (the H200 is the
+  // target; NOTES_bwd sessions 55-56). Never on with states: there it read from 1.1 % faster to 1.5 %
+  // slower on the H100, and the stateful kernels of BF16 taps spilled 4-12 bytes.
   constexpr int kRingSwizzle = Traits::kWarpFill && !kStates && CAKE_BWD_RING_SWIZZLE ? 8 : 0;
   static_assert(kDxSlots % 4 == 0, "a dx chunk's 4 slots start at a slot of even index");
   Row* const my_xring = s_xring + threadIdx.x;  // kRingSwizzle: the even slots; the odd ones: my_xring_odd
@@ -661,7 +662,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         // Chunk r / 4 - 2, at the step's first row (its last row was stored 2 rows into the step
         // before, before the step's __syncwarp); the peeled step leaves its chunks to the tail. Its
         // 4 phases at once: one phase per row re-formed the lane's piece terms for each row under
-        // the register cap (the 4-row loop 738 -> 698 instructions, NOTES_bwd session 56).
+        // the register cap (Narrow2's 4-row loop, FP32 taps + bias, the bf16 policy: 662 -> 626
+        // instructions, cuobjdump; H200 graph-replayed 2097152x8 47.4 -> 46.9 us, NOTES_bwd session 56).
         if constexpr (q == 0) {
           if (r >= 8 && r + 4 <= L + 3) {
             const int warp_t0 = warp_t0_of(t0), m = r / 4 - 2;
