@@ -89,10 +89,6 @@ struct CausalConv1dBwdParams {
   int64_t dx_row_elems;
 };
 
-#ifndef CAKE_BWD_RING_SWIZZLE
-#define CAKE_BWD_RING_SWIZZLE 0  // 1: the stateless warp-filled rings swizzled (tune.py: RING_SWIZZLE=1)
-#endif
-
 template <int kVec_, int kLanesC_, int kThreads_, int kStripLen_, int kRing_, int kMinCtasPerSm_>
 struct BwdTraits {
   static constexpr int kVec = kVec_;          // channels per thread: 4 (8-byte rows) or 8 (16-byte)
@@ -258,26 +254,9 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const Row* __restrict__ xv = reinterpret_cast<const Row*>(p.x);
   const Row* __restrict__ dyv = reinterpret_cast<const Row*>(p.dy);
   Row* __restrict__ dxv = reinterpret_cast<Row*>(p.dx);
-  // kWarpFill without states: a ring slot of odd index holds a thread's row at entry threadIdx.x ^
-  // kRingSwizzle (8 row vectors on, in the owner's warp). A warp's fill copy (and dx flush) writes (reads) 4
-  // rows of one 8-vector piece each, slots T rows apart: unswizzled, all 4 pieces sat in the same banks (at
-  // 8-byte rows 4 shared-memory wavefronts for 2 of data); so the odd slots' pieces take the other half.
-  // Each thread's own row stays one entry of its slot (a permutation per slot: the per-row reads stay
-  // conflict-free). Slots of one parity: cur, prev, a fill's first slot and flush_slot are multiples of 4,
-  // and so are R and kDxSlots. ncu counted 64 % of 2097152x8's shared-memory wavefronts as bank-conflict
-  // excess unswizzled (these accesses among them). tune.py, graph-replayed, unswizzled -> swizzled, bitwise
-  // the same: on an H100 (before the batched dx flush, r211) 2097152x8 58.9 -> 57.9 us, 530000x8 with 2000
-  // documents 27.0 -> 25.8, 1048576x16 47.2 -> 47.0; on an H200 (with it, r217) 2097152x8 46.9 -> 46.8,
-  // with 466000 documents 50.3 -> 51.1, 530000x8 24.0 -> 24.4, 1048576x16 38.4 -> 41.4. It adds 72
-  // instructions to Narrow2's 4-row loop (626 -> 698, cuobjdump). So off by default (the H200 is the
-  // target; NOTES_bwd sessions 55-56). Never on with states: there it read from 1.1 % faster to 1.5 %
-  // slower on the H100, and the stateful kernels of BF16 taps spilled 4-12 bytes.
-  constexpr int kRingSwizzle = Traits::kWarpFill && !kStates && CAKE_BWD_RING_SWIZZLE ? 8 : 0;
-  static_assert(kDxSlots % 4 == 0, "a dx chunk's 4 slots start at a slot of even index");
-  Row* const my_xring = s_xring + threadIdx.x;  // kRingSwizzle: the even slots; the odd ones: my_xring_odd
+  static_assert(kDxSlots % 4 == 0, "the dx flush steps 4 slots at a time");
+  Row* const my_xring = s_xring + threadIdx.x;
   Row* const my_dyring = s_dyring + threadIdx.x;
-  Row* const my_xring_odd = kRingSwizzle ? s_xring + (threadIdx.x ^ kRingSwizzle) : my_xring;
-  Row* const my_dyring_odd = kRingSwizzle ? s_dyring + (threadIdx.x ^ kRingSwizzle) : my_dyring;
 
   // The first R - 1 rows of the strip at t0 into ring slots 1 .. R - 1, one cp.async group each
   // (kWarpFill: one group per chunk, below). x row i is token t0 - 3 + i; dy row i is the same
@@ -299,14 +278,9 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const bool piece_active = piece_vec < vecs_per_row;
   // phase q's owner thread is q kFillStride strips (8 q threads) on from phase 0's
   static_assert(!kWarpFill || kFillStride * Traits::kLanesC == 8, "phase q's owner is 8 q threads on");
-  // The piece's entry in its slot, before the swizzle of odd slots (the owner thread's index in the warp
-  // at phase 0; phase q adds 8 q).
+  // The piece's entry in its slot: the owner thread's index in the warp at phase 0 (phase q adds 8 q).
   const int piece_entry = piece_strip * Traits::kLanesC + piece_lane;
-  const int piece_swizzle = piece_row & 1 ? kRingSwizzle : 0;  // chunks start at slots multiple of 4
-  // (Unswizzled, the stateful kernels' form before the swizzle: their SASS is unchanged.)
-  Row* const piece_xring =
-      kRingSwizzle ? s_xring + (threadIdx.x - lane) + piece_row * T
-                   : s_xring + (threadIdx.x - lane) + piece_strip * Traits::kLanesC + piece_lane + piece_row * T;
+  Row* const piece_xring = s_xring + (threadIdx.x - lane) + piece_strip * Traits::kLanesC + piece_lane + piece_row * T;
   Row* const piece_dyring = piece_xring + R * T;
   // The t0 of the warp's first strip, and of the strip a lane's piece of phase q belongs to.
   const auto warp_t0_of = [&](int t0) { return t0 - strip_in_warp * L; };
@@ -318,7 +292,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     const int i = 4 * k - 1 + piece_row;  // ring row: token st0 - 3 + i
     const int t = st0 - 3 + i;
     const bool valid = piece_active && st0 < item_end && i < N && t >= 0 && t < p.S;
-    const int dst = first_slot * T + (kRingSwizzle ? (piece_entry + 8 * q) ^ piece_swizzle : 8 * q);
+    const int dst = first_slot * T + 8 * q;
     detail::cp_async_row(piece_xring + dst, xv + (valid ? static_cast<uint32_t>(t) * xs + piece_vec : 0u), valid);
     detail::cp_async_row(piece_dyring + dst, dyv + (valid ? static_cast<uint32_t>(t) * dys + piece_vec : 0u), valid && i >= 3);
   };
@@ -329,7 +303,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     const int st0 = piece_t0(warp_t0, q);
     const int t = st0 + 4 * m + piece_row;
     const Row v =
-        s_dxring[(first_slot + piece_row) * T + (threadIdx.x - lane) + ((piece_entry + 8 * q) ^ piece_swizzle)];
+        s_dxring[(first_slot + piece_row) * T + (threadIdx.x - lane) + (piece_entry + 8 * q)];
     if (piece_active && st0 < item_end && t < p.S) dxv[static_cast<uint32_t>(t) * dxs + piece_vec] = v;
   };
   const auto prefetch = [&](int t0) {
@@ -458,7 +432,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     }
 #pragma unroll
     for (int i = 0; i < 3 && kWarpFill; ++i) {  // slot i + 1
-      detail::row_to_float((i % 2 == 0 ? my_xring_odd : my_xring)[(i + 1) * T], xm[i + 1]);
+      detail::row_to_float(my_xring[(i + 1) * T], xm[i + 1]);
     }
 #pragma unroll
     for (int i = 0; i < 3 && !kWarpFill; ++i) {
@@ -558,8 +532,23 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
           detail::cp_async_wait<R / 4 - 2>();
           __syncwarp();
         }
-        if (r - q + R - 1 < N) fill_piece(warp_t0_of(t0), r / 4 + R / 4, prev, phase);
-        if constexpr (q == 3) detail::cp_async_commit();  // possibly empty: keeps "chunk k is group k"
+        // Without states the chunk's 4 phases go at the step's first row, one group (the loads issue
+        // up to 3 rows earlier; Narrow4's 4-row loop 575 -> 536 instructions, Narrow2's 626 -> 590;
+        // H100 graph-replayed 530000x8 with 2000 documents 24.8 -> 23.1 us, NOTES_bwd session 57).
+        // With states one phase a row: batched there, the no-bias stateful kernels got stack frames.
+        if constexpr (kStates) {
+          if (r - q + R - 1 < N) fill_piece(warp_t0_of(t0), r / 4 + R / 4, prev, phase);
+          if constexpr (q == 3) detail::cp_async_commit();  // possibly empty: keeps "chunk k is group k"
+        } else if constexpr (q == 0) {
+          if (r + R - 1 < N) {
+            const int warp_t0 = warp_t0_of(t0);
+            fill_piece(warp_t0, r / 4 + R / 4, prev, std::integral_constant<int, 0>{});
+            fill_piece(warp_t0, r / 4 + R / 4, prev, std::integral_constant<int, 1>{});
+            fill_piece(warp_t0, r / 4 + R / 4, prev, std::integral_constant<int, 2>{});
+            fill_piece(warp_t0, r / 4 + R / 4, prev, std::integral_constant<int, 3>{});
+          }
+          detail::cp_async_commit();  // possibly empty: keeps "chunk k is group k"
+        }
       } else {
         // Refill the slot ring row r + 2 has just left with row r + R + 2, if below Lw + 6. Tested on
         // the step's first row r - q (the same answer for its 4 rows: Lw and R are multiples of 4), one
@@ -590,9 +579,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         }
       }
       float xt[V], dyt[V], g[V];
-      // (kWarpFill: cur is a multiple of 4, so the slot's parity is q's)
-      detail::row_to_float((q % 2 ? my_xring_odd : my_xring)[(cur + q) * T], xt);
-      detail::row_to_float((q % 2 ? my_dyring_odd : my_dyring)[(cur + q) * T], dyt);
+      detail::row_to_float(my_xring[(cur + q) * T], xt);
+      detail::row_to_float(my_dyring[(cur + q) * T], dyt);
       float a[V];
 #pragma unroll
       for (int j = 0; j < V; ++j) {
@@ -652,8 +640,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         }
         if constexpr (kDxSlots > 0) {  // token r - 3 into slot (r - 3) mod 12 = flush_slot + 5 + q mod 12
           const int slot = flush_slot + 5 + q >= kDxSlots ? flush_slot + 5 + q - kDxSlots : flush_slot + 5 + q;
-          // (the slot's parity is q + 1's: flush_slot is a multiple of 4)
-          s_dxring[slot * T + ((q + 1) % 2 ? threadIdx.x ^ kRingSwizzle : threadIdx.x)] = detail::pack_row<V>(d);
+          s_dxring[slot * T + threadIdx.x] = detail::pack_row<V>(d);
         } else {
           if (kInside || dx_t < dx_lim) dxv[dx_off] = detail::pack_row<V>(d);
         }
