@@ -4,7 +4,8 @@
 Each config overrides the launcher's CAKE_FWD_* / CAKE_BWD_* defaults (threads, strip length,
 ring rows (backward: of the routes above 4 channel lanes; NARROW_RING=N sets the warp-filled
 2- and 4-lane routes'), min CTAs per SM, optionally the channels per thread (backward: 4 or 8; the forward
-takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME macro; backward: ITEM_TOKENS=N
+takes 8 only), then any NAME=VALUE for another CAKE_FWD_NAME / CAKE_BWD_NAME macro (refused if no header of the compiled
+tree reads it); backward: ITEM_TOKENS=N
 launches with token groups of N tokens instead of the plan's (whole strips, or at C > 32 from 256 tokens on a multiple of 16; the launcher's split of
 the last wave and the last eighth, bwd_tail, apply to them; TAIL=0 turns both off); INC=NAME compiles the
 headers of --inc NAME=DIR instead of this checkout's, e.g. an older commit's for an A/B in one run:
@@ -79,6 +80,14 @@ def config_spec(op: str, cfg: str, variant: str, incs: dict[str, str]) -> jit.Ji
     # content of the same directory is not reused (--build-dir)
     inc = [f for kv in rest if kv.startswith("INC=") for f in (f"-I{incs[kv[4:]]}", f"-DCAKE_TUNE_INC_DIGEST={tree_digest(incs[kv[4:]])}")]
     extra = [f"{m}{kv}" for kv in rest if "=" in kv and not kv.startswith("INC=")]
+    # A macro the tree never reads would build its default kernel and time it under this config's name.
+    tree = Path(next((incs[kv[4:]] for kv in rest if kv.startswith("INC=")), jit.env.include_dir()))
+    headers = "".join(f.read_text() for f in sorted(tree.rglob("*")) if f.suffix in (".cuh", ".h"))
+    for flag in extra:
+        name = flag[2:].split("=", 1)[0]
+        if name != f"{m[2:]}ITEM_TOKENS" and name not in headers:  # ITEM_TOKENS: tune.py's own (item_tokens)
+            raise SystemExit(f"--configs {cfg}: {name} appears in no header under {tree}, so it would change "
+                             f"nothing; the {m[2:]}* options are the macros the headers define (#ifndef ... #define)")
     vec = [f"{m}VEC={v}" for v in rest if "=" not in v]
     spec = jit.variant_spec(*variant.split("/"), "sm_90a", split=not inc)  # an older tree may lack the route list
     defines = (*inc, f"{m}THREADS={threads}", f"{m}STRIP_LEN={strip}", f"{m}RING={ring}", f"{m}MIN_CTAS={min_ctas}", *vec, *extra)

@@ -114,10 +114,25 @@ def test_tune_include_trees(monkeypatch, tmp_path):
         tune.build(args)
 
 
+def test_tune_refuses_a_macro_no_header_reads(monkeypatch, tmp_path):
+    # A NAME=VALUE that no header of the compiled tree reads would build the default kernel and time it
+    # as the config (a removed or misspelled option): refused, naming the macro. ITEM_TOKENS is tune.py's.
+    tune = _tune(monkeypatch)
+    with pytest.raises(SystemExit, match="CAKE_BWD_NO_SUCH_OPTION appears in no header"):
+        tune.config_spec("bwd", "128/64/8/4/NO_SUCH_OPTION=1", "fp32/fp32", {})
+    assert "-DCAKE_BWD_TAIL=0" in tune.config_spec("bwd", "128/64/8/4/TAIL=0", "fp32/fp32", {}).cflags
+    assert "-DCAKE_BWD_ITEM_TOKENS=512" in tune.config_spec("bwd", "128/64/8/4/ITEM_TOKENS=512", "fp32/fp32", {}).cflags
+    tree = tmp_path / "inc"
+    (tree / "flashinfer_cake").mkdir(parents=True)
+    (tree / "flashinfer_cake" / "k.cuh").write_text("#ifndef CAKE_BWD_NO_SUCH_OPTION\n#define CAKE_BWD_NO_SUCH_OPTION 0\n#endif")
+    flags = tune.config_spec("bwd", "128/64/8/4/INC=t/NO_SUCH_OPTION=1", "fp32/fp32", {"t": str(tree)}).cflags
+    assert "-DCAKE_BWD_NO_SUCH_OPTION=1" in flags  # an INC= tree's own headers are the ones searched
+
+
 def test_tune_register_lines_are_the_configs_own(monkeypatch):
     tune = _tune(monkeypatch)
     mine = tune.config_spec("bwd", "128/64/8/4", "fp32/fp32", {})
-    other = tune.config_spec("bwd", "128/64/8/4/REPEAT=1", "fp32/fp32", {})
+    other = tune.config_spec("bwd", "128/64/8/4/TAIL=0", "fp32/fp32", {})
     log = "\n".join([f"[1/3] compile {mine.module_prefix()}ab.cu.o", "ptxas info    : Used 110 registers",
                      f"[2/3] compile {other.module_prefix()}ab.cu.o", "ptxas info    : Used 99 registers",
                      f"[3/3] build {mine.module_prefix()}ab.so"])
