@@ -535,7 +535,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
         }
         // Without states the chunk's 4 phases go at the step's first row, one group (the loads issue
         // up to 3 rows earlier; Narrow4's 4-row loop 575 -> 536 instructions, Narrow2's 626 -> 590;
-        // H100 graph-replayed 530000x8 with 2000 documents 24.8 -> 23.1 us, NOTES_bwd session 57).
+        // H100 graph-replayed 530000x8 with 2000 documents 24.8 -> 23.1 us, but 2097152x8 58.3 -> 58.6,
+        // NOTES_bwd session 57; scripts/probes/bwd_fill_c8_per_row.diff keeps C = 8 per row).
         // With states one phase a row: batched there, the no-bias stateful kernels got stack frames.
         if constexpr (kStates) {
           if (r - q + R - 1 < N) fill_piece(warp_t0_of(t0), r / 4 + R / 4, prev, phase);
