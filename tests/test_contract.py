@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -46,15 +48,20 @@ int main() {
 """
 
 
+def _compile_and_run(source: str) -> str:
+    """The standard output of a C++ program compiled against the headers."""
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = Path(d) / "probe.cpp", Path(d) / "probe"
+        src.write_text(source)
+        subprocess.run([str(env.cxx_path()), "-std=c++17", f"-I{env.include_dir()}", str(src), "-o", str(exe)],
+                       check=True, capture_output=True, text=True)
+        return subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+
+
 @pytest.fixture(scope="module")
-def header(tmp_path_factory):
+def header():
     """What the headers say, from a program compiled against them."""
-    d = tmp_path_factory.mktemp("contract")
-    (d / "probe.cpp").write_text(PROBE)
-    cxx = env.cxx_path()
-    subprocess.run([str(cxx), "-std=c++17", f"-I{env.include_dir()}", str(d / "probe.cpp"), "-o", str(d / "probe")],
-                   check=True, capture_output=True, text=True)
-    return json.loads(subprocess.run([str(d / "probe")], check=True, capture_output=True, text=True).stdout)
+    return json.loads(_compile_and_run(PROBE))
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +199,28 @@ def test_header_plan_rejects_shapes_past_the_backwards_range(S, C, words):
     """The workspace functions' rule and message (_checks.check_sizes), before anything is compiled."""
     with pytest.raises(ValueError, match=words):
         _plan.header_plan([(S, C)])
+
+
+# (x, dy, dx) as (address mod 256 or any address, row pitch in bytes) -> the offset the rotated tiles start at
+ROW_BLOCK_CASES = [
+    ([(128, 2304), (128, 2304), (128, 2304)], 128),  # bench_states' slices: column 64 of [S, C + 128]
+    ([(128 + 4096, 2304), (0, 2048), (128, 2304)], 128),  # two of three
+    ([(128, 2304), (0, 2048), (128, 2050)], 0),  # dx's rows differ in offset: a tie with 0
+    ([(128, 2304), (64, 2304), (0, 2048)], 0),  # three offsets: 0 among them
+    ([(128, 2304), (64, 2304), (16, 2064)], 128),  # no 0: x's
+    ([(240, 2050), (64, 2304), (16, 2064)], 64),  # x's pitch is no whole block: dy's
+    ([(240, 2304), (240, 8960), (0, 8960)], 240),
+    ([(16, 2304), (16, 2304), (16, 2304)], 16),
+    ([(16, 4160), (48, 8512), (80, 16)], 0),  # no stream has one offset in every row
+    ([(0, 2048), (0, 2048), (0, 2048)], 0),  # contiguous
+]
+
+
+def test_backward_row_block_offset():
+    """bwd_row_block_offset, the vote the backward's launcher rotates its channel tiles by (compiled here)."""
+    calls = "\n".join("  std::printf(\"%lld\\n\", (long long)bwd_row_block_offset({" +
+                      ", ".join(f"{{{a}, {b}}}" for a, b in streams) + "}));" for streams, _ in ROW_BLOCK_CASES)
+    program = ("#include <cstdio>\n#include <flashinfer_cake/causal_conv1d_bwd_plan.h>\nusing namespace flashinfer_cake;\n"
+               f"int main() {{\n{calls}\n}}\n")
+    got = [int(v) for v in _compile_and_run(program).split()]
+    assert got == [want for _, want in ROW_BLOCK_CASES]

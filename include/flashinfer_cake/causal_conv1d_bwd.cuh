@@ -82,6 +82,7 @@ struct CausalConv1dBwdParams {
   uint32_t x_row_stride;
   uint32_t dy_row_stride;
   uint32_t dx_row_stride;
+  int32_t vec_shift;  // the rotation of channel slots to row-vector columns (bwd_vec_shift)
   // Row strides in elements (multiples of 8, so of either kVec), set by the C entry; read on the
   // host only.
   int64_t x_row_elems;
@@ -240,9 +241,17 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const int group = launch_group < p.big_groups    ? launch_group
                     : launch_group == p.big_groups ? p.groups - 1
                                                    : launch_group - 1;
-  const int vec = tile_c * Traits::kLanesC + lane_c;  // my row-vector column
+  // My row-vector column: the grid's channel slot, rotated by p.vec_shift in the stateless kernels of
+  // tiles of whole 256-byte blocks (bwd_vec_shift: the tiles' bounds then fall on the rows' blocks; the
+  // launcher sets a shift only where C is a multiple of the tile, so every lane stays on a channel). Not
+  // in the stateful kernels: at their 128-register cap the rotated column spilled (8-byte stack frames).
+  const int channel_slot = tile_c * Traits::kLanesC + lane_c;
   const uint32_t vecs_per_row = p.C / V;
-  const bool active = static_cast<uint32_t>(vec) < vecs_per_row;
+  constexpr bool kRotates = !kStates && (Traits::kTileChannels * sizeof(__nv_bfloat16)) % kBwdRowBlockBytes == 0;
+  const int vec = !kRotates                    ? channel_slot
+                  : channel_slot < p.vec_shift ? channel_slot - p.vec_shift + static_cast<int>(vecs_per_row)
+                                               : channel_slot - p.vec_shift;
+  const bool active = static_cast<uint32_t>(vec) < vecs_per_row;  // (a rotation keeps every lane on)
   // No idle lane in this CTA's channel tile (the inside strips, below; always true on the shipped
   // route that has them, WideVec8, whose C is a multiple of its 256-channel tile).
   [[maybe_unused]] const bool tile_full = static_cast<uint32_t>((tile_c + 1) * Traits::kLanesC) <= vecs_per_row;
@@ -275,6 +284,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   const int lane = threadIdx.x % 32;
   const int piece_lane = lane % Traits::kLanesC, piece_row = lane / Traits::kLanesC % 4,
             piece_strip = lane / (4 * Traits::kLanesC);
+  // (unrotated: the warp-filled routes' tiles are narrower than 256 bytes, so their vec_shift is 0)
   const uint32_t piece_vec = static_cast<uint32_t>(tile_c * Traits::kLanesC + piece_lane);
   const bool piece_active = piece_vec < vecs_per_row;
   // phase q's owner thread is q kFillStride strips (8 q threads) on from phase 0's
@@ -774,7 +784,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   for (int e = threadIdx.x; e < kBwdPartialRows * Traits::kTileChannels; e += Traits::kThreads) {
     const int q = e / Traits::kTileChannels;  // 0..3 tap, 4 the sum of g
     const int ch = e - q * Traits::kTileChannels;
-    const int c = tile_c * Traits::kTileChannels + ch;
+    int c = tile_c * Traits::kTileChannels + ch;  // lane ch / V's channel (rotated as vec is)
+    if constexpr (kRotates) c = c < p.vec_shift * V ? c - p.vec_shift * V + p.C : c - p.vec_shift * V;
     if (c >= p.C) continue;
     const float* src = s_sums + (q * V + ch % V) * Traits::kThreads + ch / V;
     float sum = 0.0f;

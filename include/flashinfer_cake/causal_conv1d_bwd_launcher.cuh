@@ -105,6 +105,22 @@ int64_t bwd_channel_tiles(int64_t C) {
   return ceil_div(C / Traits::kVec, int64_t(Traits::kLanesC));
 }
 
+// The rotation of a route's channel slots for row-strided views (bwd_row_block_offset), in its row
+// vectors: only on routes whose tiles are whole 256-byte blocks and all full (C a multiple of the tile;
+// the rotation then moves no lane off or onto a channel), and without states (the kernel's kRotates).
+// Each channel keeps its own walk and sums: dx, dweight and dbias are bitwise the unrotated grid's.
+template <class Traits>
+int32_t bwd_vec_shift(const CausalConv1dBwdParams& p) {
+  constexpr int64_t kBytes = sizeof(__nv_bfloat16);
+  if ((Traits::kTileChannels * kBytes) % kBwdRowBlockBytes != 0 || p.C % Traits::kTileChannels != 0 || bwd_has_states(p)) return 0;
+  const auto stream = [](const void* ptr, int64_t row_elems) {
+    return std::pair<int64_t, int64_t>{int64_t(reinterpret_cast<uintptr_t>(ptr) % kBwdRowBlockBytes), row_elems * kBytes};
+  };
+  // 16-byte aligned pointers: a whole number of row vectors
+  return static_cast<int32_t>(bwd_row_block_offset({stream(p.x, p.x_row_elems), stream(p.dy, p.dy_row_elems), stream(p.dx, p.dx_row_elems)}) /
+                              (Traits::kVec * kBytes));
+}
+
 // One route of the backward (launch_causal_conv1d_bwd picks it): its streaming kernels (by
 // bwd_kernel_for) and the reduction passes. Each route is instantiated in one translation unit
 // (jit/variant.py's BWD_ROUTE_UNITS), so a variant's routes compile in parallel.
@@ -121,6 +137,7 @@ cudaError_t launch_causal_conv1d_bwd_route(CausalConv1dBwdParams p, cudaStream_t
                 (long long)rows_span);
   }
   p.tiles_c = static_cast<int32_t>(tiles_c);
+  p.vec_shift = bwd_vec_shift<Traits>(p);
   p.x_row_stride = static_cast<uint32_t>(p.x_row_elems / Traits::kVec);  // below 2^32: S * stride checked above
   p.dy_row_stride = static_cast<uint32_t>(p.dy_row_elems / Traits::kVec);
   p.dx_row_stride = static_cast<uint32_t>(p.dx_row_elems / Traits::kVec);

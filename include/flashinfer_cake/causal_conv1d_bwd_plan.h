@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <utility>
 
 namespace flashinfer_cake {
 
@@ -311,5 +312,30 @@ inline int64_t bwd_workspace_bytes_for_groups(int64_t C, int64_t groups) {
 // bwd_groups(S, C)); 0 when S == 0. Non-decreasing in S, so a buffer for the largest S serves
 // every smaller one.
 inline int64_t bwd_workspace_bytes(int64_t S, int64_t C) { return bwd_workspace_bytes_for_groups(C, bwd_groups_bound(S, C)); }
+
+// Row-strided views whose rows start 128 bytes past a 256-byte boundary (a column slice at an odd multiple
+// of 64 channels of a buffer whose row pitch is a multiple of 256 bytes) ran the backward 7.6-9.7 % slower
+// than rows that start on one (r153, H200, 16-byte rows, NOTES_bwd session 39): each 512-byte channel tile
+// then spans three 256-byte blocks, two of them shared with the neighbouring tiles. The full-width
+// stateless kernels rotate their channel slots so that the tiles start on this many bytes past a
+// 256-byte boundary of the rows (the launcher's bwd_vec_shift). Measured on an H100 (NOTES_bwd session 58,
+// r225-r229, bitwise equal): slices at column 64 of [S, C + 128] 0.6-2.7 % faster (16384x4096 168.4 -> 164.6 us),
+// contiguous and other shapes unchanged; not yet on an H200. Of x, dy and dx
+// (each: its address mod 256, its row pitch in bytes), those whose every row has the same offset (pitch
+// a multiple of 256 bytes) vote with their offset; the most votes win, a tie goes to 0 if it is among
+// them (no rotation), else to the first stream's offset (x, then dy).
+constexpr int64_t kBwdRowBlockBytes = 256;
+inline int64_t bwd_row_block_offset(std::initializer_list<std::pair<int64_t, int64_t>> address_and_row_bytes) {
+  int64_t offsets[3] = {}, best = 0;
+  int n = 0, best_votes = 0;
+  for (const auto& [address, row_bytes] : address_and_row_bytes) {
+    if (n < 3 && row_bytes % kBwdRowBlockBytes == 0) offsets[n++] = address % kBwdRowBlockBytes;
+  }
+  for (int i = 0; i < n; ++i) {
+    const int votes = static_cast<int>(std::count(offsets, offsets + n, offsets[i]));
+    if (votes > best_votes || (votes == best_votes && offsets[i] == 0)) best = offsets[i], best_votes = votes;
+  }
+  return best;
+}
 
 }  // namespace flashinfer_cake
