@@ -707,7 +707,7 @@ STRIDE_CASES = [
     # rows), 1 (WideVec8, 17 tiles), 30 (Wide; dx votes against x and dy), 16 (WideShort), 2 (WideHalf)
     pytest.param(4098, 8192, False, [(64, 64)] * 4, id="S4098-C8192-rows-128B-off"),
     pytest.param(8192, 4352, False, [(8, 120)] * 4, id="S8192-C4352-rows-16B-off"),
-    pytest.param(4098, 8320, False, [(120, 8), (64, 64), (120, 8), (0, 128)], id="S4098-C8320-rows-240B-off"),
+    pytest.param(4098, 8320, False, [(120, 8), (64, 64), (120, 8), (0, 128)], id="S4098-C8320-x-dy-240B-off"),
     pytest.param(3001, 4352, True, [(64, 64)] * 4, id="S3001-C4352-3d-rows-128B-off"),
     pytest.param(2050, 256, True, [(8, 120), (8, 120), (8, 120), (136, 120)], id="S2050-C256-3d-rows-16B-off"),
 ]

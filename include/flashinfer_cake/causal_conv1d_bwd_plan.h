@@ -315,13 +315,13 @@ inline int64_t bwd_workspace_bytes(int64_t S, int64_t C) { return bwd_workspace_
 
 // Row-strided views whose rows start 128 bytes past a 256-byte boundary (a column slice at an odd multiple
 // of 64 channels of a buffer whose row pitch is a multiple of 256 bytes) ran the backward 7.6-9.7 % slower
-// than rows that start on one (r153, H200, 16-byte rows, NOTES_bwd session 39): each 512-byte channel tile
-// then spans three 256-byte blocks, two of them shared with the neighbouring tiles. The full-width
-// stateless kernels rotate their channel slots so that the tiles start on this many bytes past a
-// 256-byte boundary of the rows (the launcher's bwd_vec_shift). Measured on an H100 (NOTES_bwd session 58,
-// r225-r229, bitwise equal): slices at column 64 of [S, C + 128] 0.6-2.7 % faster (16384x4096 168.4 -> 164.6 us),
-// contiguous and other shapes unchanged; not yet on an H200. Of x, dy and dx
-// (each: its address mod 256, its row pitch in bytes), those whose every row has the same offset (pitch
+// than contiguous rows, slices whose rows start on a boundary 0-3 % (r153, H200, 16-byte rows, NOTES_bwd
+// session 39): each 512-byte channel tile then spans three 256-byte blocks, two of them shared with the
+// neighbouring tiles. So the full-width stateless kernels rotate their channel slots until their tiles
+// start this many bytes into the rows, i.e. on the rows' 256-byte blocks (the launcher's bwd_vec_shift).
+// H100 (NOTES_bwd session 58, WideVec8's shapes): 1.2-2.3 % faster at column 64 of [S, C + 128], of which
+// 0.3-0.7 % showed on contiguous shapes too (no rotation there); not yet measured on an H200. Of x, dy and
+// dx (each: its address mod 256, its row pitch in bytes), those whose every row has the same offset (pitch
 // a multiple of 256 bytes) vote with their offset; the most votes win, a tie goes to 0 if it is among
 // them (no rotation), else to the first stream's offset (x, then dy).
 constexpr int64_t kBwdRowBlockBytes = 256;
