@@ -101,6 +101,9 @@ struct BwdTraits {
   static constexpr int kMinCtasPerSm = kMinCtasPerSm_;
   static constexpr int kTileTokens = kStrips * kStripLen;  // one sub-tile: every strip once
   static constexpr int kTileChannels = kLanesC * kVec;
+  // Tiles of whole 256-byte row blocks: the stateless kernels may rotate them onto the rows' blocks
+  // (the kernel's kRotates, the launcher's bwd_vec_shift).
+  static constexpr bool kTilesOfRowBlocks = (kTileChannels * sizeof(__nv_bfloat16)) % kBwdRowBlockBytes == 0;
   static constexpr int kPosTokens = kBwdMaxItemTokens + 3;  // a group's tokens and their lookahead
   // The warp fills its strips' rings together, a chunk of 4 ring rows of every strip per step of 4
   // rows (the kernel's fill_piece), when a warp holds 8 or 16 strips (2 or 4 channel lanes: C <= 16).
@@ -247,7 +250,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
   // in the stateful kernels: at their 128-register cap the rotated column spilled (8-byte stack frames).
   const int channel_slot = tile_c * Traits::kLanesC + lane_c;
   const uint32_t vecs_per_row = p.C / V;
-  constexpr bool kRotates = !kStates && (Traits::kTileChannels * sizeof(__nv_bfloat16)) % kBwdRowBlockBytes == 0;
+  constexpr bool kRotates = !kStates && Traits::kTilesOfRowBlocks;
   const int vec = !kRotates                    ? channel_slot
                   : channel_slot < p.vec_shift ? channel_slot - p.vec_shift + static_cast<int>(vecs_per_row)
                                                : channel_slot - p.vec_shift;

@@ -112,7 +112,7 @@ int64_t bwd_channel_tiles(int64_t C) {
 template <class Traits>
 int32_t bwd_vec_shift(const CausalConv1dBwdParams& p) {
   constexpr int64_t kBytes = sizeof(__nv_bfloat16);
-  if ((Traits::kTileChannels * kBytes) % kBwdRowBlockBytes != 0 || p.C % Traits::kTileChannels != 0 || bwd_has_states(p)) return 0;
+  if (!Traits::kTilesOfRowBlocks || p.C % Traits::kTileChannels != 0 || bwd_has_states(p)) return 0;
   const auto stream = [](const void* ptr, int64_t row_elems) {
     return std::pair<int64_t, int64_t>{int64_t(reinterpret_cast<uintptr_t>(ptr) % kBwdRowBlockBytes), row_elems * kBytes};
   };
