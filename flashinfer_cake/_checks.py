@@ -14,6 +14,7 @@ import functools
 import operator
 
 import torch
+from torch.autograd import forward_ad
 
 from . import _plan
 from .jit.env import ARCH_OF_CAPABILITY
@@ -30,6 +31,17 @@ def check_types(fn: str, required, optional) -> None:
     for name, t in optional:
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
+
+
+def shown(v):
+    """A size, shape or strides as a message shows it: while torch.compile traces with dynamic sizes
+    they are SymInts, which print as symbols (s42 - 1); shown as the values this call has (their
+    hints), as the eager call's message would."""
+    if isinstance(v, (tuple, list)):  # torch.Size too
+        return tuple(shown(e) for e in v)
+    if isinstance(v, torch.SymInt) and v.node.hint is not None:
+        return int(v.node.hint)
+    return v
 
 
 # The contract's limits (exclusive bounds but MAX_CU_SEQLENS): kFwdMaxS / kBwdMaxS,
@@ -58,16 +70,16 @@ def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
                 "torch.arange(0, B * T + 1, T, dtype=torch.int32, device=x.device)" if len(shape) == 3 else "")
         if len(shape) == 3 and shape[1] > 1 and x.stride(1) == 1 and x.stride(2) != 1:
             hint += " (Dao's channel-last [B, C, T] view: x.transpose(1, 2).reshape(B * T, C))"
-        raise ValueError(f"{fn}: x must have shape [S, C] or [1, S, C], got {tuple(shape)}{hint}")
+        raise ValueError(f"{fn}: x must have shape [S, C] or [1, S, C], got {shown(shape)}{hint}")
     if C <= 0 or C % 8 or C >= MAX_C:
-        raise ValueError(f"{fn}: x's channel count C must be a positive multiple of 8 below 2^28, got C={C}"
+        raise ValueError(f"{fn}: x's channel count C must be a positive multiple of 8 below 2^28, got C={shown(C)}"
                          f"{_unit_stride_rows_hint('x', x)}")
     max_s, max_elements = MAX_S[op], MAX_ELEMENTS[op]
     if S >= max_s or S * C >= max_elements:
         whose = "" if op == "forward" else " (the backward's range)"
         raise ValueError(
             f"{fn}: x must have S < 2^{max_s.bit_length() - 1} and S * C < 2^{max_elements.bit_length() - 1} "
-            f"elements{whose}, got S={S}, C={C}"
+            f"elements{whose}, got S={shown(S)}, C={shown(C)}"
         )
     check_rows(fn, "x", x, op)
     check_memory(fn, "x", x)
@@ -121,13 +133,13 @@ def check_rows(fn: str, name: str, t: torch.Tensor, op: str) -> None:
     problem = _row_problem(t, op)
     if problem == "channels":
         raise ValueError(f"{fn}: {name} must have contiguous channels (stride(-1) == 1; rows may be strided), "
-                         f"got strides {t.stride()}{_unit_stride_rows_hint(name, t)}")
+                         f"got strides {shown(t.stride())}{_unit_stride_rows_hint(name, t)}")
     if problem == "stride":
-        raise ValueError(f"{fn}: {name}'s row stride stride(-2) must be at least C = {t.shape[-1]} and a multiple "
-                         f"of 8 elements (16 bytes), got strides {t.stride()}")
+        raise ValueError(f"{fn}: {name}'s row stride stride(-2) must be at least C = {shown(t.shape[-1])} and a "
+                         f"multiple of 8 elements (16 bytes), got strides {shown(t.stride())}")
     if problem == "range":
         raise ValueError(f"{fn}: {name} must have S * stride(-2) < 2^{MAX_ELEMENTS[op].bit_length() - 1} elements "
-                         f"(the {op}'s range), got S={t.shape[-2]}, stride(-2)={t.stride(-2)}")
+                         f"(the {op}'s range), got S={shown(t.shape[-2])}, stride(-2)={shown(t.stride(-2))}")
 
 
 def check_rows_like(fn: str, name: str, t: torch.Tensor, x: torch.Tensor, op: str) -> None:
@@ -135,7 +147,7 @@ def check_rows_like(fn: str, name: str, t: torch.Tensor, x: torch.Tensor, op: st
     if t.dtype != torch.bfloat16:
         raise ValueError(f"{fn}: {name} must have dtype torch.bfloat16, got {t.dtype}")
     if t.shape != x.shape:
-        raise ValueError(f"{fn}: {name} must have x's shape {tuple(x.shape)}, got {tuple(t.shape)}")
+        raise ValueError(f"{fn}: {name} must have x's shape {shown(x.shape)}, got {shown(t.shape)}")
     check_rows(fn, name, t, op)
     check_memory(fn, name, t)
 
@@ -159,10 +171,10 @@ def check_states(fn: str, name: str, t: torch.Tensor, num_docs: int, C: int) -> 
         else:  # an output is written in place: a converted copy of it would not be the caller's tensor
             hint = (f"; for {peer} states pass a new [num_docs, 3, C] tensor and convert it after (README: the "
                     f"peers' layouts)")
-        raise ValueError(f"{fn}: {name} must have shape [num_docs, 3, C] = [{num_docs}, 3, {C}] (num_docs from "
-                         f"cu_seqlens, C from x), got {tuple(t.shape)}{hint}")
+        raise ValueError(f"{fn}: {name} must have shape [num_docs, 3, C] = [{shown(num_docs)}, 3, {shown(C)}] "
+                         f"(num_docs from cu_seqlens, C from x), got {shown(t.shape)}{hint}")
     if not t.is_contiguous():
-        raise ValueError(f"{fn}: {name} must be contiguous, got strides {t.stride()}")
+        raise ValueError(f"{fn}: {name} must be contiguous, got strides {shown(t.stride())}")
     check_memory(fn, name, t)
 
 
@@ -193,9 +205,14 @@ def check_memory(fn: str, name: str, t: torch.Tensor) -> None:
     its storage (a view keeps its shape when its storage is resized, e.g. by
     untyped_storage().resize_(0), and the kernels would address the bytes past it). (Not while
     torch.compile traces nor for tensors without memory (without_memory), which have none to
-    check: the op's eager call checks them when it runs.)"""
+    check: the op's eager call checks them when it runs.) A tensor of a torch.func transform (a
+    functorch wrapper: no storage) is a NotImplementedError naming it."""
     if torch.compiler.is_compiling() or without_memory(t):
         return
+    if torch._C._functorch.is_functorch_wrapped_tensor(t):  # (before its storage, which it does not have)
+        raise NotImplementedError(f"{fn}: {name} is a tensor of a torch.func transform (grad, vmap, jvp), which this "
+                                  f"library does not support: call it outside torch.func (for gradients, "
+                                  f"torch.autograd: loss.backward() or torch.autograd.grad)")
     if t.is_neg() or t.is_conj():
         raise ValueError(f"{fn}: {name} must not be a lazily negated or conjugated view; pass t.resolve_neg() / "
                          f"t.resolve_conj()")
@@ -223,17 +240,18 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
         hint = ("; an nn.Conv1d weight [C, 1, 4] is weight.squeeze(1)" if weight.shape == (C, 1, 4) else
                 "; x looks channels-first [1, C, S] (the weight's C is x.shape[-2]): pass "
                 "x.transpose(-1, -2).contiguous(), token-major" if weight.shape in ((S, 4), (S, 1, 4)) else "")
-        raise ValueError(f"{fn}: weight must have shape [C, 4] = [{C}, 4] (C from x), got {tuple(weight.shape)}{hint}")
+        raise ValueError(f"{fn}: weight must have shape [C, 4] = [{shown(C)}, 4] (C from x), "
+                         f"got {shown(weight.shape)}{hint}")
     if not weight.is_contiguous():
-        raise ValueError(f"{fn}: weight must be contiguous, got strides {weight.stride()}")
+        raise ValueError(f"{fn}: weight must be contiguous, got strides {shown(weight.stride())}")
     check_memory(fn, "weight", weight)
     if bias is not None:
         if bias.dtype not in PARAM_DTYPES:
             raise ValueError(f"{fn}: bias must have dtype torch.float32 or torch.bfloat16, got {bias.dtype}")
         if bias.shape != (C,):
-            raise ValueError(f"{fn}: bias must have shape [C] = [{C}] (C from x), got {tuple(bias.shape)}")
+            raise ValueError(f"{fn}: bias must have shape [C] = [{shown(C)}] (C from x), got {shown(bias.shape)}")
         if not bias.is_contiguous():
-            raise ValueError(f"{fn}: bias must be contiguous, got strides {bias.stride()}")
+            raise ValueError(f"{fn}: bias must be contiguous, got strides {shown(bias.stride())}")
         check_memory(fn, "bias", bias)
     if cu_seqlens.dtype != torch.int32:
         hint = ("; convert it once per batch with cu_seqlens.to(torch.int32)" if cu_seqlens.dtype == torch.int64
@@ -242,10 +260,10 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
     if cu_seqlens.dim() != 1 or not 1 <= cu_seqlens.shape[0] <= MAX_CU_SEQLENS:
         raise ValueError(
             f"{fn}: cu_seqlens must be 1-D [num_docs + 1] with 1 to 2^31 - 1 entries, got shape "
-            f"{tuple(cu_seqlens.shape)}"
+            f"{shown(cu_seqlens.shape)}"
         )
     if not cu_seqlens.is_contiguous():
-        raise ValueError(f"{fn}: cu_seqlens must be contiguous, got strides {cu_seqlens.stride()}")
+        raise ValueError(f"{fn}: cu_seqlens must be contiguous, got strides {shown(cu_seqlens.stride())}")
     check_memory(fn, "cu_seqlens", cu_seqlens)
 
 
@@ -254,9 +272,9 @@ def check_like(fn: str, name: str, t: torch.Tensor, dtype: torch.dtype, shape, s
     if t.dtype != dtype:
         raise ValueError(f"{fn}: {name} must have dtype {dtype}, got {t.dtype}")
     if t.shape != shape:
-        raise ValueError(f"{fn}: {name} must have {shape_text} {tuple(shape)}, got {tuple(t.shape)}")
+        raise ValueError(f"{fn}: {name} must have {shape_text} {shown(shape)}, got {shown(t.shape)}")
     if not t.is_contiguous():
-        raise ValueError(f"{fn}: {name} must be contiguous, got strides {t.stride()}")
+        raise ValueError(f"{fn}: {name} must be contiguous, got strides {shown(t.stride())}")
     check_memory(fn, name, t)
 
 
@@ -266,13 +284,13 @@ def check_workspace(fn: str, workspace: torch.Tensor, dtype: torch.dtype, need: 
         raise ValueError(f"{fn}: workspace must have dtype {dtype}, got {workspace.dtype}")
     if workspace.dim() != 1 or not workspace.is_contiguous():
         raise ValueError(
-            f"{fn}: workspace must be a contiguous 1-D tensor, got shape {tuple(workspace.shape)} "
-            f"strides {workspace.stride()}"
+            f"{fn}: workspace must be a contiguous 1-D tensor, got shape {shown(workspace.shape)} "
+            f"strides {shown(workspace.stride())}"
         )
     check_memory(fn, "workspace", workspace)
     have = workspace.shape[0] * workspace.element_size()
     if have < need:
-        raise ValueError(f"{fn}: workspace must hold at least {need} bytes ({bytes_fn}), got {have}")
+        raise ValueError(f"{fn}: workspace must hold at least {shown(need)} bytes ({bytes_fn}), got {shown(have)}")
 
 
 def check_same_device(fn: str, x: torch.Tensor, others) -> None:
@@ -395,20 +413,33 @@ def _check_aligned(fn: str, named_tensors) -> None:
 
 def check_no_grad(fn: str, inputs, outputs, why: str) -> None:
     """With grad mode on, no tensor of ``inputs`` / ``outputs`` ((name, tensor or None) pairs)
-    requires grad: the raw forward and backward record no autograd graph (their results would be
-    constants to autograd, silently) and write their outputs in place (as torch refuses for out=
-    arguments). ``why``: the way to gradients, for the message."""
-    if not torch.is_grad_enabled():
+    requires grad, and in any mode none is a dual tensor of forward-mode AD (one with a tangent):
+    the raw forward and backward record no autograd graph and propagate no tangent (their results
+    would be constants to autograd, or without a tangent, silently) and write their outputs in place
+    (as torch refuses for out= arguments). ``why``: the way to gradients, for the message."""
+    if torch.is_grad_enabled():
+        for name, t in inputs:
+            if t is not None and t.requires_grad:
+                raise RuntimeError(f"{fn}: {name} requires grad, but this function records no autograd graph, so "
+                                   f"its results would be constants to autograd ({why}): call it under "
+                                   f"torch.no_grad() or on {name}.detach()")
+        for name, t in outputs:
+            if t is not None and t.requires_grad:
+                raise RuntimeError(f"{fn}: {name} requires grad, but this function writes it in place without "
+                                   f"autograd: pass a tensor that does not require grad, or call it under "
+                                   f"torch.no_grad()")
+    if torch.compiler.is_compiling():  # (dynamo traces forward AD itself)
         return
     for name, t in inputs:
-        if t is not None and t.requires_grad:
-            raise RuntimeError(f"{fn}: {name} requires grad, but this function records no autograd graph, so its "
-                               f"results would be constants to autograd ({why}): call it under torch.no_grad() or "
-                               f"on {name}.detach()")
+        if t is not None and forward_ad.unpack_dual(t).tangent is not None:
+            raise RuntimeError(f"{fn}: {name} is a dual tensor of forward-mode AD (torch.autograd.forward_ad), but "
+                               f"this function propagates no tangent, so its results would have none, silently: "
+                               f"pass forward_ad.unpack_dual({name}).primal")
     for name, t in outputs:
-        if t is not None and t.requires_grad:
-            raise RuntimeError(f"{fn}: {name} requires grad, but this function writes it in place without autograd: "
-                               f"pass a tensor that does not require grad, or call it under torch.no_grad()")
+        if t is not None and forward_ad.unpack_dual(t).tangent is not None:
+            raise RuntimeError(f"{fn}: {name} is a dual tensor of forward-mode AD (torch.autograd.forward_ad), but "
+                               f"this function writes it in place without a tangent (its tangent would be stale): "
+                               f"pass a tensor that is not a dual tensor")
 
 
 def check_forward_args(fn: str, x, weight, cu_seqlens, bias, initial_states, final_states_out, out, workspace,
@@ -461,7 +492,7 @@ def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, initial_states
     check_rows_like(fn, "dy", dy, x, "backward")
     if dinitial_states is not None and initial_states is None:
         raise ValueError(f"{fn}: dinitial_states must be None when initial_states is None, got a tensor of shape "
-                         f"{tuple(dinitial_states.shape)}")
+                         f"{shown(dinitial_states.shape)}")
     for name, t in (("initial_states", initial_states), ("dfinal_states", dfinal_states),
                     ("dinitial_states", dinitial_states)):
         if t is not None:
@@ -472,7 +503,7 @@ def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, initial_states
         check_like(fn, "dweight", dweight, weight.dtype, weight.shape, "weight's dtype and shape")
     if dbias is not None:
         if bias is None:
-            raise ValueError(f"{fn}: dbias must be None when bias is None, got a tensor of shape {tuple(dbias.shape)}")
+            raise ValueError(f"{fn}: dbias must be None when bias is None, got a tensor of shape {shown(dbias.shape)}")
         check_like(fn, "dbias", dbias, bias.dtype, bias.shape, "bias's dtype and shape")
     if workspace is not None:
         check_workspace(fn, workspace, torch.float32, _plan.workspace_bytes(S, C),

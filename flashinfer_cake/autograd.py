@@ -37,6 +37,10 @@ def _not_differentiable(backward):
     constants, silently. (The binding's C++ node does the same.)"""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
+        if not _is_dynamo_compiling() and any(
+                g is not None and torch.autograd.forward_ad.unpack_dual(g).tangent is not None for g in grads):
+            # forward-over-reverse (a dual incoming gradient): its tangent would be dropped, silently
+            raise NotImplementedError(f"{_AUTOGRAD}: forward-mode AD (dual tensors, torch.func.jvp) is not supported")
         with torch.no_grad():
             out = backward(ctx, *grads)
         if not torch.is_grad_enabled():
@@ -125,7 +129,8 @@ def cake_causal_conv1d(
     ``fullgraph=True`` works), and under ``torch.jit.trace`` that Function too: the node and the
     Function give bitwise the same results. On tensors without memory (meta tensors,
     FakeTensorMode, make_fx) the Function runs the ops' fake implementations (the outputs'
-    metadata). ``torch.func`` transforms (grad, vmap) are not supported.
+    metadata). ``torch.func`` transforms (grad, vmap, jvp) and forward-mode AD are not supported
+    (NotImplementedError).
 
     Args:
         x, weight, cu_seqlens, bias, initial_states: as in
@@ -140,7 +145,9 @@ def cake_causal_conv1d(
     Raises:
         TypeError, ValueError, RuntimeError as the forward (but for tensors that require grad,
         which are what this function is for); and a ValueError up front when x is outside the
-        backward's range (S < 2^30, S * C < 2^34).
+        backward's range (S < 2^30, S * C < 2^34). NotImplementedError: a tensor of a
+        ``torch.func`` transform, or forward-mode AD (a dual input, or a dual incoming gradient in
+        the backward).
     """
     # The binding is opaque to both torch.compile and torch.jit.trace. (Under dynamo the first test
     # is the constant True; _is_tracing is the C call under torch.jit.is_tracing: 0.1 us less.)

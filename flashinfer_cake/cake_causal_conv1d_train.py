@@ -167,8 +167,10 @@ def cake_causal_conv1d_train_forward(
         TypeError: a tensor argument is not a tensor.
         ValueError: a bad dtype, shape, layout, device, alignment or size; nothing is launched
             and ``out`` / ``workspace`` are untouched.
-        RuntimeError: with grad mode on, a tensor argument requires grad (this function records
-            no autograd graph and writes its outputs in place: :func:`cake_causal_conv1d` is the
+        NotImplementedError: a tensor of a ``torch.func`` transform.
+        RuntimeError: with grad mode on, a tensor argument requires grad, or in any mode one is a
+            dual tensor of forward-mode AD (this function records no autograd graph, propagates
+            no tangent and writes its outputs in place: :func:`cake_causal_conv1d` is the
             autograd entry point); x's device is not supported, the module cannot be built or
             loaded, or the launch fails (with the CUDA error string).
     """
@@ -264,8 +266,10 @@ def cake_causal_conv1d_train_backward(
         TypeError: a tensor argument is not a tensor.
         ValueError: a bad dtype, shape, layout, device, alignment, overlap, size or policy;
             nothing is launched and no output is touched.
-        RuntimeError: with grad mode on, a tensor argument requires grad (this function is not
-            differentiable and writes its outputs in place); x's device is not supported, the
+        NotImplementedError: a tensor of a ``torch.func`` transform.
+        RuntimeError: with grad mode on, a tensor argument requires grad, or in any mode one is a
+            dual tensor of forward-mode AD (this function is not differentiable and writes its
+            outputs in place); x's device is not supported, the
             module cannot be built or loaded, or the launch fails (with the CUDA error string).
     """
     binding = _dispatch.binding

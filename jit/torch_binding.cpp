@@ -125,7 +125,9 @@ bool as_tensor(PyObject* obj, bool optional, const at::Tensor** out) {
   }
   if (!PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(THPVariableClass))) return false;
   *out = &THPVariable_Unpack(obj);
-  return !(*out)->unsafeGetTensorImpl()->is_python_dispatch();  // (FakeTensor, DTensor: no memory of its own)
+  // Not FakeTensor, DTensor (no memory of their own) nor torch.func's wrappers (the Python rules refuse them).
+  const c10::TensorImpl* impl = (*out)->unsafeGetTensorImpl();
+  return !impl->is_python_dispatch() && !impl->key_set().has_any(c10::functorch_transforms_ks);
 }
 
 int64_t span_bytes(const at::Tensor* t);
@@ -422,13 +424,17 @@ bool misaligned16(std::initializer_list<const at::Tensor*> ts) {
   return false;
 }
 
-// With grad mode on, whether any of the tensors requires grad: the raw forward and backward record
-// no autograd graph and write their outputs in place, so they decline such a call (the Python
-// rules raise _checks.check_no_grad's error).
+// Whether any of the tensors requires grad with grad mode on, or is a dual tensor of forward-mode AD
+// (has a tangent): the raw forward and backward record no autograd graph, propagate no tangent and
+// write their outputs in place, so they decline such a call (the Python rules raise
+// _checks.check_no_grad's error).
 bool grad_needed(std::initializer_list<const at::Tensor*> ts) {
-  if (!at::GradMode::is_enabled()) return false;
+  const bool grad_mode = at::GradMode::is_enabled();
   for (const at::Tensor* t : ts) {
-    if (t && t->requires_grad()) return true;
+    if (!t) continue;
+    if (grad_mode && t->requires_grad()) return true;
+    // (a dual tensor has autograd metadata: the others skip isFwGradDefined's copy and lock)
+    if (t->unsafeGetTensorImpl()->autograd_meta() && torch::autograd::isFwGradDefined(*t)) return true;
   }
   return false;
 }
@@ -726,6 +732,10 @@ struct CakeCausalConv1dBackward final : Node {
   // grads: dy[, dfinal_states]. Returns the gradients of the next edges (x, weight, bias,
   // initial_states).
   variable_list apply(variable_list&& grads) override {
+    // forward-over-reverse (a dual incoming gradient): its tangent would be dropped, silently
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        !torch::autograd::isFwGradDefined(grads[0]) && (grads.size() < 2 || !torch::autograd::isFwGradDefined(grads[1])),
+        kAutograd, ": forward-mode AD (dual tensors, torch.func.jvp) is not supported");
     std::lock_guard<std::mutex> lock(mutex_);
     const at::Tensor xs = x.unpack(), ws = weight.unpack(), bs = bias.unpack(), cus = cu_seqlens.unpack(),
                      inits = initial_states.unpack();

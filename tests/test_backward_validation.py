@@ -29,7 +29,8 @@ from flashinfer_cake.reference import (
     causal_conv1d_preactivation_reference,
     causal_conv1d_reference,
 )
-from test_forward_validation import D, bad_rows, bad_states, one_buffer, resized, rows, state_view, states  # same S, C, cu
+from test_forward_validation import (  # same S, C, cu
+    D, bad_rows, bad_states, dual, dual_message, one_buffer, resized, rows, state_view, states)
 
 FN = "cake_causal_conv1d_train_backward"
 S, C = 16, 32
@@ -439,6 +440,63 @@ def test_autograd_entry_rejects_a_row_stride_past_the_backwards_range():
         cake_causal_conv1d(x, torch.randn(8, 4), torch.tensor([0, 2], dtype=I32))
 
 
+DUAL_CASES = {  # an argument made a dual tensor: the inputs and the outputs the raw backward writes
+    "x": lambda: torch.randn(S, C).to(BF16), "dy": lambda: torch.randn(S, C).to(BF16),
+    "weight": lambda: torch.randn(C, 4), "bias": lambda: torch.randn(C), "initial_states": states,
+    "dfinal_states": states, "dx": lambda: torch.empty(S, C, dtype=BF16), "dweight": lambda: torch.empty(C, 4),
+    "dbias": lambda: torch.empty(C), "dinitial_states": states,
+    "workspace": lambda: torch.zeros(workspace_bytes(S, C) // 4),
+}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("argname", list(DUAL_CASES))
+def test_dual_tensors_are_refused_naming_the_argument(argname, grad_mode, device, request):
+    """Forward-mode AD: the raw backward propagates no tangent, so a dual tensor among its inputs or
+    outputs is a RuntimeError naming it, in either grad mode; on the GPU the binding declines it."""
+    override = {argname: lambda: dual(DUAL_CASES[argname]())}
+    if argname in ("dfinal_states", "dinitial_states"):
+        override["initial_states"] = states
+    with torch.autograd.forward_ad.dual_level(), torch.set_grad_enabled(grad_mode):
+        if device == "cuda":
+            args = request.getfixturevalue("bad_cuda_args")(call, valid_args, override)
+        else:
+            args = valid_args(**{name: make() for name, make in override.items()})
+        with pytest.raises(RuntimeError, match=dual_message(FN, argname)):
+            call(args)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("entry", ["function", "node"])
+@pytest.mark.parametrize("which", ["dy", "dfinal_states"])
+def test_a_dual_incoming_gradient_is_refused(which, entry, device):
+    """Forward-over-reverse (autograd.grad with a dual grad_outputs): the backward would drop the
+    tangent, silently, so it is cake_causal_conv1d's NotImplementedError, through the Function and
+    (on the GPU) the binding's C++ node. On the CPU only the Function's wrapper runs (the forward
+    needs a GPU): its check comes before anything reads the saved tensors."""
+    if device == "cpu" and entry == "node":
+        pytest.skip("the C++ node is the GPU's eager path")
+    x = torch.randn(S, C, device=device).to(BF16).requires_grad_()
+    w, cu = torch.randn(C, 4, device=device, requires_grad=True), torch.tensor([0, 5, 5, S], dtype=I32, device=device)
+    h0 = torch.randn(D, 3, C, device=device).to(BF16).requires_grad_()
+    with torch.autograd.forward_ad.dual_level():
+        if device == "cpu":
+            grads = [torch.randn(S, C).to(BF16), torch.randn(D, 3, C).to(BF16)]
+            grads[which == "dfinal_states"] = dual(grads[which == "dfinal_states"])
+            with pytest.raises(NotImplementedError, match=rf"^{AUTOGRAD}: forward-mode AD .* not supported"):
+                CakeCausalConv1dFunction.backward(None, *grads)
+            return
+        if entry == "function":
+            y, fs = CakeCausalConv1dFunction.apply(x, w, cu, None, h0, True, "bf16")
+        else:
+            y, fs = cake_causal_conv1d(x, w, cu, initial_states=h0, return_final_states=True)
+        grads = [torch.randn_like(y), torch.randn_like(fs)]
+        grads[which == "dfinal_states"] = dual(grads[which == "dfinal_states"])
+        with pytest.raises(NotImplementedError, match=rf"{AUTOGRAD}: forward-mode AD .* not supported"):
+            torch.autograd.grad((y, fs), (x, w, h0), grads)
+
+
 @pytest.mark.parametrize("dy", [torch.randn(C), torch.randn(1, C).to(BF16)], ids=["fp32-row", "bf16-row"])
 def test_custom_ops_backward_does_not_broadcast_dy(dy):
     """The custom op's backward copies an incoming gradient it cannot read as it is, but one of
@@ -539,6 +597,10 @@ def test_torch_compile_raises_a_bad_argument_while_tracing(dynamic, override, ar
     quoted = r"ValueError\((\[ConstantVariable\(str: )?['\"]"
     assert any(re.search(rf"(^|{quoted}){AUTOGRAD}: {argname}\b", str(e)) for e in chain), \
         [f"{type(e).__name__}: {e}" for e in chain]
+    # with dynamic sizes the message shows this call's values, not the trace's symbols (s42 - 1)
+    messages = [m.group(2) for e in chain for m in [re.search(rf"(^|['\"])({AUTOGRAD}: {argname}\b.*?)(['\"]\)|$)",
+                                                              str(e), re.S)] if m]
+    assert messages and not any(re.search(r"\b[su]\d+\b", m) for m in messages), messages
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from flashinfer_cake import (
+    cake_causal_conv1d,
     cake_causal_conv1d_train_forward,
     cake_causal_conv1d_train_forward_workspace_bytes,
     is_cake_causal_conv1d_train_supported,
@@ -507,6 +508,70 @@ def test_tensors_that_require_grad_pass_under_no_grad():
                       out=torch.empty(S, C, dtype=BF16).requires_grad_())
     with torch.no_grad(), pytest.raises(ValueError, match=rf"^{FN}: x must be a CUDA tensor"):
         call(args)
+
+
+def dual(t):
+    """t as a dual tensor of forward-mode AD (inside forward_ad.dual_level())."""
+    return torch.autograd.forward_ad.make_dual(t, torch.randn_like(t))
+
+
+DUAL_CASES = {  # an argument made a dual tensor: the inputs and the outputs the raw forward writes
+    "x": lambda: torch.randn(S, C).to(BF16), "weight": lambda: torch.randn(C, 4), "bias": lambda: torch.randn(C),
+    "initial_states": states, "final_states_out": states, "out": lambda: torch.empty(S, C, dtype=BF16),
+}
+DUAL_OUTPUTS = ("final_states_out", "out", "dx", "dweight", "dbias", "dinitial_states", "workspace")
+
+
+def dual_message(fn, argname):
+    """check_no_grad's message for a dual tensor ``argname``: an input's, or an output's."""
+    fix = "writes it in place without a tangent" if argname in DUAL_OUTPUTS else rf"unpack_dual\({argname}\)\.primal"
+    return rf"^{fn}: {argname} is a dual tensor of forward-mode AD .*{fix}"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("argname", list(DUAL_CASES))
+def test_dual_tensors_are_refused_naming_the_argument(argname, grad_mode, device, request):
+    """Forward-mode AD: the raw forward propagates no tangent, so a dual tensor among its inputs
+    (its results would have none, silently) or outputs is a RuntimeError naming it, in either grad
+    mode. On the GPU after a valid call: the torch binding declines such a call itself."""
+    with torch.autograd.forward_ad.dual_level(), torch.set_grad_enabled(grad_mode):
+        if device == "cuda":
+            make = request.getfixturevalue("bad_cuda_args")
+            args = make(call, valid_args, {argname: lambda: dual(DUAL_CASES[argname]())})
+        else:
+            args = valid_args(**{argname: dual(DUAL_CASES[argname]())})
+        with pytest.raises(RuntimeError, match=dual_message(FN, argname)):
+            call(args)
+
+
+def raw_backward(x, w, cu):
+    from flashinfer_cake import cake_causal_conv1d_train_backward
+    return cake_causal_conv1d_train_backward(x, w, cu, torch.ones_like(x))[0]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("transform, argname", [("grad", "x"), ("vmap", "x"), ("jvp", "x"), ("vmap", "weight"),
+                                                ("vmap-empty", "x")])
+@pytest.mark.parametrize("fn", [cake_causal_conv1d_train_forward, raw_backward, cake_causal_conv1d],
+                         ids=["forward", "backward", "autograd"])
+def test_torch_func_transforms_are_refused_naming_the_argument(transform, argname, fn, device, request):
+    """torch.func's transforms wrap their tensors (no storage of their own): refused by name as not
+    supported, not torch's "Cannot access storage" from a later rule; on the GPU after a valid call
+    (the binding declines the wrappers itself, empty ones too)."""
+    n = 0 if transform == "vmap-empty" else S
+    x, w = torch.randn(n, C, device=device).to(BF16), torch.randn(C, 4, device=device)
+    cu = torch.tensor([0, 5, 5, S] if n else [0, 0], dtype=I32, device=device)
+    if device == "cuda":
+        fn(x, w, cu)  # registers the variant with the binding (the raw backward of this shape too)
+    name = {raw_backward: "cake_causal_conv1d_train_backward"}.get(fn, getattr(fn, "__name__", ""))
+    f = (lambda x: fn(x, w, cu).float().sum()) if argname == "x" else (lambda w: fn(x, w, cu).float().sum())
+    arg = x if argname == "x" else w
+    run = {"grad": lambda: torch.func.grad(f)(arg), "vmap": lambda: torch.func.vmap(f)(arg.unsqueeze(0)),
+           "vmap-empty": lambda: torch.func.vmap(f)(arg.unsqueeze(0)),
+           "jvp": lambda: torch.func.jvp(f, (arg,), (torch.randn_like(arg),))}[transform]
+    with pytest.raises(NotImplementedError, match=rf"^{name}: {argname} is a tensor of a torch.func transform"):
+        run()
 
 
 def test_tensors_without_memory_are_named():
