@@ -35,7 +35,8 @@ from .jit.build import check_nvcc_release, compiler_version
 
 def _specs(archs: list[str] | None) -> list[jit.JitSpec]:
     """Every variant for ``archs`` (default: the arch list), then the torch binding."""
-    archs = [env.normalize_arch(a, "--arch") for a in archs] if archs else env.arch_list()
+    # (each arch once: a repeated one, e.g. "--arch sm_90a --arch 9.0a", would take its lock twice)
+    archs = list(dict.fromkeys(env.normalize_arch(a, "--arch") for a in archs)) if archs else env.arch_list()
     return [*jit.all_variants(archs), jit.binding_spec()]
 
 

@@ -131,8 +131,8 @@ def open_artifact(spec: JitSpec, path: Path):
     if not spec.python_extension:
         return KernelModule(path)
     module_spec = importlib.util.spec_from_file_location(f"flashinfer_cake._{spec.uri}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
+    try:  # (an extension is opened by module_from_spec: a missing library raises there)
+        module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     except ImportError as e:
         raise RuntimeError(f"flashinfer_cake: cannot load {path}: {e}") from e
@@ -189,6 +189,7 @@ def prebuild(specs: list[JitSpec], out_dir: Path | str | None = None, *, jobs: i
     one parallel ninja run, and return where each is. ``progress`` gets one line per artifact
     built. A directory that already holds everything is only read (it may be read-only)."""
     out_dir = env.cache_dir() if out_dir is None else env.output_dir(Path(out_dir))
+    specs = list(dict.fromkeys(specs))  # each once: a repeated spec would take its lock twice
     try:
         compilers = [compiler_of(s) for s in specs]
     except RuntimeError:  # no compiler: enough when every spec is built (by any compiler) already

@@ -401,21 +401,32 @@ def _toolchain_digest(fingerprint: str) -> str:
     return h.hexdigest()
 
 
+# Environment variables the compilers read as more flags or search paths (nvcc's, then gcc's): set,
+# they change what a build makes, so they are part of the compiler's identity (a module built under
+# NVCC_APPEND_FLAGS=-G is not loaded once it is unset). Unset, the identity is the compiler's alone.
+COMPILER_ENV = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN", "CPATH", "C_INCLUDE_PATH",
+                "CPLUS_INCLUDE_PATH", "LIBRARY_PATH")
+
+
 def toolchain_digest(nvcc: Path) -> str:
     """Identity of an nvcc without running it (the warm path starts no process): path, size and
     mtime of the nvcc binary (through a wrapper script to the nvcc it runs) and of the toolkit's
-    version.json and a file of each part NVIDIA's wheels update apart (PIP_TOOLKIT_PARTS). A new or
-    updated toolkit changes it."""
-    return _toolchain_digest(_fingerprint(nvcc.resolve()))
+    version.json and a file of each part NVIDIA's wheels update apart (PIP_TOOLKIT_PARTS), and the
+    COMPILER_ENV variables that are set. A new or updated toolkit changes it."""
+    flags = "".join(f"\0{name}={os.environ[name]}" for name in COMPILER_ENV if os.environ.get(name))
+    return _toolchain_digest(_fingerprint(nvcc.resolve()) + flags)
 
 
 def ninja_path() -> str:
     found = shutil.which("ninja")
     if found:
         return found
-    import ninja  # the PyPI package ships the binary
-
-    for candidate in (Path(ninja.BIN_DIR) / "ninja", Path(ninja.__file__).parent / "data" / "bin" / "ninja"):
+    try:
+        import ninja  # the PyPI package ships the binary
+    except ImportError:  # (e.g. installed with --no-deps)
+        ninja = None
+    for candidate in (() if ninja is None else
+                      (Path(ninja.BIN_DIR) / "ninja", Path(ninja.__file__).parent / "data" / "bin" / "ninja")):
         if candidate.is_file():
             return str(candidate)
     raise RuntimeError("ninja not found: `pip install ninja` (a dependency of flashinfer_cake)")

@@ -366,3 +366,11 @@ def test_aot_build_script_is_build_aot(monkeypatch):
         with pytest.raises(SystemExit):
             exec(compile(script.read_text(), str(script), "exec"), {"__name__": "__main__"})
         assert calls == [["build", *out]], out
+
+
+def test_a_repeated_arch_is_built_once():
+    """--arch sm_90a --arch 9.0a names one arch: its specs once (each would take its lock twice)."""
+    from flashinfer_cake import cli
+
+    specs = cli._specs(["sm_90a", "9.0a"])
+    assert len(specs) == len(set(specs)) == len(cli._specs(["sm_90a"]))

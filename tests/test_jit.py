@@ -537,6 +537,43 @@ def test_an_updated_wheel_changes_the_module_name(tmp_path, part):
     assert env.toolchain_digest(nvcc) != before
 
 
+def test_compiler_flags_in_the_environment_change_the_module_name(tmp_path, monkeypatch):
+    """nvcc reads NVCC_APPEND_FLAGS (and gcc CPATH, ...) as more flags: a module built under them is
+    another build, never loaded once they are unset; with none set the name is the compiler's alone."""
+    nvcc = make_cuda_wheels(tmp_path / "site") / "bin" / "nvcc"
+    for name in env.COMPILER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    plain = env.toolchain_digest(nvcc)
+    seen = {plain}
+    for name in env.COMPILER_ENV:
+        monkeypatch.setenv(name, "-G")
+        seen.add(env.toolchain_digest(nvcc))
+        monkeypatch.setenv(name, "")  # set but empty: as unset
+        assert env.toolchain_digest(nvcc) == plain
+        monkeypatch.delenv(name)
+    assert len(seen) == 1 + len(env.COMPILER_ENV)
+
+
+def test_an_extension_that_cannot_be_opened_is_a_runtime_error(tmp_path):
+    """A prebuilt binding that cannot be opened (another platform's, a missing library) is the
+    RuntimeError the loader skips (to the cache or JIT), not an ImportError that stops the call."""
+    from flashinfer_cake.jit.binding import binding_spec
+
+    path = tmp_path / "binding.so"
+    path.write_bytes(b"not an ELF file")
+    with pytest.raises(RuntimeError, match="cannot load"):
+        core.open_artifact(binding_spec(), path)
+
+
+def test_ninja_package_that_does_not_import_is_the_install_hint(monkeypatch):
+    """Without ninja on PATH and with a ninja package that does not import (e.g. --no-deps): the
+    one-line hint, not an ImportError's traceback."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setitem(sys.modules, "ninja", None)  # import ninja raises ImportError
+    with pytest.raises(RuntimeError, match="ninja not found: `pip install ninja`"):
+        env.ninja_path()
+
+
 def test_no_top_level_jit_module(fresh_import):
     _, result = fresh_import
     assert result["jit"] == "None"
