@@ -424,6 +424,12 @@ bool misaligned16(std::initializer_list<const at::Tensor*> ts) {
   return false;
 }
 
+// Whether t is a dual tensor of forward-mode AD (has a tangent). A dual tensor has autograd metadata:
+// a tensor without it (most) skips isFwGradDefined's copy and lock.
+bool has_tangent(const at::Tensor& t) {
+  return t.defined() && t.unsafeGetTensorImpl()->autograd_meta() && torch::autograd::isFwGradDefined(t);
+}
+
 // Whether any of the tensors requires grad with grad mode on, or is a dual tensor of forward-mode AD
 // (has a tangent): the raw forward and backward record no autograd graph, propagate no tangent and
 // write their outputs in place, so they decline such a call (the Python rules raise
@@ -432,9 +438,7 @@ bool grad_needed(std::initializer_list<const at::Tensor*> ts) {
   const bool grad_mode = at::GradMode::is_enabled();
   for (const at::Tensor* t : ts) {
     if (!t) continue;
-    if (grad_mode && t->requires_grad()) return true;
-    // (a dual tensor has autograd metadata: the others skip isFwGradDefined's copy and lock)
-    if (t->unsafeGetTensorImpl()->autograd_meta() && torch::autograd::isFwGradDefined(*t)) return true;
+    if ((grad_mode && t->requires_grad()) || has_tangent(*t)) return true;
   }
   return false;
 }
@@ -733,9 +737,8 @@ struct CakeCausalConv1dBackward final : Node {
   // initial_states).
   variable_list apply(variable_list&& grads) override {
     // forward-over-reverse (a dual incoming gradient): its tangent would be dropped, silently
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        !torch::autograd::isFwGradDefined(grads[0]) && (grads.size() < 2 || !torch::autograd::isFwGradDefined(grads[1])),
-        kAutograd, ": forward-mode AD (dual tensors, torch.func.jvp) is not supported");
+    TORCH_CHECK_NOT_IMPLEMENTED(!has_tangent(grads[0]) && (grads.size() < 2 || !has_tangent(grads[1])), kAutograd,
+                                ": forward-mode AD (dual tensors, torch.func.jvp) is not supported");
     std::lock_guard<std::mutex> lock(mutex_);
     const at::Tensor xs = x.unpack(), ws = weight.unpack(), bs = bias.unpack(), cus = cu_seqlens.unpack(),
                      inits = initial_states.unpack();
@@ -823,8 +826,7 @@ PyObject* try_autograd_forward(PyObject*, PyObject* const* args, Py_ssize_t narg
   const at::Tensor& weight = *c.weight;
   const at::Tensor bias = c.bias ? *c.bias : at::Tensor();
   const at::Tensor init = c.initial_states ? *c.initial_states : at::Tensor();
-  TORCH_CHECK_NOT_IMPLEMENTED(!torch::autograd::isFwGradDefined(x) && !torch::autograd::isFwGradDefined(weight) &&
-                                  !torch::autograd::isFwGradDefined(bias) && !torch::autograd::isFwGradDefined(init),
+  TORCH_CHECK_NOT_IMPLEMENTED(!has_tangent(x) && !has_tangent(weight) && !has_tangent(bias) && !has_tangent(init),
                               kAutograd, ": forward-mode AD (dual tensors, torch.func.jvp) is not supported");
   at::Tensor y, final_states;
   {
