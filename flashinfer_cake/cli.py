@@ -81,6 +81,15 @@ def _wheel_trees(nvcc) -> str:
     return " | ".join(states) or "none"
 
 
+def _module_state(spec) -> str:
+    """The build a first call opens, else whether another toolchain's is all there is (it compiles)."""
+    path = jit.located(spec)
+    if path is not None:
+        return str(path)
+    others = jit.published(spec)
+    return f"not built by this toolchain (a first call builds it; {others[0]} is another's)" if others else "not built"
+
+
 def cmd_env(args) -> int:
     """Every line, whatever fails; exit status 1 (and the first problem on stderr) if any did."""
     nvcc, problems = env.nvcc_path(), []
@@ -101,7 +110,7 @@ def cmd_env(args) -> int:
     else:
         print("modules:")
         for spec in _specs(None):
-            _line(f"  {spec.uri}", lambda spec=spec: (jit.published(spec) or ["not built"])[0], problems, 46)
+            _line(f"  {spec.uri}", lambda spec=spec: _module_state(spec), problems, 46)
     if problems:
         print(f"flashinfer-cake: error: {problems[0]}", file=sys.stderr)
     return 1 if problems else 0
@@ -115,7 +124,11 @@ def cmd_build(args) -> int:
         print(f"{spec.uri:44s} {path}")
     where = next(iter(built.values())).parent
     print(f"all {len(built)} modules are in {where} ({time.perf_counter() - start:.1f} s)")
-    searched = [env.PACKAGE_AOT_DIR, *env.aot_dirs()]
+    searched = [env.PACKAGE_AOT_DIR]
+    try:
+        searched += env.aot_dirs()
+    except RuntimeError as e:  # the build is done; the variable is the caller's to fix
+        print(f"note: {_message(e)}; calls fail until it is fixed")
     with contextlib.suppress(RuntimeError):
         searched.append(env.cache_dir())
     installed = env.installed_package_dir()

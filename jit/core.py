@@ -9,7 +9,8 @@ Contract of :func:`load`: returns the loaded artifact (a :class:`~.module.Kernel
 imported binding module), trying in order
   1. what this process already loaded (no file access),
   2. the AOT directories (``FLASHINFER_CAKE_AOT_DIR``, then the package's own ``aot/``), any
-     compiler's build,
+     compiler's build (a ``FLASHINFER_CAKE_AOT_DIR`` that is not a directory, or that others can
+     write to, is a RuntimeError),
   3. the JIT cache (``FLASHINFER_CAKE_CACHE_DIR``): this compiler's build, or any compiler's when
      nothing can be compiled there (``FLASHINFER_CAKE_DISABLE_JIT``, no compiler, or a cache
      this process cannot write),
@@ -139,14 +140,18 @@ def open_artifact(spec: JitSpec, path: Path):
     return module
 
 
+def _aot_builds(spec: JitSpec) -> list[Path]:
+    """The verified build of ``spec`` in each AOT directory that holds one, in search order (any compiler)."""
+    found = (find_published(directory, spec.module_prefix()) for directory in env.aot_dirs())
+    return [path for path in found if path is not None]
+
+
 def _find_or_build(spec: JitSpec):
-    for directory in env.aot_dirs():
-        path = find_published(directory, spec.module_prefix())
-        if path is not None:
-            try:
-                return open_artifact(spec, path)
-            except RuntimeError as e:  # e.g. built for another platform: the cache or JIT may do
-                logger.warning("flashinfer_cake: skipping prebuilt %s: %s", path, e)
+    for path in _aot_builds(spec):
+        try:
+            return open_artifact(spec, path)
+        except RuntimeError as e:  # e.g. built for another platform: the cache or JIT may do
+            logger.warning("flashinfer_cake: skipping prebuilt %s: %s", path, e)
     return open_artifact(spec, _find_or_build_in_cache(spec))
 
 
@@ -159,28 +164,39 @@ def _disabled_error(spec: JitSpec, cache: Path) -> RuntimeError:
     )
 
 
+def _in_cache(spec: JitSpec, cache: Path) -> tuple[Path | None, Path | None]:
+    """(the build of ``spec`` in ``cache`` that load opens, or None; the compiler that builds it
+    there, or None when nothing can be compiled: then any compiler's build will do)."""
+    compiler = None if env.jit_disabled() or not os.access(cache, os.W_OK) else _compiler_if_any(spec)
+    if compiler is None:
+        return find_published(cache, spec.module_prefix()), None
+    return verified_module(cache / f"{spec.module_name(env.toolchain_digest(compiler))}.so"), compiler
+
+
 def _find_or_build_in_cache(spec: JitSpec) -> Path:
     cache = env.cache_dir()
-    compiler = None if env.jit_disabled() or not os.access(cache, os.W_OK) else _compiler_if_any(spec)
-    if compiler is None:  # nothing can be compiled: any compiler's build will do
-        path = find_published(cache, spec.module_prefix())
-        if path is not None:
-            return path
+    path, compiler = _in_cache(spec, cache)
+    if path is not None:
+        return path
+    if compiler is None:
         if env.jit_disabled():
             raise _disabled_error(spec, cache)
         compiler = compiler_of(spec)  # raises, saying how to get one
-    item = BuildItem(spec, spec.module_name(env.toolchain_digest(compiler)), compiler)
-    return build_once(cache, item)
+    return build_once(cache, BuildItem(spec, spec.module_name(env.toolchain_digest(compiler)), compiler))
+
+
+def located(spec: JitSpec) -> Path | None:
+    """The build of ``spec`` that :func:`load` tries first without compiling, or None when it
+    would compile (what ``flashinfer-cake env`` reports; load still skips a prebuilt file it
+    cannot open)."""
+    aot = _aot_builds(spec)
+    return aot[0] if aot else _in_cache(spec, env.cache_dir())[0]
 
 
 def published(spec: JitSpec) -> list[Path]:
     """Every verified build of ``spec`` in the AOT directories and the JIT cache, any compiler."""
-    found = []
-    for directory in [*env.aot_dirs(), env.cache_dir()]:
-        path = find_published(directory, spec.module_prefix())
-        if path is not None:
-            found.append(path)
-    return found
+    cached = find_published(env.cache_dir(), spec.module_prefix())
+    return [*_aot_builds(spec), *([cached] if cached is not None else [])]
 
 
 def prebuild(specs: list[JitSpec], out_dir: Path | str | None = None, *, jobs: int | None = None,

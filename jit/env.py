@@ -6,7 +6,8 @@ cache root the first time a module is looked up, :func:`output_dir` a prebuild's
 
 Environment variables:
     FLASHINFER_CAKE_CACHE_DIR      JIT cache root (default ``~/.cache/flashinfer_cake/<version>``).
-    FLASHINFER_CAKE_AOT_DIR        a directory of prebuilt modules, searched before the package's aot/.
+    FLASHINFER_CAKE_AOT_DIR        a directory of prebuilt modules, searched before the package's aot/
+                                   (one that is not a directory, or that others can write to, is an error).
     FLASHINFER_CAKE_CUDA_ARCH_LIST archs that ``flashinfer-cake build`` prebuilds (default ``9.0a``).
     FLASHINFER_CAKE_NVCC           the nvcc to build with (else $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc,
                                    NVIDIA's CUDA wheels in this Python environment, PATH, /usr/local/cuda).
@@ -183,11 +184,15 @@ def aot_dirs() -> list[Path]:
     """Directories of prebuilt modules, searched in order before the JIT cache."""
     dirs = []
     value = os.environ.get("FLASHINFER_CAKE_AOT_DIR")
-    if value:
+    if value:  # named by the user: a missing or unsafe one is an error, not a silent JIT build
         path = Path(value).expanduser().absolute()
-        if path.is_dir():
-            _check_private_dir(path, "FLASHINFER_CAKE_AOT_DIR")  # named by the user: an error
-            dirs.append(path)
+        if not path.is_dir():
+            state = "is not a directory" if path.exists() else "does not exist"
+            shown = value if str(path) == value else f"{value} ({path})"
+            raise RuntimeError(f"flashinfer_cake: FLASHINFER_CAKE_AOT_DIR={shown} {state}: point it at a prebuild's "
+                               f"output (`flashinfer-cake build --out DIR`) or unset it")
+        _check_private_dir(path, "FLASHINFER_CAKE_AOT_DIR")
+        dirs.append(path)
     if PACKAGE_AOT_DIR.is_dir():
         reason = _unsafe_reason(PACKAGE_AOT_DIR, package=True)
         if reason:  # a broken install: skip it, JIT still works

@@ -138,6 +138,7 @@ def test_found_in_an_aot_dir_first_and_clear_error_when_missing(loaded, monkeypa
     monkeypatch.setenv("FLASHINFER_CAKE_AOT_DIR", str(aot))
     assert jit.published(jit.binding_spec())[0] == aot / built.name
 
+    (tmp_path / "empty-aot").mkdir(mode=0o700)
     monkeypatch.setenv("FLASHINFER_CAKE_AOT_DIR", str(tmp_path / "empty-aot"))
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")

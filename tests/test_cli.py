@@ -103,9 +103,20 @@ def test_no_kernel_spills_or_uses_a_stack_frame(built):
                                    f"known kernels no longer built: {gone}"
 
 
-@pytest.mark.parametrize("state", ["built", "empty"])
-def test_env(built, tmp_path, state):
-    cache = built[0] if state == "built" else tmp_path / "empty-cache"
+def _other_toolchains_cache(built_cache: Path, cache: Path) -> Path:
+    """A copy of ``built_cache`` whose every module is renamed as another compiler's build of the same sources."""
+    shutil.copytree(built_cache, cache, symlinks=True)
+    for so in cache.glob("*.so"):
+        for path in (so, so.with_suffix(".json")):
+            path.rename(path.with_stem(path.stem[:-8] + "0" * 8))
+    return cache
+
+
+@pytest.mark.parametrize("state", ["built", "empty", "another-toolchain"])
+def test_env(built, tmp_path, state, monkeypatch):
+    monkeypatch.delenv("FLASHINFER_CAKE_AOT_DIR", raising=False)  # (the child runs without it: aot_dirs() below)
+    cache = {"built": built[0], "empty": tmp_path / "empty-cache",
+             "another-toolchain": _other_toolchains_cache(built[0], tmp_path / "other-cache")}[state]
     r = flashinfer_cake("env", cache=cache, cwd=tmp_path, FLASHINFER_CAKE_CUDA_ARCH_LIST="9.0")
     assert r.returncode == 0, r.stderr
     assert re.search(rf"^cache dir\s+{re.escape(str(cache))}\s", r.stdout, re.M), r.stdout
@@ -119,9 +130,25 @@ def test_env(built, tmp_path, state):
         shipped.update(listed_modules(r.stdout, directory))
     if state == "built":
         assert sorted({**listed_modules(r.stdout, cache), **shipped}) == sorted(URIS), r.stdout
-    else:
+    elif state == "empty":
         for uri in URIS:
             assert uri in shipped or re.search(rf"^\s+{uri}\s+not built$", r.stdout, re.M), r.stdout
+    else:  # a first call compiles (a compiler is here): the other build is named, not listed as the one loaded
+        assert not listed_modules(r.stdout, cache), r.stdout
+        for uri in set(URIS) - set(shipped):
+            other = re.escape(str(cache / uri)) + r"_\w+_0{8}\.so"
+            assert re.search(rf"^\s+{uri}\s+not built by this toolchain \(a first call builds it; {other} is "
+                             rf"another's\)$", r.stdout, re.M), r.stdout
+
+
+def test_env_names_a_missing_aot_dir(tmp_path):
+    """A FLASHINFER_CAKE_AOT_DIR that does not exist is env's error (and the loader's), not silently skipped."""
+    missing = tmp_path / "no-such-aot"
+    r = flashinfer_cake("env", cache=tmp_path / "cache", cwd=tmp_path, FLASHINFER_CAKE_AOT_DIR=str(missing))
+    assert r.returncode == 1, r.stdout
+    assert re.search(rf"^aot dirs\s+ERROR: .*FLASHINFER_CAKE_AOT_DIR={re.escape(str(missing))} does not exist",
+                     r.stdout, re.M), r.stdout
+    assert "FLASHINFER_CAKE_AOT_DIR" in r.stderr and "flashinfer-cake build --out DIR" in r.stderr, r.stderr
 
 
 def test_env_says_which_wheel_tree_is_taken_and_why_the_others_are_not(monkeypatch, tmp_path):
@@ -337,6 +364,12 @@ def test_build_destination(argv, where, tmp_path, monkeypatch, capsys):
         assert "not the installed one" in out and f"export FLASHINFER_CAKE_AOT_DIR={package_aot}" in out, out
     else:
         assert f"export FLASHINFER_CAKE_AOT_DIR={tmp_path / 'dir'}" in out
+    # A FLASHINFER_CAKE_AOT_DIR that is not a directory: the build stands, and the variable is named.
+    monkeypatch.setenv("FLASHINFER_CAKE_AOT_DIR", str(tmp_path / "mistyped"))
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"note: FLASHINFER_CAKE_AOT_DIR={tmp_path / 'mistyped'} does not exist" in out, out
+    assert "calls fail until it is fixed" in out, out
 
 
 def test_a_checkouts_own_metadata_is_not_the_installed_package(tmp_path, monkeypatch):

@@ -914,15 +914,38 @@ def test_aot_dir_used_before_cache(built_cache, name, tmp_path, monkeypatch):
 
 
 def test_disable_jit_accepts_another_compilers_build(built_cache, name, tmp_path, monkeypatch):
-    """With JIT disabled nothing is compiled, so a cached build by another nvcc is used."""
+    """With JIT disabled nothing is compiled, so a cached build by another nvcc is used; with a compiler, the first
+    call compiles, and located() (what `flashinfer-cake env` reports) says so."""
     cache = copy_cache(built_cache, tmp_path / "cache")
     other = SPEC.module_prefix() + "0" * 8  # the same sources, another compiler's digest
     for ext in (".so", ".json"):
         (cache / f"{name}{ext}").rename(cache / f"{other}{ext}")
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
+    assert jit.located(SPEC) is None and jit.published(SPEC) == [cache / f"{other}.so"]
     monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")
     forbid_processes(monkeypatch)
+    assert jit.located(SPEC) == cache / f"{other}.so"
     assert jit.load(SPEC).path == cache / f"{other}.so"
+
+
+@pytest.mark.parametrize("kind", ["missing", "a-file", "relative"])
+def test_aot_dir_that_is_not_a_directory_is_an_error(built_cache, tmp_path, monkeypatch, kind):
+    """A mistyped FLASHINFER_CAKE_AOT_DIR is named (a relative one with the path it reached), not skipped for a
+    cached build or a silent JIT build."""
+    aot = tmp_path / "aot"
+    if kind == "a-file":
+        aot.write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLASHINFER_CAKE_AOT_DIR", "aot" if kind == "relative" else str(aot))
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(built_cache))  # holds the module: it would have loaded
+    forbid_processes(monkeypatch)
+    state = "is not a directory" if kind == "a-file" else "does not exist"
+    shown = f"aot ({aot})" if kind == "relative" else aot
+    for call in (jit.load, jit.located):
+        with pytest.raises(RuntimeError, match=re.escape(f"FLASHINFER_CAKE_AOT_DIR={shown} {state}")) as e:
+            call(SPEC)
+        assert "flashinfer-cake build --out DIR" in str(e.value) and "unset it" in str(e.value)
+    assert core._loaded == {}
 
 
 @pytest.mark.parametrize("mode, accepted", [(0o775, True), (0o777, False)])
@@ -1003,7 +1026,8 @@ def test_unsafe_directory_refused(built_cache, tmp_path, monkeypatch, unsafe, re
     """Refused, saying which check failed and only a fix that is safe for that directory."""
     cache = copy_cache(built_cache, tmp_path / "cache")  # holds a valid module
     bad = unsafe(cache, tmp_path / "aot")
-    monkeypatch.setenv("FLASHINFER_CAKE_AOT_DIR", str(tmp_path / "aot"))
+    if (tmp_path / "aot").exists():
+        monkeypatch.setenv("FLASHINFER_CAKE_AOT_DIR", str(tmp_path / "aot"))
     forbid_processes(monkeypatch)
     monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: pytest.fail(f"loaded code: {a}"))
     with pytest.raises(RuntimeError, match="refusing to load code from it") as e:
