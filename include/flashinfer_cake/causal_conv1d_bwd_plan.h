@@ -320,7 +320,7 @@ inline int64_t bwd_workspace_bytes(int64_t S, int64_t C) { return bwd_workspace_
 // neighbouring tiles. So the full-width stateless kernels rotate their channel slots until their tiles
 // start this many bytes into the rows, i.e. on the rows' 256-byte blocks (the launcher's bwd_vec_shift).
 // H100 (NOTES_bwd session 58, WideVec8's shapes): 1.2-2.3 % faster at column 64 of [S, C + 128], of which
-// 0.3-0.7 % showed on contiguous shapes too (no rotation there); not yet measured on an H200. Of x, dy and
+// 0.3-0.7 % showed on contiguous shapes too (no rotation there); H200 (session 60): 0.7-3.9 %. Of x, dy and
 // dx (each: its address mod 256, its row pitch in bytes), those whose every row has the same offset (pitch
 // a multiple of 256 bytes) vote with their offset; the most votes win, a tie goes to 0 if it is among
 // them (no rotation), else to the first stream's offset (x, then dy).
