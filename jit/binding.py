@@ -20,13 +20,19 @@ from .core import JitSpec, load
 SOURCE = Path(__file__).with_name("torch_binding.cpp")
 
 
+def _torch_build_settings() -> str:
+    """torch's build configuration (its compiler flags, options, commit): two builds of one version that
+    differ there are told apart without their install paths. The line only: the rest of
+    torch.__config__.show() describes the running CPU, which a prebuilt binding does not depend on."""
+    return next((line.strip() for line in torch.__config__.show().splitlines() if "Build settings:" in line), "")
+
+
 @functools.cache
 def binding_spec() -> JitSpec:
     """The binding for the running torch and Python."""
     import torch.distributed  # (its is_available(): whether torch was built with it)
 
     torch_dir = Path(torch.__file__).resolve().parent
-    lib = torch_dir / "lib"
     return JitSpec(
         uri="torch_binding",
         source=SOURCE.read_text(),
@@ -41,9 +47,11 @@ def binding_spec() -> JitSpec:
             "-w",  # torch's headers warn under -std=c++20 with some compilers; nothing of ours
             f"-DCAKE_C10D={int(torch.distributed.is_available())}",  # the CP calls' collectives need it
         ),
-        ldflags=(f"-L{lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{lib}"),
+        ldflags=("-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"),
         include_dirs=(str(torch_dir / "include"), sysconfig.get_paths()["include"]),
-        identity=(torch.__version__, str(torch.version.git_version), str(sysconfig.get_config_var("EXT_SUFFIX"))),
+        lib_dirs=(str(torch_dir / "lib"),),
+        identity=(torch.__version__, str(torch.version.git_version), str(torch.version.cuda), str(torch.version.hip),
+                  _torch_build_settings(), str(sysconfig.get_config_var("EXT_SUFFIX"))),
         python_extension=True,
     )
 

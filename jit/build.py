@@ -119,7 +119,8 @@ def _ninja_file(items: list[BuildItem]) -> str:
         for file, _ in unit_files(item):
             objects.append(f"{file}.o")
             lines += [f"build {file}.o: compile {file}", *flags]
-        ldflags = [*spec.ldflags, *(env.toolkit_link_flags(item.compiler) if spec.language == "cuda" else ())]
+        ldflags = [*(f"-L{d}" for d in spec.lib_dirs), *spec.ldflags,
+                   *(env.toolkit_link_flags(item.compiler) if spec.language == "cuda" else ())]
         lines += [f"build {item.name}.so: link {' '.join(objects)}", *flags,
                   f"  ldflags = {' '.join(map(shlex.quote, ldflags))}"]
     return "\n".join(lines) + "\n"

@@ -46,10 +46,12 @@ logger = logging.getLogger("flashinfer_cake.jit")
 class JitSpec:
     """One artifact. ``source`` is its main translation unit, ``units`` any further ones
     (compiled in parallel, then linked with it into one library); ``language`` picks the compiler
-    ("cuda": nvcc, "c++": the C++ compiler); ``include_dirs`` come after the package's templates
-    (paths: what they hold belongs in ``identity``); ``identity`` lists whatever else the binary
-    depends on (e.g. the torch and Python a binding is built for); ``python_extension``: imported
-    as a Python module, else loaded with ctypes as a :class:`KernelModule`."""
+    ("cuda": nvcc, "c++": the C++ compiler); ``include_dirs`` come after the package's templates,
+    ``lib_dirs`` are searched for ``ldflags``'s libraries at the link (paths, not in the digest: what
+    they hold belongs in ``identity``, so one build serves every install of the same torch);
+    ``identity`` lists whatever else the binary depends on (e.g. the torch and Python a binding is
+    built for); ``python_extension``: imported as a Python module, else loaded with ctypes as a
+    :class:`KernelModule`."""
 
     uri: str
     source: str = dataclasses.field(repr=False)
@@ -58,6 +60,7 @@ class JitSpec:
     cflags: tuple[str, ...] = ()
     ldflags: tuple[str, ...] = ()
     include_dirs: tuple[str, ...] = ()
+    lib_dirs: tuple[str, ...] = ()
     identity: tuple[str, ...] = ()
     python_extension: bool = False
 

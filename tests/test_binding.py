@@ -7,13 +7,14 @@ it was built from), and where the loader finds it. (The backward's plan is tests
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 
 from flashinfer_cake import jit
-from flashinfer_cake.jit import binding, core, env
+from flashinfer_cake.jit import binding, build, core, env
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,24 @@ def test_name_tracks_torch_python_and_source(monkeypatch, tmp_path):
     assert before.startswith("torch_binding_") and before == prefix()
     monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
     assert prefix() != before
+    monkeypatch.undo()
+    # Another build of the same version (other compiler flags or options: its build settings) is another binding.
+    show = torch.__config__.show()
+    monkeypatch.setattr(torch.__config__, "show", lambda: show.replace("Build settings:", "Build settings: X=1,"))
+    assert prefix() != before
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.__config__, "show", lambda: show.replace("CPU capability usage:", "CPU capability: X"))
+    assert prefix() == before  # what the running CPU supports is not the binding's
+    monkeypatch.undo()
+    # Where torch is installed is not part of the name: the same torch in another environment (another venv, a
+    # container's path) finds the binding prebuilt for it. Its link searches that torch's lib/ (the process has
+    # loaded torch's libraries before the binding: no run-path to the builder's).
+    elsewhere = tmp_path / "venv" / "site-packages" / "torch"
+    monkeypatch.setattr(torch, "__file__", str(elsewhere / "__init__.py"))
+    assert prefix() == before
+    ninja = build._ninja_file([build.BuildItem(binding.binding_spec(), "b", Path("/usr/bin/c++"))])
+    [ldflags] = [line for line in ninja.splitlines() if line.startswith("  ldflags")]
+    assert ldflags.split()[2:] == [f"-L{elsewhere / 'lib'}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
     monkeypatch.undo()
     source = tmp_path / binding.SOURCE.name
     source.write_bytes(binding.SOURCE.read_bytes() + b"\n")
