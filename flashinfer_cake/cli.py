@@ -30,7 +30,7 @@ import torch
 
 from . import __version__, jit
 from .jit import env
-from .jit.build import check_nvcc_release, compiler_version
+from .jit.build import check_nvcc_release, compiler_version, hold_lock
 
 
 def _specs(archs: list[str] | None) -> list[jit.JitSpec]:
@@ -140,19 +140,62 @@ def cmd_build(args) -> int:
     return 0
 
 
+def _remove(entry) -> bool:
+    """Remove a cache entry (a link is unlinked, not followed); False if it went meanwhile (a build moved it)."""
+    try:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _is_lock(path) -> bool:
+    return path.suffix == ".lock" and path.is_file() and not path.is_symlink()
+
+
 def cmd_clear_cache(args) -> int:
     if not env.cache_dir_path().exists():  # (a mistyped FLASHINFER_CAKE_CACHE_DIR is not created)
         print(f"nothing to remove: {env.cache_dir_path()} does not exist")
         return 0
     root = env.cache_dir()
-    # Lock files stay: deleting one a running build holds would let a second build start.
-    entries = [e for e in root.iterdir() if e.suffix != ".lock"]
-    for entry in entries:
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-    print(f"removed {len(entries)} entries from {root}")
+    # Each artifact's files go under its lock, every lock taken first in prebuild()'s order ("prebuild", then by name;
+    # load() holds one at a time): a running build ends before its files go. Lock files stay (a build may be waiting
+    # on one), and so do the files of a build that started after the locks were taken (a lock not held here).
+    names = sorted(p.stem for p in root.iterdir() if _is_lock(p) and p.stem != "prebuild")
+    with contextlib.ExitStack() as held:
+        try:
+            if not (root / "prebuild.lock").exists() or _is_lock(root / "prebuild.lock"):
+                held.enter_context(hold_lock(root, "prebuild", "another prebuild"))
+            for name in names:
+                held.enter_context(hold_lock(root, name, name))
+        except RuntimeError as e:
+            raise RuntimeError(f"cannot clear {root}: {e.__cause__ or e}") from e
+        mine = {"prebuild", *names}
+
+        def free(entry) -> bool:  # <name>.so / .json, .<name>.* temporaries, build/<name>[.stale.*]
+            base = entry.name.lstrip(".")
+            owners = [p.stem for p in root.iterdir() if _is_lock(p)]  # (now: a build may have started)
+            owner = next((n for n in owners if base == n or base.startswith(n + ".")), None)
+            return owner is None or owner in mine
+
+        removed = kept = 0
+        for entry in [e for e in root.iterdir() if not _is_lock(e)]:
+            if entry.name == "build" and entry.is_dir() and not entry.is_symlink():
+                for sub in list(entry.iterdir()):
+                    if free(sub):
+                        removed += _remove(sub)
+                    else:
+                        kept += 1
+                with contextlib.suppress(OSError):  # (not empty: a build that started meanwhile)
+                    entry.rmdir()
+            elif free(entry):
+                removed += _remove(entry)
+            else:
+                kept += 1
+    print(f"removed {removed} entries from {root}" + (f"; kept {kept} of builds that started meanwhile" if kept else ""))
     return 0
 
 

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import threading
@@ -185,7 +186,20 @@ def _find_or_build_in_cache(spec: JitSpec) -> Path:
         if env.jit_disabled():
             raise _disabled_error(spec, cache)
         compiler = compiler_of(spec)  # raises, saying how to get one
-    return build_once(cache, BuildItem(spec, spec.module_name(env.toolchain_digest(compiler)), compiler))
+    item = BuildItem(spec, spec.module_name(env.toolchain_digest(compiler)), compiler)
+    try:
+        return build_once(cache, item)
+    except RuntimeError as e:  # (e.g. an nvcc too old): say so when another compiler's build is at hand
+        other = find_published(cache, spec.module_prefix())
+        if other is None or other.stem == item.name:
+            raise
+        try:
+            by = f", by {json.loads(other.with_suffix('.json').read_text())['compiler_version']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            by = ""
+        raise RuntimeError(f"{e}\nflashinfer_cake: the cache holds another compiler's build of {spec.uri} ({other}{by}); "
+                           f"FLASHINFER_CAKE_DISABLE_JIT=1 loads it instead of building (and a process with it set "
+                           f"compiles nothing)") from e
 
 
 def located(spec: JitSpec) -> Path | None:

@@ -8,6 +8,7 @@ FLASHINFER_CAKE_DISABLE_JIT) run the command as a user would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -201,13 +203,106 @@ def test_clear_cache(built, tmp_path):
     (cache / "link").symlink_to(outside)
     locks = sorted(p.name for p in cache.glob("*.lock"))
     assert locks, "the built cache has lock files"
-    entries = len([p for p in cache.iterdir() if p.suffix != ".lock"])
+    entries = len([p for p in cache.iterdir() if p.suffix != ".lock" and p.name != "build"]) + \
+        len(list((cache / "build").iterdir()))  # (build/'s entries are counted one by one)
     r = flashinfer_cake("clear-cache", cache=cache, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert f"removed {entries} entries from {cache}" in r.stdout
     # Lock files stay (a running build may hold one); everything else is gone.
     assert cache.is_dir() and sorted(p.name for p in cache.iterdir()) == locks
     assert (outside / "keep").is_file()  # a symlink is removed, not followed
+
+
+def _cache_of(root: Path, *names: str) -> Path:
+    """A cache holding, per name, what a build leaves: the module, its record, its lock and its build directory."""
+    (root / "build").mkdir(parents=True)
+    for name in names:
+        for suffix in (".so", ".json", ".lock"):
+            (root / f"{name}{suffix}").write_text("")
+        (root / "build" / name).mkdir()
+        (root / "build" / name / "unit.cu").write_text("")
+    (root / "prebuild.lock").write_text("")
+    return root
+
+
+def test_clear_cache_waits_for_a_running_build(tmp_path, monkeypatch, capfd):
+    """A build holding its lock (another process) ends before its files go: nothing is removed under it."""
+    cache = _cache_of(tmp_path / "cache", "mod_a", "mod_b")
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    holder = subprocess.Popen([sys.executable, "-c", "import filelock, sys, time\n"
+                               "lock = filelock.FileLock(sys.argv[1]); lock.acquire(); print('held', flush=True)\n"
+                               "time.sleep(1.5); lock.release()", str(cache / "mod_b.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        assert cli.main(["clear-cache"]) == 0
+        waited = time.monotonic() - start
+    finally:
+        holder.wait(timeout=30)
+    assert waited > 1.0, waited
+    out, err = capfd.readouterr()
+    assert "waiting for another process to finish building mod_b" in err, err
+    assert f"removed 6 entries from {cache}\n" in out, out
+    assert sorted(p.name for p in cache.iterdir()) == ["mod_a.lock", "mod_b.lock", "prebuild.lock"]
+
+
+def test_clear_cache_leaves_a_build_that_started_meanwhile(tmp_path, monkeypatch, capsys):
+    """A build whose lock appears after clear-cache took its locks keeps its files (they may be being written)."""
+    cache = _cache_of(tmp_path / "cache", "mod_a")
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    real = cli.hold_lock
+
+    @contextlib.contextmanager
+    def hold_then_start_a_build(root, name, what):
+        with real(root, name, what):
+            if name == "mod_a":  # the last lock taken: another process's first call begins its build now
+                (cache / "mod_late.lock").write_text("")
+                (cache / "build" / "mod_late").mkdir()
+                for path in (cache / "build" / "mod_late" / "unit.cu", cache / "mod_late.so", cache / "mod_late.json"):
+                    path.write_text("")
+            yield
+
+    monkeypatch.setattr(cli, "hold_lock", hold_then_start_a_build)
+    assert cli.main(["clear-cache"]) == 0
+    out = capsys.readouterr().out
+    assert f"removed 3 entries from {cache}; kept 3 of builds that started meanwhile" in out, out
+    assert sorted(str(p.relative_to(cache)) for p in cache.rglob("*")) == [
+        "build", "build/mod_late", "build/mod_late/unit.cu", "mod_a.lock", "mod_late.json", "mod_late.lock",
+        "mod_late.so", "prebuild.lock"]
+
+
+@pytest.mark.parametrize("odd", ["a-directory", "a-symlink"])
+def test_clear_cache_removes_a_lock_path_that_is_not_a_lock_file(tmp_path, monkeypatch, capsys, odd):
+    """A *.lock that is no lock file (a directory, a link) is removed like any entry, not taken (which failed)."""
+    cache = _cache_of(tmp_path / "cache", "mod_a")
+    if odd == "a-directory":
+        (cache / "odd.lock").mkdir()
+    else:
+        (cache / "odd.lock").symlink_to(tmp_path / "elsewhere")
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    assert cli.main(["clear-cache"]) == 0
+    assert f"removed 4 entries from {cache}\n" in capsys.readouterr().out
+    assert sorted(p.name for p in cache.iterdir()) == ["mod_a.lock", "prebuild.lock"]
+
+
+def test_clear_cache_of_a_read_only_cache_says_so(tmp_path, monkeypatch, capsys):
+    cache = _cache_of(tmp_path / "cache", "mod_a")
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+
+    def refused(root, name, what):
+        raise RuntimeError("flashinfer_cake: cannot build in ...") from PermissionError(13, "Permission denied",
+                                                                                    str(root / f"{name}.lock"))
+
+    monkeypatch.setattr(cli, "hold_lock", refused)
+    assert cli.main(["clear-cache"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot clear {cache}: [Errno 13] Permission denied: '{cache / 'prebuild.lock'}'" in err, err
+    assert (cache / "mod_a.so").exists()  # nothing removed
 
 
 def test_clear_cache_of_a_missing_directory_creates_nothing(tmp_path):

@@ -1080,6 +1080,28 @@ def test_an_old_nvcc_of_cuda_home_names_the_wheels_that_can_build(only_test_nvcc
     assert f"{old} is CUDA 12.4" in str(e.value) and f"set FLASHINFER_CAKE_NVCC={top / 'bin' / 'nvcc'}" in str(e.value)
 
 
+def test_a_failed_build_names_another_compilers_cached_build(built_cache, name, tmp_path, monkeypatch):
+    """A cluster's CUDA 12.4 nvcc cannot build the kernels; the cache holds a build by another nvcc (a shared cache):
+    the refusal says FLASHINFER_CAKE_DISABLE_JIT=1 loads it, which it then does."""
+    cache = copy_cache(built_cache, tmp_path / "cache")
+    other = SPEC.module_prefix() + "0" * 8  # the same sources, another compiler's digest
+    for ext in (".so", ".json"):
+        (cache / f"{name}{ext}").rename(cache / f"{other}{ext}")
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.4, V12.4.131'\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("FLASHINFER_CAKE_NVCC", str(nvcc))
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
+    with pytest.raises(RuntimeError) as e:
+        jit.load(SPEC)
+    assert f"{nvcc} is CUDA 12.4" in str(e.value), str(e.value)
+    version = json.loads((cache / f"{other}.json").read_text())["compiler_version"]
+    assert f"the cache holds another compiler's build of {SPEC.uri} ({cache / other}.so, by {version}); " \
+           f"FLASHINFER_CAKE_DISABLE_JIT=1 loads it instead of building" in str(e.value), str(e.value)
+    monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")
+    assert jit.load(SPEC).path == cache / f"{other}.so"
+
+
 @pytest.mark.parametrize("release, refused", [("12.4", True), ("12.8", False), ("13.0", False)])
 def test_an_nvcc_older_than_the_kernels_need_is_named_before_the_build(only_test_nvcc, tmp_path, monkeypatch, release,
                                                                        refused):
