@@ -258,13 +258,22 @@ def verified_module(path: Path) -> Path | None:
     return path
 
 
-def find_published(directory: Path, prefix: str) -> Path | None:
-    """A verified artifact in ``directory`` whose name starts with ``prefix`` (any compiler)."""
+def find_published(directory: Path, prefix: str, preferred: str | None = None) -> Path | None:
+    """A verified artifact in ``directory`` whose name starts with ``prefix`` (any compiler): the one
+    named ``preferred`` (this machine's compiler's build) when it is there, else the one published last
+    (its record's mtime, then its name): after a toolkit update, the newer toolkit's build."""
+    def order(name: str) -> tuple[bool, float, str]:
+        try:
+            mtime = (directory / name).with_suffix(".json").stat().st_mtime
+        except OSError:
+            mtime = float("-inf")
+        return name != f"{preferred}.so", -mtime, name
+
     try:
-        names = sorted(n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".so"))
+        names = [n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".so")]
     except OSError:
         return None
-    for n in names:
+    for n in sorted(names, key=order):
         if verified_module(directory / n):
             return directory / n
     return None

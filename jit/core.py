@@ -14,6 +14,8 @@ imported binding module), trying in order
   3. the JIT cache (``FLASHINFER_CAKE_CACHE_DIR``): this compiler's build, or any compiler's when
      nothing can be compiled there (``FLASHINFER_CAKE_DISABLE_JIT``, no compiler, or a cache
      this process cannot write),
+  (where a directory holds several compilers' builds, this compiler's is taken, else the one
+  published last: :func:`.build.find_published`)
   4. a build into the JIT cache, unless ``FLASHINFER_CAKE_DISABLE_JIT`` is set.
 Steps 1-3 start no process. Step 4 holds the artifact's file lock and checks the cache again
 under it, so concurrent first calls from many processes compile once. A file is loaded only when
@@ -144,9 +146,16 @@ def open_artifact(spec: JitSpec, path: Path):
     return module
 
 
+def _local_name(compiler: Path | None, spec: JitSpec) -> str | None:
+    """The name of ``spec``'s build by ``compiler`` (None: no compiler, no name)."""
+    return None if compiler is None else spec.module_name(env.toolchain_digest(compiler))
+
+
 def _aot_builds(spec: JitSpec) -> list[Path]:
-    """The verified build of ``spec`` in each AOT directory that holds one, in search order (any compiler)."""
-    found = (find_published(directory, spec.module_prefix()) for directory in env.aot_dirs())
+    """The verified build of ``spec`` in each AOT directory that holds one, in search order (any
+    compiler; find_published's choice among several)."""
+    local = _local_name(_compiler_if_any(spec), spec)
+    found = (find_published(directory, spec.module_prefix(), local) for directory in env.aot_dirs())
     return [path for path in found if path is not None]
 
 
@@ -171,10 +180,10 @@ def _disabled_error(spec: JitSpec, cache: Path) -> RuntimeError:
 def _in_cache(spec: JitSpec, cache: Path) -> tuple[Path | None, Path | None]:
     """(the build of ``spec`` in ``cache`` that load opens, or None; the compiler that builds it
     there, or None when nothing can be compiled: then any compiler's build will do)."""
-    compiler = None if env.jit_disabled() or not os.access(cache, os.W_OK) else _compiler_if_any(spec)
-    if compiler is None:
-        return find_published(cache, spec.module_prefix()), None
-    return verified_module(cache / f"{spec.module_name(env.toolchain_digest(compiler))}.so"), compiler
+    compiler = _compiler_if_any(spec)
+    if compiler is None or env.jit_disabled() or not os.access(cache, os.W_OK):
+        return find_published(cache, spec.module_prefix(), _local_name(compiler, spec)), None
+    return verified_module(cache / f"{_local_name(compiler, spec)}.so"), compiler
 
 
 def _find_or_build_in_cache(spec: JitSpec) -> Path:
@@ -186,7 +195,7 @@ def _find_or_build_in_cache(spec: JitSpec) -> Path:
         if env.jit_disabled():
             raise _disabled_error(spec, cache)
         compiler = compiler_of(spec)  # raises, saying how to get one
-    item = BuildItem(spec, spec.module_name(env.toolchain_digest(compiler)), compiler)
+    item = BuildItem(spec, _local_name(compiler, spec), compiler)
     try:
         return build_once(cache, item)
     except RuntimeError as e:  # (e.g. an nvcc too old): say so when another compiler's build is at hand
