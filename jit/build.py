@@ -258,22 +258,27 @@ def verified_module(path: Path) -> Path | None:
     return path
 
 
-def find_published(directory: Path, prefix: str, preferred: str | None = None) -> Path | None:
-    """A verified artifact in ``directory`` whose name starts with ``prefix`` (any compiler): the one
-    named ``preferred`` (this machine's compiler's build) when it is there, else the one published last
-    (its record's mtime, then its name): after a toolkit update, the newer toolkit's build."""
-    def order(name: str) -> tuple[bool, float, str]:
-        try:
-            mtime = (directory / name).with_suffix(".json").stat().st_mtime
-        except OSError:
-            mtime = float("-inf")
-        return name != f"{preferred}.so", -mtime, name
-
+def find_published(directory: Path, prefix: str, preferred: Callable[[], str | None] | None = None) -> Path | None:
+    """A verified artifact in ``directory`` whose name starts with ``prefix`` (any compiler). Of
+    several: the one named ``preferred()`` (this machine's compiler's build; asked only then) when it is
+    there, else the one whose record was written last (its mtime: copies that keep mtimes, ``cp -a``
+    or ``rsync -t``, keep the order), then by name."""
     try:
         names = [n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".so")]
     except OSError:
         return None
-    for n in sorted(names, key=order):
+    if len(names) > 1:
+        local = preferred() if preferred is not None else None
+
+        def order(name: str) -> tuple[bool, float, str]:
+            try:
+                mtime = (directory / name).with_suffix(".json").stat().st_mtime
+            except OSError:
+                mtime = float("-inf")
+            return local is None or name != f"{local}.so", -mtime, name
+
+        names.sort(key=order)
+    for n in names:
         if verified_module(directory / n):
             return directory / n
     return None

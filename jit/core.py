@@ -15,7 +15,7 @@ imported binding module), trying in order
      nothing can be compiled there (``FLASHINFER_CAKE_DISABLE_JIT``, no compiler, or a cache
      this process cannot write),
   (where a directory holds several compilers' builds, this compiler's is taken, else the one
-  published last: :func:`.build.find_published`)
+  whose record was written last: :func:`.build.find_published`)
   4. a build into the JIT cache, unless ``FLASHINFER_CAKE_DISABLE_JIT`` is set.
 Steps 1-3 start no process. Step 4 holds the artifact's file lock and checks the cache again
 under it, so concurrent first calls from many processes compile once. A file is loaded only when
@@ -146,16 +146,27 @@ def open_artifact(spec: JitSpec, path: Path):
     return module
 
 
-def _local_name(compiler: Path | None, spec: JitSpec) -> str | None:
-    """The name of ``spec``'s build by ``compiler`` (None: no compiler, no name)."""
-    return None if compiler is None else spec.module_name(env.toolchain_digest(compiler))
+def _build_name(spec: JitSpec, compiler: Path) -> str:
+    """The file stem of ``spec``'s build by ``compiler``."""
+    return spec.module_name(env.toolchain_digest(compiler))
+
+
+def _preferred(spec: JitSpec) -> Callable[[], str | None]:
+    """find_published's preference among several builds of ``spec``: this machine's compiler's (None
+    without a compiler, or one whose files cannot be read: loading a prebuilt module needs none)."""
+    def name() -> str | None:
+        try:
+            compiler = _compiler_if_any(spec)
+            return None if compiler is None else _build_name(spec, compiler)
+        except OSError:
+            return None
+    return name
 
 
 def _aot_builds(spec: JitSpec) -> list[Path]:
     """The verified build of ``spec`` in each AOT directory that holds one, in search order (any
     compiler; find_published's choice among several)."""
-    local = _local_name(_compiler_if_any(spec), spec)
-    found = (find_published(directory, spec.module_prefix(), local) for directory in env.aot_dirs())
+    found = (find_published(directory, spec.module_prefix(), _preferred(spec)) for directory in env.aot_dirs())
     return [path for path in found if path is not None]
 
 
@@ -180,10 +191,10 @@ def _disabled_error(spec: JitSpec, cache: Path) -> RuntimeError:
 def _in_cache(spec: JitSpec, cache: Path) -> tuple[Path | None, Path | None]:
     """(the build of ``spec`` in ``cache`` that load opens, or None; the compiler that builds it
     there, or None when nothing can be compiled: then any compiler's build will do)."""
-    compiler = _compiler_if_any(spec)
-    if compiler is None or env.jit_disabled() or not os.access(cache, os.W_OK):
-        return find_published(cache, spec.module_prefix(), _local_name(compiler, spec)), None
-    return verified_module(cache / f"{_local_name(compiler, spec)}.so"), compiler
+    compiler = None if env.jit_disabled() or not os.access(cache, os.W_OK) else _compiler_if_any(spec)
+    if compiler is None:
+        return find_published(cache, spec.module_prefix(), _preferred(spec)), None
+    return verified_module(cache / f"{_build_name(spec, compiler)}.so"), compiler
 
 
 def _find_or_build_in_cache(spec: JitSpec) -> Path:
@@ -195,7 +206,7 @@ def _find_or_build_in_cache(spec: JitSpec) -> Path:
         if env.jit_disabled():
             raise _disabled_error(spec, cache)
         compiler = compiler_of(spec)  # raises, saying how to get one
-    item = BuildItem(spec, _local_name(compiler, spec), compiler)
+    item = BuildItem(spec, _build_name(spec, compiler), compiler)
     try:
         return build_once(cache, item)
     except RuntimeError as e:  # (e.g. an nvcc too old): say so when another compiler's build is at hand
@@ -239,7 +250,7 @@ def prebuild(specs: list[JitSpec], out_dir: Path | str | None = None, *, jobs: i
         if all(found.values()):
             return found
         raise
-    items = [BuildItem(s, s.module_name(env.toolchain_digest(c)), c) for s, c in zip(specs, compilers)]
+    items = [BuildItem(s, _build_name(s, c), c) for s, c in zip(specs, compilers)]
     done = {item.spec: out_dir / f"{item.name}.so" for item in items}
     if all(verified_module(path) for path in done.values()):
         return done

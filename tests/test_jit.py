@@ -931,19 +931,21 @@ def test_disable_jit_accepts_another_compilers_build(built_cache, name, tmp_path
 def test_several_compilers_builds_this_compilers_first_else_the_last_published(built_cache, name, tmp_path,
                                                                                monkeypatch):
     """A directory holding several compilers' builds of one spec (e.g. an AOT directory built again after a toolkit
-    update) serves this compiler's build, else the one published last, whatever the digests' alphabetical order."""
+    update) serves this compiler's build, else the one whose record was written last, whatever the digests'
+    alphabetical order."""
     aot = copy_cache(built_cache, tmp_path / "aot")
     older, newer = (SPEC.module_prefix() + c * 8 for c in "0f")  # "0..." sorts first: the order must not decide
-    for stem, age in ((older, 200), (newer, 100)):
-        for ext in (".so", ".json"):
-            shutil.copy2(aot / f"{name}{ext}", aot / f"{stem}{ext}")
-        stamp = time.time() - age
-        os.utime(aot / f"{stem}.json", (stamp, stamp))
+    now = time.time()
+    for stem, age in ((older, 200), (newer, 100), (name, 300)):
+        if stem != name:
+            for ext in (".so", ".json"):
+                shutil.copy2(aot / f"{name}{ext}", aot / f"{stem}{ext}")
+        os.utime(aot / f"{stem}.json", (now - age, now - age))
     monkeypatch.setenv("FLASHINFER_CAKE_AOT_DIR", str(aot))
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "cache"))
     forbid_processes(monkeypatch)
-    assert jit.located(SPEC) == aot / f"{name}.so"  # this compiler's, though not published last
-    assert build.find_published(aot, SPEC.module_prefix()) == aot / f"{name}.so"  # (copied last: newest)
+    assert jit.located(SPEC) == aot / f"{name}.so"  # this compiler's, though written first
+    assert build.find_published(aot, SPEC.module_prefix()) == aot / f"{newer}.so"  # no preference: the last
     for ext in (".so", ".json"):
         (aot / f"{name}{ext}").unlink()
     assert jit.located(SPEC) == aot / f"{newer}.so"
@@ -957,8 +959,9 @@ def test_several_compilers_builds_this_compilers_first_else_the_last_published(b
     assert jit.located(SPEC) == aot / f"{older}.so"
     for ext in (".so", ".json"):
         shutil.copy(built_cache / f"{name}{ext}", aot / f"{name}{ext}")
-    os.utime(aot / f"{name}.json", (0, 0))  # published first of all, still this compiler's
+    os.utime(aot / f"{name}.json", (0, 0))  # written first of all, still this compiler's
     assert jit.located(SPEC) == aot / f"{name}.so"
+
 
 @pytest.mark.parametrize("kind", ["missing", "a-file", "relative"])
 def test_aot_dir_that_is_not_a_directory_is_an_error(built_cache, tmp_path, monkeypatch, kind):
