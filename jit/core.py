@@ -231,8 +231,9 @@ def located(spec: JitSpec) -> Path | None:
 
 
 def published(spec: JitSpec) -> list[Path]:
-    """Every verified build of ``spec`` in the AOT directories and the JIT cache, any compiler."""
-    cached = find_published(env.cache_dir(), spec.module_prefix())
+    """The verified build of ``spec`` in each AOT directory and in the JIT cache that holds one (any
+    compiler; find_published's choice among several, as load makes it)."""
+    cached = find_published(env.cache_dir(), spec.module_prefix(), _preferred(spec))
     return [*_aot_builds(spec), *([cached] if cached is not None else [])]
 
 
