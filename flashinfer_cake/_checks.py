@@ -73,7 +73,7 @@ def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
         raise ValueError(f"{fn}: x must have shape [S, C] or [1, S, C], got {shown(shape)}{hint}")
     if C <= 0 or C % 8 or C >= MAX_C:
         raise ValueError(f"{fn}: x's channel count C must be a positive multiple of 8 below 2^28, got C={shown(C)}"
-                         f"{_unit_stride_rows_hint('x', x)}")
+                         f"{_unit_stride_rows_hint('x', x) or _channels_first_hint(S, C)}")
     max_s, max_elements = MAX_S[op], MAX_ELEMENTS[op]
     if S >= max_s or S * C >= max_elements:
         whose = "" if op == "forward" else " (the backward's range)"
@@ -123,6 +123,17 @@ def _unit_stride_rows_hint(name: str, t: torch.Tensor) -> str:
         return f"; pass {name}.contiguous()"
     return ("; if x is Dao's channel-last [1, C, S] view, pass x.transpose(-1, -2) (token-major [1, S, C]); "
             "if it is [S, C] stored column-major, x.contiguous()")
+
+
+def _channels_first_hint(S, C) -> str:
+    """For an x whose last dimension is no channel count but whose dimension -2 could be one (a
+    positive multiple of 8 below 2^28): the channels-first reading ([C, T] / [1, C, T], e.g. Dao's
+    layout made contiguous) and its fix; "" otherwise. (check_params says the same when only the
+    weight tells, which it cannot here: C is checked first.)"""
+    if 0 < S < MAX_C and S % 8 == 0:
+        return (f"; if x is channels-first [C, T] or [1, C, T] with C={shown(S)}, pass x.transpose(-1, -2).contiguous() "
+                f"(token-major)")
+    return ""
 
 
 def check_rows(fn: str, name: str, t: torch.Tensor, op: str) -> None:
@@ -553,6 +564,10 @@ def check_autograd_sizes(fn: str, x, weight, cu_seqlens, bias, initial_states) -
     check_params(fn, weight, cu_seqlens, bias, x)
     if initial_states is not None:
         check_states(fn, "initial_states", initial_states, cu_seqlens.shape[0] - 1, C)
+    if not without_memory(x):
+        # a real tensor on the CPU is refused as the raw functions refuse it, before its device is the others'
+        # measure ("weight must be on x's device cpu") and before a dispatch mode sends it to the ops' CPU backend
+        check_cuda_device(fn, x)
     check_same_device(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
                               ("initial_states", initial_states)))
 

@@ -966,8 +966,9 @@ def test_a_subclass_that_dispatches_in_python_goes_through_the_custom_ops():
 def test_a_dispatch_mode_sees_the_custom_ops():
     """Under a TorchDispatchMode (selective activation checkpointing's caching, FlopCounterMode,
     make_fx in real mode) cake_causal_conv1d goes through the custom ops, so the mode sees the
-    call (the binding would run the kernel behind its back): the mode logs the op, then the op's
-    missing CPU kernel raises."""
+    call (the binding would run the kernel behind its back): the mode logs the op (meta tensors
+    here: the op's fake implementation runs, the shapes come back). Real tensors on the CPU are
+    refused as eager calls refuse them, before the op (whose missing CPU kernel would say less)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Log(TorchDispatchMode):
@@ -979,7 +980,23 @@ def test_a_dispatch_mode_sees_the_custom_ops():
             self.ops.append(str(func))
             return func(*args, **(kwargs or {}))
 
-    x = torch.randn(S, C).to(BF16)
-    with Log() as log, pytest.raises(NotImplementedError, match=r"flashinfer_cake::causal_conv1d_fwd.*CPU"):
-        cake_causal_conv1d(x, torch.randn(C, 4), torch.tensor([0, S], dtype=I32))
+    x = torch.empty(S, C, dtype=BF16, device="meta")
+    with Log() as log:
+        y = cake_causal_conv1d(x, torch.empty(C, 4, device="meta"), torch.empty(2, dtype=I32, device="meta"))
+    assert y.shape == x.shape and y.device == x.device
     assert "flashinfer_cake.causal_conv1d_fwd.default" in log.ops, log.ops
+    x, w, cu = torch.randn(S, C).to(BF16), torch.randn(C, 4), torch.tensor([0, S], dtype=I32)
+    with Log() as log, pytest.raises(ValueError, match=rf"^{AUTOGRAD}: x must be a CUDA tensor, got device cpu$"):
+        cake_causal_conv1d(x, w, cu)
+    assert not [op for op in log.ops if "flashinfer_cake" in op], log.ops
+
+
+@pytest.mark.parametrize("other", ["weight", "cu_seqlens"])
+def test_autograd_entry_names_a_cpu_x_before_the_other_devices(other):
+    """x on the CPU with another argument on a GPU (or the meta device, on a machine without one): x's own
+    device is the error, not the other's device measured against x's ("weight must be on x's device cpu")."""
+    device = "cuda" if torch.cuda.is_available() else "meta"
+    args = autograd_valid_args()
+    args[other] = args[other].to(device)
+    with pytest.raises(ValueError, match=rf"^{AUTOGRAD}: x must be a CUDA tensor, got device cpu$"):
+        autograd_call(args)

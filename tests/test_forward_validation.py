@@ -396,6 +396,19 @@ def test_a_channels_first_x_gets_the_fix_in_the_weights_message():
         call(args)
 
 
+def test_a_channels_first_x_of_a_length_not_a_multiple_of_8_gets_the_fix_in_the_channel_rule():
+    """The same x with T % 8 != 0: x's channel rule (checked before the weight's) breaks first, and its
+    message names the channels-first reading (C from x.shape[-2]) and the fix."""
+    for x in (torch.randn(1, C, S + 1).to(BF16), torch.randn(C, S + 1).to(BF16)):
+        with pytest.raises(ValueError, match=rf"^{FN}: x's channel count C must be .*got C={S + 1}; if x is "
+                                             rf"channels-first \[C, T\] or \[1, C, T\] with C={C}, pass "
+                                             rf"x\.transpose\(-1, -2\)\.contiguous\(\)"):
+            call(valid_args(x=x))
+    # no such reading when dimension -2 cannot be a channel count
+    with pytest.raises(ValueError, match=rf"^{FN}: x's channel count C must be .*got C=12$"):
+        call(valid_args(x=torch.randn(S + 1, 12).to(BF16)))
+
+
 _BAD_CALLS = """
 import torch, flashinfer_cake as f
 x = torch.randn(16, 32).to(torch.bfloat16)
