@@ -65,6 +65,14 @@ def _nvcc_line(nvcc) -> str:
     return f"{nvcc} ({version})"
 
 
+def _no_nvcc_line() -> str:
+    """No nvcc: not a problem by itself (prebuilt modules need none), unless FLASHINFER_CAKE_NVCC names
+    something that is not one, which every build would refuse (require_nvcc's error)."""
+    if os.environ.get("FLASHINFER_CAKE_NVCC"):
+        env.require_nvcc()
+    return "not found"
+
+
 def _wheel_trees(nvcc) -> str:
     """NVIDIA's CUDA wheel trees in this environment (jit/env.py), each with whether it is the nvcc taken, why
     not, or why it cannot build: a tree passed over is not an error."""
@@ -97,7 +105,7 @@ def cmd_env(args) -> int:
     _line("python", platform.python_version(), problems)
     _line("torch", f"{torch.__version__} (CUDA {torch.version.cuda})", problems)
     _line("gpus", _cuda_devices, problems)
-    _line("nvcc", lambda: "not found" if nvcc is None else _nvcc_line(nvcc), problems)
+    _line("nvcc", lambda: _no_nvcc_line() if nvcc is None else _nvcc_line(nvcc), problems)
     _line("cuda wheels", lambda: _wheel_trees(nvcc), problems)
     _line("c++", lambda: f"{env.cxx_path()} ({compiler_version(env.cxx_path())})  (CXX)", problems)
     _line("arch list", lambda: f"{' '.join(env.arch_list())}  (FLASHINFER_CAKE_CUDA_ARCH_LIST)", problems)
@@ -260,12 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--aot", action="store_true", help=f"into the installed package's aot/ ({env.PACKAGE_AOT_DIR})")
     build.add_argument("-j", "--jobs", type=_positive_int,
                        help="parallel compile jobs (default: MAX_JOBS or all cores)")
-    sub.add_parser("clear-cache", help="delete everything in the JIT cache")
+    sub.add_parser("clear-cache", help="delete the JIT cache's builds (its lock files stay), after any running build")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     handler = {"env": cmd_env, "build": cmd_build, "clear-cache": cmd_clear_cache, None: cmd_check}[args.command]
     try:
-        return handler(args)
+        status = handler(args)
+        sys.stdout.flush()  # here, so that a reader gone before the last lines is the BrokenPipeError below
+        return status
+    except BrokenPipeError:
+        # the reader went away (`flashinfer-cake env | head -1`): not an error of ours to print. Python's own
+        # recipe: stdout to /dev/null, so the interpreter's flush at exit does not report the pipe again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (RuntimeError, ValueError, OSError) as e:
         print(f"flashinfer-cake: error: {_message(e)}", file=sys.stderr)
         return 1

@@ -168,6 +168,34 @@ def test_env_says_which_wheel_tree_is_taken_and_why_the_others_are_not(monkeypat
     assert cli._wheel_trees(None) == "none"
 
 
+def test_env_counts_a_flashinfer_cake_nvcc_that_is_no_nvcc_as_a_problem(monkeypatch, tmp_path):
+    """No nvcc is no problem by itself (prebuilt modules need none), but FLASHINFER_CAKE_NVCC naming no executable
+    is every build's error: env says it on the nvcc line and exits 1."""
+    monkeypatch.delenv("FLASHINFER_CAKE_NVCC", raising=False)
+    monkeypatch.setattr(jit_env, "nvcc_path", lambda: None)
+    assert cli._no_nvcc_line() == "not found"
+    monkeypatch.setenv("FLASHINFER_CAKE_NVCC", "/nonexistent/nvcc")
+    with pytest.raises(RuntimeError, match=r"^FLASHINFER_CAKE_NVCC='/nonexistent/nvcc' is not an executable file"):
+        cli._no_nvcc_line()
+    r = flashinfer_cake("env", cache=tmp_path / "cache", cwd=tmp_path, FLASHINFER_CAKE_NVCC="/nonexistent/nvcc")
+    assert r.returncode == 1, r.stdout
+    assert re.search(r"^nvcc\s+ERROR: FLASHINFER_CAKE_NVCC='/nonexistent/nvcc' is not an executable", r.stdout, re.M)
+    assert "FLASHINFER_CAKE_NVCC='/nonexistent/nvcc'" in r.stderr, r.stderr
+
+
+def test_a_reader_that_goes_away_is_no_error_message(tmp_path):
+    """`flashinfer-cake env | head -1`: the pipe's reader closes it early; the CLI stops without a traceback or an
+    error line (exit status 1, as Python's own recipe for a broken pipe has it)."""
+    e = {k: v for k, v in os.environ.items() if k not in ISOLATED_VARS}
+    e.update(FLASHINFER_CAKE_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.Popen([sys.executable, "-m", "flashinfer_cake", "env"], cwd=tmp_path, env=e,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before its first line (the CLI imports torch first)
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 1
+    assert err == "", err
+
+
 def test_env_names_nvidia_cuda_wheels_it_cannot_build_with(built, tmp_path):
     """A bare nvidia-cuda-nvcc wheel (no nvvm, crt, runtime or cccl beside it) is passed over for the next nvcc; `env`
     says so on a line of its own, and that is not an error."""
