@@ -73,6 +73,14 @@ def _no_nvcc_line() -> str:
     return "not found"
 
 
+def _cache_line() -> str:
+    """The JIT cache root, refused as load refuses it; one that does not exist yet is not created (env only reads)."""
+    path = env.cache_dir_path()
+    if not path.exists():
+        return f"{path}  (FLASHINFER_CAKE_CACHE_DIR; not created yet: the first build makes it)"
+    return f"{env.cache_dir()}  (FLASHINFER_CAKE_CACHE_DIR)"
+
+
 def _wheel_trees(nvcc) -> str:
     """NVIDIA's CUDA wheel trees in this environment (jit/env.py), each with whether it is the nvcc taken, why
     not, or why it cannot build: a tree passed over is not an error."""
@@ -109,7 +117,7 @@ def cmd_env(args) -> int:
     _line("cuda wheels", lambda: _wheel_trees(nvcc), problems)
     _line("c++", lambda: f"{env.cxx_path()} ({compiler_version(env.cxx_path())})  (CXX)", problems)
     _line("arch list", lambda: f"{' '.join(env.arch_list())}  (FLASHINFER_CAKE_CUDA_ARCH_LIST)", problems)
-    _line("cache dir", lambda: f"{env.cache_dir()}  (FLASHINFER_CAKE_CACHE_DIR)", problems)
+    _line("cache dir", _cache_line, problems)
     _line("aot dirs", lambda: f"{' '.join(map(str, env.aot_dirs())) or 'none'}  (FLASHINFER_CAKE_AOT_DIR, the "
           f"package's aot/)", problems)
     _line("jit", f"{'disabled' if env.jit_disabled() else 'enabled'}  (FLASHINFER_CAKE_DISABLE_JIT)", problems)

@@ -222,18 +222,28 @@ def _find_or_build_in_cache(spec: JitSpec) -> Path:
                            f"compiles nothing)") from e
 
 
+def _existing_cache() -> Path | None:
+    """The JIT cache root, checked as load checks it, when it exists; None when it does not (a report
+    creates no directory: there is nothing built in it)."""
+    return env.cache_dir() if env.cache_dir_path().exists() else None
+
+
 def located(spec: JitSpec) -> Path | None:
     """The build of ``spec`` that :func:`load` tries first without compiling, or None when it
     would compile (what ``flashinfer-cake env`` reports; load still skips a prebuilt file it
     cannot open)."""
     aot = _aot_builds(spec)
-    return aot[0] if aot else _in_cache(spec, env.cache_dir())[0]
+    if aot:
+        return aot[0]
+    cache = _existing_cache()
+    return None if cache is None else _in_cache(spec, cache)[0]
 
 
 def published(spec: JitSpec) -> list[Path]:
     """The verified build of ``spec`` in each AOT directory and in the JIT cache that holds one (any
     compiler; find_published's choice among several, as load makes it)."""
-    cached = find_published(env.cache_dir(), spec.module_prefix(), _preferred(spec))
+    cache = _existing_cache()
+    cached = None if cache is None else find_published(cache, spec.module_prefix(), _preferred(spec))
     return [*_aot_builds(spec), *([cached] if cached is not None else [])]
 
 

@@ -132,7 +132,8 @@ def test_env(built, tmp_path, state, monkeypatch):
         shipped.update(listed_modules(r.stdout, directory))
     if state == "built":
         assert sorted({**listed_modules(r.stdout, cache), **shipped}) == sorted(URIS), r.stdout
-    elif state == "empty":
+    elif state == "empty":  # a cache that does not exist: env reports it and creates nothing
+        assert not cache.exists() and re.search(r"^cache dir .*not created yet", r.stdout, re.M), r.stdout
         for uri in URIS:
             assert uri in shipped or re.search(rf"^\s+{uri}\s+not built$", r.stdout, re.M), r.stdout
     else:  # a first call compiles (a compiler is here): the other build is named, not listed as the one loaded
