@@ -204,7 +204,8 @@ def causal_conv1d_backward_reference(
     Returns:
         ``(dx, dweight, dbias)`` in ``dtype``, not rounded: dx of x's shape, dweight ``[C, 4]``,
         dbias ``[C]`` or None when ``bias`` is None; then ``dinitial_states`` ``[num_docs, 3, C]``
-        when ``initial_states`` is given. On x's device.
+        when ``initial_states`` is given. On x's device. (dbias keeps its slot: the kernels'
+        backward leaves it out when ``bias`` is None, so its ``dinitial_states`` comes third.)
     """
     check_policy("causal_conv1d_backward_reference", silu_grad_preactivation)
     if dy.shape != x.shape:
