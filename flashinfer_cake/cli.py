@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import platform
+import select
 import shutil
 import sys
 import time
@@ -67,18 +68,22 @@ def _nvcc_line(nvcc) -> str:
 
 def _no_nvcc_line() -> str:
     """No nvcc: not a problem by itself (prebuilt modules need none), unless FLASHINFER_CAKE_NVCC names
-    something that is not one, which every build would refuse (require_nvcc's error)."""
-    if os.environ.get("FLASHINFER_CAKE_NVCC"):
+    something that is not one, which every call that compiles would refuse (require_nvcc's error); with
+    the JIT disabled only `build` compiles: then a note."""
+    explicit = os.environ.get("FLASHINFER_CAKE_NVCC")
+    if explicit and env.jit_disabled():
+        return f"not found (FLASHINFER_CAKE_NVCC={explicit!r} is not an executable file; calls compile nothing: " \
+               f"FLASHINFER_CAKE_DISABLE_JIT, but `build` would fail)"
+    if explicit:
         env.require_nvcc()
     return "not found"
 
 
 def _cache_line() -> str:
     """The JIT cache root, refused as load refuses it; one that does not exist yet is not created (env only reads)."""
-    path = env.cache_dir_path()
-    if not path.exists():
-        return f"{path}  (FLASHINFER_CAKE_CACHE_DIR; not created yet: the first build makes it)"
-    return f"{env.cache_dir()}  (FLASHINFER_CAKE_CACHE_DIR)"
+    path = env.cache_dir(create=False)
+    state = "" if path.exists() else "; not created yet: the first call or build makes it"
+    return f"{path}  (FLASHINFER_CAKE_CACHE_DIR{state})"
 
 
 def _wheel_trees(nvcc) -> str:
@@ -264,6 +269,16 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll's POLLERR on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a captured stdout), no poll
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashinfer-cake", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -284,9 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         status = handler(args)
         sys.stdout.flush()  # here, so that a reader gone before the last lines is the BrokenPipeError below
         return status
-    except BrokenPipeError:
-        # the reader went away (`flashinfer-cake env | head -1`): not an error of ours to print. Python's own
-        # recipe: stdout to /dev/null, so the interpreter's flush at exit does not report the pipe again.
+    except BrokenPipeError as e:
+        if not _stdout_closed():  # another pipe's: an error like any other
+            print(f"flashinfer-cake: error: {_message(e)}", file=sys.stderr)
+            return 1
+        # the reader of stdout went away (`flashinfer-cake env | head -1`), which a command stopped by SIGPIPE
+        # would not report either. Python's own recipe: stdout to /dev/null, so the interpreter's flush at exit
+        # does not report the pipe again; exit status 1.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except (RuntimeError, ValueError, OSError) as e:

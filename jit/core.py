@@ -223,9 +223,10 @@ def _find_or_build_in_cache(spec: JitSpec) -> Path:
 
 
 def _existing_cache() -> Path | None:
-    """The JIT cache root, checked as load checks it, when it exists; None when it does not (a report
-    creates no directory: there is nothing built in it)."""
-    return env.cache_dir() if env.cache_dir_path().exists() else None
+    """The JIT cache root, checked as load checks it, when it exists; None when it does not yet (a
+    report creates no directory: there is nothing built in it)."""
+    cache = env.cache_dir(create=False)
+    return cache if cache.exists() else None
 
 
 def located(spec: JitSpec) -> Path | None:

@@ -120,16 +120,23 @@ def _check_private_dir(path: Path, what: str) -> None:
     raise RuntimeError(f"flashinfer_cake: {what} {path} is {reason}; refusing to load code from it: {fix}")
 
 
-def _make_dir(path: Path, what: str, mode: int) -> Path:
+def _make_dir(path: Path, what: str, mode: int, create: bool = True) -> Path:
     """``path`` as an existing directory (created with ``mode`` when missing), or a RuntimeError
-    that says what is in the way."""
+    that says what is in the way. ``create=False``: a missing one is left missing when nothing
+    that mkdir would meet is in its way (its nearest existing ancestor is a directory we may write)."""
     if path.is_symlink() and not path.exists():
         raise RuntimeError(f"flashinfer_cake: {what} {path} is a symbolic link to {os.readlink(path)}, "
                            f"which does not exist: create the target or choose another directory")
     if path.exists() and not path.is_dir():
         raise RuntimeError(f"flashinfer_cake: {what} {path} exists and is not a directory: remove it or choose "
                            f"another directory")
-    if not path.exists():
+    if not path.exists() and not create:
+        ancestor = next(a for a in path.parents if a.exists() or a.is_symlink())
+        problem = ("Not a directory" if not ancestor.is_dir() else
+                   "Permission denied" if not os.access(ancestor, os.W_OK | os.X_OK) else None)
+        if problem:
+            raise RuntimeError(f"flashinfer_cake: cannot create {what} {path}: {problem} ({ancestor})")
+    elif not path.exists():
         try:
             path.mkdir(mode=mode, parents=True, exist_ok=True)
             os.chmod(path, mode)  # mkdir's mode is filtered by the umask
@@ -147,10 +154,12 @@ def cache_dir_path() -> Path:
     return root.expanduser().absolute()
 
 
-def cache_dir() -> Path:
-    """The JIT cache root, created 0700 if missing and refused if others can write to it."""
-    root = _make_dir(cache_dir_path(), "the JIT cache directory (FLASHINFER_CAKE_CACHE_DIR)", 0o700)
-    _check_private_dir(root, "FLASHINFER_CAKE_CACHE_DIR")
+def cache_dir(create: bool = True) -> Path:
+    """The JIT cache root, created 0700 if missing and refused if others can write to it.
+    ``create=False`` (a report): one that does not exist is returned as it is, when it could be created."""
+    root = _make_dir(cache_dir_path(), "the JIT cache directory (FLASHINFER_CAKE_CACHE_DIR)", 0o700, create)
+    if root.exists():
+        _check_private_dir(root, "FLASHINFER_CAKE_CACHE_DIR")
     return root
 
 
