@@ -125,14 +125,16 @@ def _unit_stride_rows_hint(name: str, t: torch.Tensor) -> str:
             "if it is [S, C] stored column-major, x.contiguous()")
 
 
+# The fix for a contiguous channels-first x ([C, T] / [1, C, T], e.g. Dao's layout made contiguous).
+_CHANNELS_FIRST_FIX = "pass x.transpose(-1, -2).contiguous(), token-major"
+
+
 def _channels_first_hint(S, C) -> str:
     """For an x whose last dimension is no channel count but whose dimension -2 could be one (a
-    positive multiple of 8 below 2^28): the channels-first reading ([C, T] / [1, C, T], e.g. Dao's
-    layout made contiguous) and its fix; "" otherwise. (check_params says the same when only the
-    weight tells, which it cannot here: C is checked first.)"""
+    positive multiple of 8 below 2^28): the channels-first reading and its fix; "" otherwise.
+    (check_params says it when the weight tells, which it cannot here: C is checked first.)"""
     if 0 < S < MAX_C and S % 8 == 0:
-        return (f"; if x is channels-first [C, T] or [1, C, T] with C={shown(S)}, pass x.transpose(-1, -2).contiguous() "
-                f"(token-major)")
+        return f"; if x is channels-first [C, T] or [1, C, T] with C={shown(S)}, {_CHANNELS_FIRST_FIX}"
     return ""
 
 
@@ -249,8 +251,8 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
         raise ValueError(f"{fn}: weight must have dtype torch.float32 or torch.bfloat16, got {weight.dtype}")
     if weight.shape != (C, 4):
         hint = ("; an nn.Conv1d weight [C, 1, 4] is weight.squeeze(1)" if weight.shape == (C, 1, 4) else
-                "; x looks channels-first [1, C, S] (the weight's C is x.shape[-2]): pass "
-                "x.transpose(-1, -2).contiguous(), token-major" if weight.shape in ((S, 4), (S, 1, 4)) else "")
+                f"; x looks channels-first [1, C, S] (the weight's C is x.shape[-2]): {_CHANNELS_FIRST_FIX}"
+                if weight.shape in ((S, 4), (S, 1, 4)) else "")
         raise ValueError(f"{fn}: weight must have shape [C, 4] = [{shown(C)}, 4] (C from x), "
                          f"got {shown(weight.shape)}{hint}")
     if not weight.is_contiguous():
@@ -556,20 +558,25 @@ def check_autograd_constants(fn: str, x, weight, cu_seqlens, bias, initial_state
     check_policy(fn, silu_grad_preactivation)
 
 
-def check_autograd_sizes(fn: str, x, weight, cu_seqlens, bias, initial_states) -> None:
+def check_autograd_sizes(fn: str, x, weight, cu_seqlens, bias, initial_states) -> int | None:
     """The rules of cake_causal_conv1d on the tensors' metadata that need no data pointer (so they
     also run on fake tensors): x within the backward's range (an error now, not in the backward),
-    the parameters, the initial states, all on x's device."""
+    the parameters, the initial states; then, for an x with memory of its own outside a fake mode,
+    its CUDA device (check_cuda_device, whose index it returns; else None); all on x's device."""
     C = check_x(fn, x, "backward")[1]
     check_params(fn, weight, cu_seqlens, bias, x)
     if initial_states is not None:
         check_states(fn, "initial_states", initial_states, cu_seqlens.shape[0] - 1, C)
-    if not without_memory(x):
-        # a real tensor on the CPU is refused as the raw functions refuse it, before its device is the others'
-        # measure ("weight must be on x's device cpu") and before a dispatch mode sends it to the ops' CPU backend
-        check_cuda_device(fn, x)
+    device = None
+    if not without_memory(x) and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+        # a real x on the CPU is refused as the raw functions refuse it: before its device is the others'
+        # measure ("weight must be on x's device cpu"), and before a dispatch mode (FlopCounterMode, selective
+        # checkpointing) sends it to the ops' CPU backend, which has no kernel. (Under FakeTensorMode a real
+        # input becomes a fake one: the op's fake implementation takes it.)
+        device = check_cuda_device(fn, x)
     check_same_device(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),
                               ("initial_states", initial_states)))
+    return device
 
 
 def check_autograd_args(fn: str, x, weight, cu_seqlens, bias, initial_states, return_final_states,
@@ -580,7 +587,8 @@ def check_autograd_args(fn: str, x, weight, cu_seqlens, bias, initial_states, re
     index."""
     check_autograd_constants(fn, x, weight, cu_seqlens, bias, initial_states, return_final_states,
                              silu_grad_preactivation)
-    check_autograd_sizes(fn, x, weight, cu_seqlens, bias, initial_states)
-    device = check_cuda_device(fn, x)
+    device = check_autograd_sizes(fn, x, weight, cu_seqlens, bias, initial_states)  # (x has memory here)
+    if device is None:
+        device = check_cuda_device(fn, x)
     _check_aligned(fn, (("x", x), ("initial_states", initial_states)))
     return device

@@ -991,6 +991,17 @@ def test_a_dispatch_mode_sees_the_custom_ops():
     assert not [op for op in log.ops if "flashinfer_cake" in op], log.ops
 
 
+def test_fake_tensor_mode_takes_real_cpu_inputs_as_fakes():
+    """Under FakeTensorMode(allow_non_fake_inputs=True) a real CPU x becomes a fake one: the op's fake
+    implementation gives y's shape, no CUDA rule refuses it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, w, cu = torch.randn(S, C).to(BF16), torch.randn(C, 4), torch.tensor([0, S], dtype=I32)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        y = cake_causal_conv1d(x, w, cu)
+    assert y.shape == x.shape and y.dtype == BF16
+
+
 @pytest.mark.parametrize("other", ["weight", "cu_seqlens"])
 def test_autograd_entry_names_a_cpu_x_before_the_other_devices(other):
     """x on the CPU with another argument on a GPU (or the meta device, on a machine without one): x's own
