@@ -67,6 +67,12 @@ def test_explicit_fragments_ragged_and_zero_length():
     part = cp_partition([0, 7, 10], 3, fragments=frags)
     assert part.layout == "fragments" and part.local_cu_seqlens(1) == [0, 1, 1]
     assert sorted(t for r in range(3) for t in part.global_tokens(r)) == list(range(10))
+    # integers of any library, as cu_seqlens takes them (NumPy's: a loader's arrays)
+    np = pytest.importorskip("numpy")
+    as_numpy = [[tuple(np.int64(v) for v in f) for f in rank] for rank in frags]
+    assert cp_partition(np.array([0, 7, 10]), 3, fragments=as_numpy) == part
+    with pytest.raises(ValueError, match=r"rank 0's fragments must be \(doc, offset, length\) ints, got \(0, 0, 1\.0\)"):
+        cp_partition([0, 7, 10], 3, fragments=[[(0, 0, 1.0)], [], []])
 
 
 @pytest.mark.parametrize("cu, world_size, layout, frags, match", [
@@ -431,12 +437,12 @@ _VERIFY_WORKER = textwrap.dedent("""
     cfg = json.loads(sys.argv[1])
     P = cfg.get("P", [world] * world)[rank]
     part = cp_partition(cfg["cu"][rank], P, cfg["layout"][rank])  # each rank its own batch / layout / size
-    group = dist.new_group(cfg["group"]) if "group" in cfg else None
+    group = [0, 1] if cfg.get("group") == "list" else dist.new_group(cfg["group"]) if "group" in cfg else None
     try:
         build_cp_context(part, group, cfg.get("rank", range(world))[rank], "cpu", verify=cfg.get("verify", True))
         error = None
-    except ValueError as e:
-        error = str(e)
+    except (TypeError, ValueError) as e:
+        error = f"{type(e).__name__}: {e}"
     print(json.dumps({"rank": rank, "error": error}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -464,6 +470,16 @@ def test_verify_names_ranks_that_planned_different_partitions(cfg, differ, tmp_p
         assert errors[0] is not None and errors[0] == errors[1], errors
         assert "planned different partitions" in errors[0] and "rank 0:" in errors[0] and "rank 1:" in errors[0]
         assert differ in errors[0], errors[0]
+
+
+def test_verify_with_a_group_that_is_no_process_group_is_each_ranks_own_type_error(tmp_path):
+    """build_cp_context(verify=True) with a list of ranks as the group: no group to gather over, so each
+    rank raises its own TypeError (the hint to dist.new_group), not an AttributeError from the gather."""
+    cfg = {"cu": [[0, 10, 20]] * 2, "layout": ["zigzag"] * 2, "group": "list"}
+    results = run_ranks(2, cfg, str(tmp_path / "store"), timeout=90, worker=_VERIFY_WORKER)
+    for r in results:
+        assert r["error"].startswith("TypeError: build_cp_context: group must be a torch.distributed ProcessGroup"), r
+        assert "dist.new_group(ranks)" in r["error"], r
 
 
 def test_a_process_outside_the_group_is_told_so(tmp_path):

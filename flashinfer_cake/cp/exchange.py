@@ -139,7 +139,9 @@ def halo_exchange(x_local: torch.Tensor, ctx: CPContext) -> torch.Tensor:
     first token), with autograd (the backward returns the gradient to those rows' owners, summed in
     FP32 at least). ``x_local``: ``[T, C]`` or ``[1, T, C]``. One fixed-size collective per
     direction (an all_to_all: each rank receives the rows its fragments need): every rank of
-    ``ctx.group`` must call it, and must run its backward too (a loss
+    ``ctx.group`` must call it with the same C and dtype (not checked but by a context built with
+    ``verify=True``: otherwise another C or dtype on one rank fails the exchange, hangs, or gives
+    rows of garbage), and must run its backward too (a loss
     that does not reach the states on one rank leaves the others waiting: add ``0 * states.sum()``
     there)."""
     return _exchange("halo_exchange", [x_local], ctx, ["x_local"])[0]

@@ -120,12 +120,12 @@ def _check_fragments(fragments, lengths: tuple[int, ...], world_size: int) -> tu
             raise ValueError(f"cp_partition: fragments[{r}] must be a list of (doc, offset, length), got {frags!r}")
         rank_frags = []
         for f in frags:
-            if (not isinstance(f, (list, tuple)) or len(f) != 3
-                    or not all(isinstance(v, int) and not isinstance(v, bool) for v in f)):
+            ints = tuple(_checks.as_int(v, tensors=False) for v in f) if isinstance(f, (list, tuple)) else ()
+            if len(ints) != 3 or None in ints:  # ints of any library (NumPy's too), as cu_seqlens takes them
                 raise ValueError(f"cp_partition: rank {r}'s fragments must be (doc, offset, length) ints, got {f!r}")
-            d, o, n = f
+            d, o, n = ints
             if not (0 <= d < len(lengths) and n >= 0 and 0 <= o and o + n <= lengths[d]):
-                raise ValueError(f"cp_partition: rank {r}'s fragment {tuple(f)} is outside its document "
+                raise ValueError(f"cp_partition: rank {r}'s fragment {ints} is outside its document "
                                  f"(doc in [0, {len(lengths)}), offset + length <= the document's length)")
             covered[d].append((o, o + n))
             rank_frags.append((d, o, n))
@@ -381,6 +381,8 @@ def _verify_same_partition(partition, group, problem: Exception | None) -> None:
     failed, so no rank is left waiting in a later collective."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("build_cp_context: verify=True needs an initialized torch.distributed process group")
+    if (group is not None and not isinstance(group, dist.ProcessGroup)) or group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise problem  # no group to gather over: this rank's own error (the others' gather waits on it, as a call's)
     if problem is not None:
         mine = f"its arguments: {problem}"
     else:
