@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import _checks, _dispatch
-from .partition import CPContext, capturing, check_call, check_context, check_tables
+from .partition import LOCAL_TOKENS_ORIGIN, CPContext, capturing, check_call, check_context, check_tables
 
 __all__ = ["CPRecomputeHandle", "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"]
 
@@ -193,7 +193,7 @@ def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
         _checks.check_types(fn, ((xn, x), (wn, w)), ((bn, b),))
         if x.dim() not in (2, 3) or (x.dim() == 3 and x.shape[0] != 1) or x.shape[-2] != cp.num_tokens:
             raise ValueError(f"{fn}: {xn} must be [T, C] or [1, T, C] with this rank's T = {cp.num_tokens} "
-                             f"tokens (the context's partition), got shape {tuple(x.shape)}")
+                             f"tokens ({LOCAL_TOKENS_ORIGIN}), got shape {tuple(x.shape)}")
         if not x.is_contiguous():
             raise ValueError(f"{fn}: {xn} must be contiguous, got strides {x.stride()}")
         if x.shape[-1] >= _checks.MAX_CP_C:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _checks
-from .partition import CPContext, check_call, check_context
+from .partition import LOCAL_TOKENS_ORIGIN, CPContext, check_call, check_context
 
 try:  # the process group's own collective call (see exchange_rows)
     from torch._C._distributed_c10d import AllToAllOptions as _AllToAllOptions
@@ -128,9 +128,9 @@ def _check_exchange(fn: str, xs: list, ctx: CPContext, names: list[str]) -> None
         _checks.check_types(fn, ((name, x),), ())
         if not (x.dim() == 2 or (x.dim() == 3 and x.shape[0] == 1)) or x.shape[-2] != ctx.num_tokens \
                 or x.dtype != xs[0].dtype or x.device != ctx.cu_seqlens.device:
-            raise ValueError(f"{fn}: {name} must be [T, C] or [1, T, C] with this rank's T = {ctx.num_tokens} tokens, "
-                             f"{names[0]}'s dtype and the context's device ({ctx.cu_seqlens.device}), got shape "
-                             f"{tuple(x.shape)}, {x.dtype} on {x.device}")
+            raise ValueError(f"{fn}: {name} must be [T, C] or [1, T, C] with this rank's T = {ctx.num_tokens} tokens "
+                             f"({LOCAL_TOKENS_ORIGIN}), {names[0]}'s dtype and the context's device "
+                             f"({ctx.cu_seqlens.device}), got shape {tuple(x.shape)}, {x.dtype} on {x.device}")
 
 
 def halo_exchange(x_local: torch.Tensor, ctx: CPContext) -> torch.Tensor:

@@ -70,6 +70,10 @@ class CPPartition:
 
 _CU_FORMS = "a 1-D integer CPU tensor, a 1-D integer NumPy array, or a list / tuple of ints"
 
+# Where a rank's token count T comes from, for the messages of a tensor of another length.
+LOCAL_TOKENS_ORIGIN = ("the context's partition of the whole batch, part.local_tokens(rank): cp_partition takes the "
+                       "global batch's cu_seqlens, not a rank's")
+
 
 def _doc_lengths(cu_seqlens) -> tuple[int, ...]:
     if isinstance(cu_seqlens, torch.Tensor):
