@@ -502,9 +502,8 @@ def test_conv_argument_errors_name_the_call_and_the_tensor():
     cases = [
         (lambda: cake_causal_conv1d_cp(x, w, part), TypeError, r"^cake_causal_conv1d_cp: ctx must be a CPContext"),
         (lambda: cake_causal_conv1d_cp(x[1:], w, ctx), ValueError,
-         r"^cake_causal_conv1d_cp: x_local must be \[T, C\] .* T = 9 tokens \(the context's partition of the whole "
-         r"batch, part\.local_tokens\(rank\): cp_partition takes the global batch's cu_seqlens, not a rank's\), got "
-         r"shape \(8, 16\)"),
+         r"^cake_causal_conv1d_cp: x_local must be \[T, C\] .* T = 9 tokens \(ctx\.partition\.local_tokens\(ctx\.rank\): "
+         r"pass cp_partition the whole batch's cu_seqlens, not a rank's\), got shape \(8, 16\)$"),
         (lambda: cake_causal_conv1d_cp(x.t().contiguous().t(), w, ctx), ValueError, r"x_local must be contiguous"),
         (lambda: cake_causal_conv1d_cp(torch.empty(9, 2**25, dtype=torch.bfloat16, device="meta"),
                                        torch.empty(2**25, 4, device="meta"), ctx), ValueError,

@@ -126,11 +126,12 @@ def _check_exchange(fn: str, xs: list, ctx: CPContext, names: list[str]) -> None
         raise ValueError(f"{fn}: xs must hold at least one tensor")
     for x, name in zip(xs, names):
         _checks.check_types(fn, ((name, x),), ())
-        if not (x.dim() == 2 or (x.dim() == 3 and x.shape[0] == 1)) or x.shape[-2] != ctx.num_tokens \
-                or x.dtype != xs[0].dtype or x.device != ctx.cu_seqlens.device:
+        if not (x.dim() == 2 or (x.dim() == 3 and x.shape[0] == 1)) or x.shape[-2] != ctx.num_tokens:
             raise ValueError(f"{fn}: {name} must be [T, C] or [1, T, C] with this rank's T = {ctx.num_tokens} tokens "
-                             f"({LOCAL_TOKENS_ORIGIN}), {names[0]}'s dtype and the context's device "
-                             f"({ctx.cu_seqlens.device}), got shape {tuple(x.shape)}, {x.dtype} on {x.device}")
+                             f"({LOCAL_TOKENS_ORIGIN}), got shape {tuple(x.shape)}")
+        if x.dtype != xs[0].dtype or x.device != ctx.cu_seqlens.device:
+            raise ValueError(f"{fn}: {name} must have {names[0]}'s dtype and the context's device "
+                             f"({ctx.cu_seqlens.device}), got {x.dtype} on {x.device}")
 
 
 def halo_exchange(x_local: torch.Tensor, ctx: CPContext) -> torch.Tensor:
@@ -139,7 +140,7 @@ def halo_exchange(x_local: torch.Tensor, ctx: CPContext) -> torch.Tensor:
     first token), with autograd (the backward returns the gradient to those rows' owners, summed in
     FP32 at least). ``x_local``: ``[T, C]`` or ``[1, T, C]``. One fixed-size collective per
     direction (an all_to_all: each rank receives the rows its fragments need): every rank of
-    ``ctx.group`` must call it with the same C and dtype (not checked but by a context built with
+    ``ctx.group`` must call it with the same C and dtype (checked only on a context built with
     ``verify=True``: otherwise another C or dtype on one rank fails the exchange, hangs, or gives
     rows of garbage), and must run its backward too (a loss
     that does not reach the states on one rank leaves the others waiting: add ``0 * states.sum()``

@@ -71,8 +71,8 @@ class CPPartition:
 _CU_FORMS = "a 1-D integer CPU tensor, a 1-D integer NumPy array, or a list / tuple of ints"
 
 # Where a rank's token count T comes from, for the messages of a tensor of another length.
-LOCAL_TOKENS_ORIGIN = ("the context's partition of the whole batch, part.local_tokens(rank): cp_partition takes the "
-                       "global batch's cu_seqlens, not a rank's")
+LOCAL_TOKENS_ORIGIN = ("ctx.partition.local_tokens(ctx.rank): pass cp_partition the whole batch's cu_seqlens, "
+                       "not a rank's")
 
 
 def _doc_lengths(cu_seqlens) -> tuple[int, ...]:
@@ -125,7 +125,7 @@ def _check_fragments(fragments, lengths: tuple[int, ...], world_size: int) -> tu
         rank_frags = []
         for f in frags:
             ints = tuple(_checks.as_int(v, tensors=False) for v in f) if isinstance(f, (list, tuple)) else ()
-            if len(ints) != 3 or None in ints:  # ints of any library (NumPy's too), as cu_seqlens takes them
+            if len(ints) != 3 or None in ints:  # ints of any library (NumPy's too), not tensors
                 raise ValueError(f"cp_partition: rank {r}'s fragments must be (doc, offset, length) ints, got {f!r}")
             d, o, n = ints
             if not (0 <= d < len(lengths) and n >= 0 and 0 <= o and o + n <= lengths[d]):
