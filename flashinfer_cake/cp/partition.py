@@ -33,7 +33,10 @@ FRAG_HEAD_MASK, FRAG_CONTINUES = 3, 4
 class CPPartition:
     """Which tokens of a packed global batch each rank holds: ``fragments[r]`` lists rank r's
     fragments ``(doc, offset, length)`` in the order of its local packed batch. Built by
-    :func:`cp_partition`; identical on every rank."""
+    :func:`cp_partition`, which checks that the fragments cover every token once (explicit ones
+    too: ``fragments=``); identical on every rank. One constructed by hand is not checked by
+    :func:`build_cp_context` (a token no rank holds is silently nobody's): pass its fragments to
+    cp_partition instead."""
 
     world_size: int
     doc_lengths: tuple[int, ...]
@@ -151,10 +154,13 @@ def cp_partition(cu_seqlens_global_cpu, world_size: int, layout: str | None = No
     """Partition a packed global batch (its ``cu_seqlens``, on the host: read once per batch)
     over ``world_size`` ranks.
 
-    Layouts: ``"contiguous"`` (rank r holds global tokens ``[r T / P, (r + 1) T / P)``, no
-    ``T % P`` requirement), ``"zigzag"`` (the tokens in 2P chunks, rank r holds chunks r and
-    2P - 1 - r: balanced causal attention), ``"zigzag_per_document"`` (each document in 2P chunks,
-    rank r holding its chunks r and 2P - 1 - r, document by document); None: ``"contiguous"``.
+    Layouts (floor division; a loader that cuts the batch itself must cut so, in this order):
+    ``"contiguous"`` (rank r holds global tokens ``[r T // P, (r + 1) T // P)``, no ``T % P``
+    requirement), ``"zigzag"`` (the tokens in 2P chunks ``[c T // 2P, (c + 1) T // 2P)``, rank r
+    holds chunk r then chunk 2P - 1 - r: balanced causal attention), ``"zigzag_per_document"``
+    (each document of n tokens in 2P chunks ``[c n // 2P, (c + 1) n // 2P)``, rank r holding its
+    chunks r and 2P - 1 - r, document by document); None: ``"contiguous"``. The partition's
+    ``global_tokens(r)`` lists rank r's tokens in that order.
     ``fragments``: explicit ``[(doc, offset, length), ...]`` per rank instead of a layout (any
     order; zero-length and short fragments allowed; every token of every document in exactly
     one). Raises ValueError naming what is wrong."""
