@@ -74,3 +74,9 @@ def test_the_single_process_examples_run_as_written():
 
     run(chunked, {**ns, "chunks": chunks, "cake_causal_conv1d": recorded})
     assert len(pieces) == 3 and torch.equal(torch.cat(pieces), y)
+    # Cut at 3000 and on the boundary at 5000 (documents 1 and 2 start the last chunk: last = None there)
+    chunks = [(x[:3000], [0, 3000], None), (x[3000:5000], [0, 2000], 0), (x[5000:], [0, 0, S - 5000], None)]
+    chunks = [(xc, torch.tensor(c, device="cuda", dtype=torch.int32), last) for xc, c, last in chunks]
+    pieces.clear()
+    run(chunked, {**ns, "chunks": chunks, "cake_causal_conv1d": recorded})
+    assert len(pieces) == 3 and torch.equal(torch.cat(pieces), y)
