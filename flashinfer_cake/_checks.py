@@ -114,15 +114,17 @@ def states_read_as_they_are(t: torch.Tensor) -> bool:
 
 def _unit_stride_rows_hint(name: str, t: torch.Tensor) -> str:
     """For a tensor whose dimension -2 has the unit stride (channels not contiguous), the fixes of
-    its two readings; "" for any other tensor. x: either Dao's channel-last [B, C, S] view (the
-    transpose) or an [S, C] stored column-major (a copy): the strides cannot tell which, the caller
+    its two readings; "" for any other tensor. x: either already token-major with its tokens
+    contiguous (Dao's default layout transposed, or an [S, C] stored column-major: a copy) or Dao's
+    channel-last [B, C, S] view itself (the transpose): the strides cannot tell which, the caller
     can. dy, out, dx (x's shape already): a copy."""
     if t.dim() < 2 or t.shape[-2] <= 1 or t.stride(-2) != 1 or t.stride(-1) == 1:
         return ""
     if name != "x":
         return f"; pass {name}.contiguous()"
-    return ("; if x is Dao's channel-last [1, C, S] view, pass x.transpose(-1, -2) (token-major [1, S, C]); "
-            "if it is [S, C] stored column-major, x.contiguous()")
+    return ("; its tokens are contiguous, not its channels: if x is token-major already (x_dao.transpose(1, 2) "
+            "of Dao's default contiguous [1, C, S], or an [S, C] stored column-major), pass x.contiguous(); if it "
+            "is Dao's channel-last [1, C, S] view itself, pass x.transpose(-1, -2) (token-major [1, S, C])")
 
 
 # The fix for a contiguous channels-first x ([C, T] / [1, C, T], e.g. Dao's layout made contiguous).
@@ -421,7 +423,10 @@ def _check_aligned(fn: str, named_tensors) -> None:
     vectors)."""
     for name, t in named_tensors:
         if t is not None and not _aligned(t):
-            raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address, got {t.data_ptr():#x}")
+            rows = (": a column slice of rows must start at a multiple of 8 columns" if t.dim() >= 2 and
+                    t.dtype == torch.bfloat16 else "")
+            raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address, got {t.data_ptr():#x} (storage "
+                             f"offset {t.storage_offset()} elements of {t.element_size()} bytes{rows})")
 
 
 def check_no_grad(fn: str, inputs, outputs, why: str) -> None:

@@ -363,7 +363,8 @@ def test_supported_raises_for_a_device_torch_cannot_parse(device):
     # Dao's channel-last [1, C, S] view as x (its rows taken as channels: 32 tokens of 16 / of 12 channels);
     # the strides are also those of a column-major [S, C]: both fixes
     pytest.param({"x": lambda: torch.randn(1, S, C).to(BF16).transpose(1, 2)},
-                 r"contiguous channels .*Dao's channel-last .*x\.transpose\(-1, -2\) .*column-major, x\.contiguous\(\)",
+                 r"contiguous channels .*x_dao\.transpose\(1, 2\) .*column-major\), pass x\.contiguous\(\); if it is "
+                 r"Dao's channel-last \[1, C, S\] view itself, pass x\.transpose\(-1, -2\)",
                  id="dao-channel-last-x"),
     pytest.param({"x": lambda: torch.randn(1, 12, C).to(BF16).transpose(1, 2)},
                  r"multiple of 8 .*x\.transpose\(-1, -2\)", id="dao-channel-last-x-C12"),
@@ -394,6 +395,18 @@ def test_a_channels_first_x_gets_the_fix_in_the_weights_message():
     with pytest.raises(ValueError, match=rf"^{FN}: weight must have shape \[C, 4\] = \[{S}, 4\] .*x looks "
                                          rf"channels-first .*x\.transpose\(-1, -2\)\.contiguous\(\)"):
         call(args)
+
+
+def test_a_misaligned_start_names_its_offset_and_for_rows_the_column_rule():
+    """The alignment rule (checked after the device's, so called directly here): the address, the storage
+    offset, and for BF16 rows that a column slice starts at a multiple of 8 columns."""
+    from flashinfer_cake import _checks
+    with pytest.raises(ValueError, match=r"^f: x must start at a 16-byte aligned address, got 0x[0-9a-f]+ \(storage "
+                                         r"offset 4 elements of 2 bytes: a column slice of rows must start at a "
+                                         r"multiple of 8 columns\)$"):
+        _checks._check_aligned("f", (("x", torch.randn(16, 72).to(BF16)[:, 4:68]),))
+    with pytest.raises(ValueError, match=r"^f: workspace must start .*\(storage offset 1 elements of 4 bytes\)$"):
+        _checks._check_aligned("f", (("workspace", torch.zeros(9)[1:]),))
 
 
 def test_a_channels_first_x_of_a_length_not_a_multiple_of_8_gets_the_fix_in_the_channel_rule():
