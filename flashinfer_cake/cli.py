@@ -32,6 +32,7 @@ import torch
 from . import __version__, jit
 from .jit import env
 from .jit.build import check_nvcc_release, compiler_version, hold_lock
+from .jit.core import is_build_name
 
 
 def _specs(archs: list[str] | None) -> list[jit.JitSpec]:
@@ -202,21 +203,31 @@ def cmd_clear_cache(args) -> int:
             owner = next((n for n in owners if base == n or base.startswith(n + ".")), None)
             return owner is None or owner in mine
 
-        removed = kept = 0
+        def ours(entry, names=()) -> bool:  # a build's files (by their name's form), or one of `names`
+            stem = entry.name.lstrip(".").split(".", 1)[0]
+            return is_build_name(stem) or stem in names
+
+        # Only this package's files: a FLASHINFER_CAKE_CACHE_DIR set to a shared directory (~/.cache) keeps the rest.
+        removed = kept = foreign = 0
         for entry in [e for e in root.iterdir() if not _is_lock(e)]:
             if entry.name == "build" and entry.is_dir() and not entry.is_symlink():
                 for sub in list(entry.iterdir()):
-                    if free(sub):
+                    if not ours(sub, ("prebuild",)):
+                        foreign += 1
+                    elif free(sub):
                         removed += _remove(sub)
                     else:
                         kept += 1
-                with contextlib.suppress(OSError):  # (not empty: a build that started meanwhile)
+                with contextlib.suppress(OSError):  # (not empty: a build that started meanwhile, or not ours)
                     entry.rmdir()
+            elif not ours(entry):
+                foreign += 1
             elif free(entry):
                 removed += _remove(entry)
             else:
                 kept += 1
-    print(f"removed {removed} entries from {root}" + (f"; kept {kept} of builds that started meanwhile" if kept else ""))
+    print(f"removed {removed} entries from {root}" + (f"; kept {kept} of builds that started meanwhile" if kept else "")
+          + (f"; left {foreign} that are not flashinfer_cake's" if foreign else ""))
     return 0
 
 

@@ -33,6 +33,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -88,11 +89,21 @@ class JitSpec:
 
     def module_prefix(self) -> str:
         """What every build of this spec starts with, any compiler."""
-        return f"{self.uri}_{self.digest[:16]}_"
+        return f"{self.uri}_{self.digest[:_SOURCE_DIGEST_CHARS]}_"
 
     def module_name(self, toolchain_digest: str) -> str:
         """File stem of a build: the uri, the source digest, the compiler's digest."""
-        return f"{self.module_prefix()}{toolchain_digest[:8]}"
+        return f"{self.module_prefix()}{toolchain_digest[:_TOOLCHAIN_DIGEST_CHARS]}"
+
+
+_SOURCE_DIGEST_CHARS, _TOOLCHAIN_DIGEST_CHARS = 16, 8
+_BUILD_NAME = re.compile(rf"\w+_[0-9a-f]{{{_SOURCE_DIGEST_CHARS}}}_[0-9a-f]{{{_TOOLCHAIN_DIGEST_CHARS}}}")
+
+
+def is_build_name(stem: str) -> bool:
+    """Whether ``stem`` is a build's file stem (JitSpec.module_name's form): what this package writes
+    into an output directory, beside build/ and the locks."""
+    return _BUILD_NAME.fullmatch(stem) is not None
 
 
 @functools.cache

@@ -229,17 +229,22 @@ def test_clear_cache(built, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "keep").write_text("not in the cache")
-    (cache / "link").symlink_to(outside)
+    (cache / f"{_mod('link')}.so").symlink_to(outside)  # a link of a build's name
     locks = sorted(p.name for p in cache.glob("*.lock"))
     assert locks, "the built cache has lock files"
     entries = len([p for p in cache.iterdir() if p.suffix != ".lock" and p.name != "build"]) + \
         len(list((cache / "build").iterdir()))  # (build/'s entries are counted one by one)
     r = flashinfer_cake("clear-cache", cache=cache, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert f"removed {entries} entries from {cache}" in r.stdout
-    # Lock files stay (a running build may hold one); everything else is gone.
+    assert f"removed {entries} entries from {cache}\n" in r.stdout, r.stdout  # (nothing left that is not ours)
+    # Lock files stay (a running build may hold one); every build's file is gone.
     assert cache.is_dir() and sorted(p.name for p in cache.iterdir()) == locks
     assert (outside / "keep").is_file()  # a symlink is removed, not followed
+
+
+def _mod(short: str) -> str:
+    """A build's file stem (the form JitSpec.module_name gives: uri, source and compiler digests) for a short name."""
+    return f"{short}_{'a' * 16}_{'b' * 8}"
 
 
 def _cache_of(root: Path, *names: str) -> Path:
@@ -256,12 +261,12 @@ def _cache_of(root: Path, *names: str) -> Path:
 
 def test_clear_cache_waits_for_a_running_build(tmp_path, monkeypatch, capfd):
     """A build holding its lock (another process) ends before its files go: nothing is removed under it."""
-    cache = _cache_of(tmp_path / "cache", "mod_a", "mod_b")
+    cache = _cache_of(tmp_path / "cache", _mod("mod_a"), _mod("mod_b"))
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
     monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
     holder = subprocess.Popen([sys.executable, "-c", "import filelock, sys, time\n"
                                "lock = filelock.FileLock(sys.argv[1]); lock.acquire(); print('held', flush=True)\n"
-                               "time.sleep(1.5); lock.release()", str(cache / "mod_b.lock")],
+                               "time.sleep(1.5); lock.release()", str(cache / f"{_mod('mod_b')}.lock")],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -272,14 +277,15 @@ def test_clear_cache_waits_for_a_running_build(tmp_path, monkeypatch, capfd):
         holder.wait(timeout=30)
     assert waited > 1.0, waited
     out, err = capfd.readouterr()
-    assert "waiting for another process to finish building mod_b" in err, err
+    assert f"waiting for another process to finish building {_mod('mod_b')}" in err, err
     assert f"removed 6 entries from {cache}\n" in out, out
-    assert sorted(p.name for p in cache.iterdir()) == ["mod_a.lock", "mod_b.lock", "prebuild.lock"]
+    assert sorted(p.name for p in cache.iterdir()) == [f"{_mod('mod_a')}.lock", f"{_mod('mod_b')}.lock", "prebuild.lock"]
 
 
 def test_clear_cache_leaves_a_build_that_started_meanwhile(tmp_path, monkeypatch, capsys):
     """A build whose lock appears after clear-cache took its locks keeps its files (they may be being written)."""
-    cache = _cache_of(tmp_path / "cache", "mod_a")
+    a, late = _mod("mod_a"), _mod("mod_late")
+    cache = _cache_of(tmp_path / "cache", a)
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
     monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
     real = cli.hold_lock
@@ -287,10 +293,10 @@ def test_clear_cache_leaves_a_build_that_started_meanwhile(tmp_path, monkeypatch
     @contextlib.contextmanager
     def hold_then_start_a_build(root, name, what):
         with real(root, name, what):
-            if name == "mod_a":  # the last lock taken: another process's first call begins its build now
-                (cache / "mod_late.lock").write_text("")
-                (cache / "build" / "mod_late").mkdir()
-                for path in (cache / "build" / "mod_late" / "unit.cu", cache / "mod_late.so", cache / "mod_late.json"):
+            if name == a:  # the last lock taken: another process's first call begins its build now
+                (cache / f"{late}.lock").write_text("")
+                (cache / "build" / late).mkdir()
+                for path in (cache / "build" / late / "unit.cu", cache / f"{late}.so", cache / f"{late}.json"):
                     path.write_text("")
             yield
 
@@ -299,27 +305,46 @@ def test_clear_cache_leaves_a_build_that_started_meanwhile(tmp_path, monkeypatch
     out = capsys.readouterr().out
     assert f"removed 3 entries from {cache}; kept 3 of builds that started meanwhile" in out, out
     assert sorted(str(p.relative_to(cache)) for p in cache.rglob("*")) == [
-        "build", "build/mod_late", "build/mod_late/unit.cu", "mod_a.lock", "mod_late.json", "mod_late.lock",
-        "mod_late.so", "prebuild.lock"]
+        "build", f"build/{late}", f"build/{late}/unit.cu", f"{a}.lock", f"{late}.json", f"{late}.lock",
+        f"{late}.so", "prebuild.lock"]
 
 
 @pytest.mark.parametrize("odd", ["a-directory", "a-symlink"])
 def test_clear_cache_removes_a_lock_path_that_is_not_a_lock_file(tmp_path, monkeypatch, capsys, odd):
     """A *.lock that is no lock file (a directory, a link) is removed like any entry, not taken (which failed)."""
-    cache = _cache_of(tmp_path / "cache", "mod_a")
+    cache = _cache_of(tmp_path / "cache", _mod("mod_a"))
+    odd_lock = cache / f"{_mod('odd')}.lock"
     if odd == "a-directory":
-        (cache / "odd.lock").mkdir()
+        odd_lock.mkdir()
     else:
-        (cache / "odd.lock").symlink_to(tmp_path / "elsewhere")
+        odd_lock.symlink_to(tmp_path / "elsewhere")
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
     monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
     assert cli.main(["clear-cache"]) == 0
     assert f"removed 4 entries from {cache}\n" in capsys.readouterr().out
-    assert sorted(p.name for p in cache.iterdir()) == ["mod_a.lock", "prebuild.lock"]
+    assert sorted(p.name for p in cache.iterdir()) == [f"{_mod('mod_a')}.lock", "prebuild.lock"]
+
+
+def test_clear_cache_removes_only_this_packages_files(tmp_path, monkeypatch, capsys):
+    """A FLASHINFER_CAKE_CACHE_DIR set to a shared directory (~/.cache): clear-cache removes the builds' files (by
+    their names' form) and leaves everything else, saying how many."""
+    cache = _cache_of(tmp_path / "cache", _mod("mod_a"))
+    for foreign in ("pip", "torch"):
+        (cache / foreign).mkdir()
+        (cache / foreign / "data").write_text("not ours")
+    (cache / "notes.txt").write_text("not ours")
+    (cache / "build" / "other-tool").mkdir()
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    assert cli.main(["clear-cache"]) == 0
+    assert f"removed 3 entries from {cache}; left 4 that are not flashinfer_cake's\n" in capsys.readouterr().out
+    assert sorted(str(p.relative_to(cache)) for p in cache.rglob("*")) == [
+        "build", "build/other-tool", f"{_mod('mod_a')}.lock", "notes.txt", "pip", "pip/data", "prebuild.lock",
+        "torch", "torch/data"]
 
 
 def test_clear_cache_of_a_read_only_cache_says_so(tmp_path, monkeypatch, capsys):
-    cache = _cache_of(tmp_path / "cache", "mod_a")
+    cache = _cache_of(tmp_path / "cache", _mod("mod_a"))
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
     monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
 
@@ -331,7 +356,7 @@ def test_clear_cache_of_a_read_only_cache_says_so(tmp_path, monkeypatch, capsys)
     assert cli.main(["clear-cache"]) == 1
     err = capsys.readouterr().err
     assert f"cannot clear {cache}: [Errno 13] Permission denied: '{cache / 'prebuild.lock'}'" in err, err
-    assert (cache / "mod_a.so").exists()  # nothing removed
+    assert (cache / f"{_mod('mod_a')}.so").exists()  # nothing removed
 
 
 def test_clear_cache_of_a_missing_directory_creates_nothing(tmp_path):
