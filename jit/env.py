@@ -115,6 +115,10 @@ def _check_private_dir(path: Path, what: str) -> None:
     st = path.stat()
     if st.st_uid == os.getuid() and not st.st_mode & stat.S_ISVTX:
         fix = f"make it private with `chmod go-w {path}` (or `chmod 700 {path}`)"
+    elif what == "FLASHINFER_CAKE_AOT_DIR":  # prebuilt modules shared by another user: a copy, or the install's aot/
+        fix = (f"copy its modules into a directory of your own (`cp -a`, which keeps their records' order) and point "
+               f"{what} there, or have the package's owner install them into its own aot/ (`flashinfer-cake build "
+               f"--aot`), which every user of the install loads")
     else:  # another user's, or a shared directory (sticky, e.g. /tmp): no chmod can make it safe
         fix = f"point {what} at a directory of your own, e.g. {Path.home() / '.cache' / 'flashinfer_cake'}"
     raise RuntimeError(f"flashinfer_cake: {what} {path} is {reason}; refusing to load code from it: {fix}")

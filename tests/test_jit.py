@@ -1037,6 +1037,16 @@ def _cache_of_other_user(cache, aot):
     return cache
 
 
+def _aot_of_other_user(cache, aot):  # prebuilt modules another user (a service account) built and owns
+    if os.getuid() != 0:
+        pytest.skip("needs root to chown")
+    aot.mkdir()
+    for f in cache.glob("causal_conv1d_w_*"):
+        shutil.copy2(f, aot)
+    os.chown(aot, 4242, 4242)
+    return aot
+
+
 def _world_writable_aot(cache, aot):
     aot.mkdir()
     for f in cache.glob("causal_conv1d_w_*"):
@@ -1056,7 +1066,8 @@ def _shared_sticky_cache(cache, aot):  # like /tmp
     (_cache_of_other_user, "owned by uid 4242, not by you", "a directory of your own"),
     (_shared_sticky_cache, "writable by other users (mode drwxrwxrwt)", "a directory of your own"),
     (_world_writable_aot, "writable by other users (mode drwxrwxrwx)", "chmod go-w"),
-], ids=["cache-0777", "cache-0770", "cache-other-uid", "cache-1777", "aot-0777"])
+    (_aot_of_other_user, "owned by uid 4242, not by you", "copy its modules into a directory of your own (`cp -a`"),
+], ids=["cache-0777", "cache-0770", "cache-other-uid", "cache-1777", "aot-0777", "aot-other-uid"])
 def test_unsafe_directory_refused(built_cache, tmp_path, monkeypatch, unsafe, reason, fix):
     """Refused, saying which check failed and only a fix that is safe for that directory."""
     cache = copy_cache(built_cache, tmp_path / "cache")  # holds a valid module
