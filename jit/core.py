@@ -209,6 +209,10 @@ def _in_cache(spec: JitSpec, cache: Path) -> tuple[Path | None, Path | None]:
 
 
 def _find_or_build_in_cache(spec: JitSpec) -> Path:
+    if env.jit_disabled() and not env.cache_dir_path().exists():
+        # only read: a cache that does not exist holds nothing, and is not created (nor is its path's problem,
+        # e.g. an unwritable home, the error: the prebuild advice is)
+        raise _disabled_error(spec, env.cache_dir_path())
     cache = env.cache_dir()
     path, compiler = _in_cache(spec, cache)
     if path is not None:

@@ -1020,6 +1020,17 @@ def test_disable_jit_miss_is_a_clear_error(tmp_path, monkeypatch, nvcc):
     assert published(tmp_path / "cache") == []
 
 
+def test_disable_jit_miss_with_a_cache_path_that_cannot_be_made_gives_the_prebuild_advice(tmp_path, monkeypatch):
+    """FLASHINFER_CAKE_DISABLE_JIT reads the cache only: one that does not exist (here under a file, so it never
+    could) holds nothing; the error is the prebuild advice, not the path's, and nothing is created."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")
+    forbid_processes(monkeypatch)
+    with pytest.raises(RuntimeError, match=rf"{SPEC.uri} is not prebuilt .*FLASHINFER_CAKE_DISABLE_JIT is set"):
+        jit.load(SPEC)
+
+
 def _world_writable_cache(cache, aot):
     cache.chmod(0o777)
     return cache
