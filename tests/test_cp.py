@@ -71,7 +71,8 @@ def test_explicit_fragments_ragged_and_zero_length():
     np = pytest.importorskip("numpy")
     as_numpy = [[tuple(np.int64(v) for v in f) for f in rank] for rank in frags]
     assert cp_partition(np.array([0, 7, 10]), 3, fragments=as_numpy) == part
-    with pytest.raises(ValueError, match=r"rank 0's fragments must be \(doc, offset, length\) ints, got \(0, 0, 1\.0\)"):
+    with pytest.raises(ValueError, match=r"^cp_partition: fragments\[0\]\[0\] must be a \(doc, offset, length\) "
+                                         r"triple of ints, got \(0, 0, 1\.0\)"):
         cp_partition([0, 7, 10], 3, fragments=[[(0, 0, 1.0)], [], []])
 
 
@@ -80,14 +81,14 @@ def test_explicit_fragments_ragged_and_zero_length():
     ([1, 5], 2, "contiguous", None, "start at 0"),
     ([0, 5], 0, "contiguous", None, "world_size"),
     ([0, 5], 2, "diagonal", None, "layout"),
-    ([0, 5], 2, None, [[(0, 0, 5)]], "one list per rank"),
+    ([0, 5], 2, None, [[(0, 0, 5)]], "one sequence per rank"),
     ([0, 5], 2, None, [[(0, 0, 3)], [(0, 2, 3)]], "more than one fragment"),
-    ([0, 5], 2, None, [[(0, 0, 2)], [(0, 3, 2)]], "missing"),
-    ([0, 5], 2, None, [[(0, 0, 2)], [(0, 2, 2)]], "in no fragment"),
-    ([0, 5], 2, None, [[(0, 0, 6)], []], "outside its document"),
-    ([0, 5], 2, None, [[(1, 0, 1)], [(0, 0, 5)]], "outside its document"),
+    ([0, 5], 2, None, [[(0, 0, 2)], [(0, 3, 2)]], r"tokens \[2, 3\) are in no fragment"),
+    ([0, 5], 2, None, [[(0, 0, 2)], [(0, 2, 2)]], r"tokens \[4, 5\) are in no fragment"),
+    ([0, 5], 2, None, [[(0, 0, 6)], []], "must lie in its document"),
+    ([0, 5], 2, None, [[(1, 0, 1)], [(0, 0, 5)]], "must lie in its document"),
     ([0, 5], 2, None, [[(0, 0)], [(0, 0, 5)]], "doc, offset, length"),
-    ([0, 5], 2, None, [[(0, 0, 5)], 3], r"fragments\[1\] must be a list .* got 3"),
+    ([0, 5], 2, None, [[(0, 0, 5)], 3], r"^cp_partition: fragments\[1\] must be a sequence .* got 3"),
     ([0, 5], 2, "contiguous", [[(0, 0, 5)], []], "not both"),  # an explicit layout too, even the default one
     (None, 2, None, None, "got NoneType"),
     ([0, 5.0], 2, None, None, r"must hold ints, got 5\.0 \(float\)"),
@@ -95,6 +96,64 @@ def test_explicit_fragments_ragged_and_zero_length():
 def test_bad_partitions_are_value_errors(cu, world_size, layout, frags, match):
     with pytest.raises(ValueError, match=match):
         cp_partition(cu, world_size, layout, fragments=frags)
+
+
+@pytest.mark.parametrize("fields, match", [
+    ((2, (5,), (((0, 0, 2),), ((0, 3, 2),)), "fragments"),  # token 2 on no rank: its halo silently nobody's
+     r"^CPPartition: every token of every document must be in exactly one fragment, but document 0's tokens "
+     r"\[2, 3\) are in no fragment"),
+    ((2, (5,), (((0, 0, 3),), ((0, 2, 3),)), "fragments"),
+     r"document 0's tokens \[2, 3\) are in more than one fragment \(fragments\[0\]\[0\] = \(0, 0, 3\), "
+     r"fragments\[1\]\[0\] = \(0, 2, 3\)\)"),
+    ((2, (5, 4), (((0, 0, 5),), ((1, 0, 3),)), "fragments"), r"document 1's tokens \[3, 4\) are in no fragment"),
+    ((3, (5,), (((0, 0, 5),), ()), "fragments"),
+     r"^CPPartition: fragments must hold one sequence per rank \(world_size = 3\), got 2"),
+    ((2, (5,), (((0, 0, 6),), ()), "fragments"),
+     r"^CPPartition: fragments\[0\]\[0\] = \(0, 0, 6\) must lie in its document: doc in \[0, 1\), offset >= 0, "
+     r"length >= 0, offset \+ length <= 5 \(doc_lengths\[0\]\)"),
+    ((2, (5,), (((1, 0, 1),), ((0, 0, 5),)), "fragments"), r"fragments\[0\]\[0\] = \(1, 0, 1\) must lie in its"),
+    ((2, (5,), (((0, 0, 5),), ((0, 5, -1),)), "fragments"), r"fragments\[1\]\[0\] = \(0, 5, -1\) must lie in"),
+    ((2, (5,), (((0, 0, 5.0),), ()), "fragments"),
+     r"^CPPartition: fragments\[0\]\[0\] must be a \(doc, offset, length\) triple of ints, got \(0, 0, 5\.0\)"),
+    ((2, (5,), (((0, 0, torch.tensor(5)),), ()), "fragments"), r"fragments\[0\]\[0\] must be .*got \(0, 0, tensor"),
+    ((2, (5,), (5, ()), "fragments"),
+     r"^CPPartition: fragments\[0\] must be a sequence of \(doc, offset, length\) triples, got 5"),
+    ((2, (5,), ((0, 0, 5), ()), "fragments"), r"fragments\[0\]\[0\] must be a \(doc, offset, length\) triple .*got 0"),
+    ((0, (), (), "fragments"), r"^CPPartition: world_size must be a positive int \(the CP group's size\), got 0"),
+    ((2.0, (5,), (((0, 0, 5),), ()), "fragments"), r"world_size must be a positive int .*got 2\.0"),
+    ((1, (5, -1), (((0, 0, 5),),), "fragments"),
+     r"^CPPartition: doc_lengths must be a sequence of non-negative ints \(one per document\), got -1 at index 1"),
+    ((1, torch.tensor([5]), (((0, 0, 5),),), "fragments"), r"doc_lengths must be a sequence .*got a Tensor"),
+    ((1, (5,), (((0, 0, 5),),), "zig-zag"),
+     r"^CPPartition: layout must be one of \['contiguous', 'zigzag', 'zigzag_per_document', 'fragments'\], got "
+     r"'zig-zag'"),
+])
+def test_a_partition_built_by_hand_is_checked_at_construction(fields, match):
+    """A CPPartition constructed directly is held to cp_partition's rules when it is made (on the
+    host, no collective): each broken rule named with what it takes and what it got. Before, one
+    missing a token built a context silently (that token's rows nobody's) and other mistakes failed
+    deep in build_cp_context."""
+    from flashinfer_cake.cp import CPPartition
+    with pytest.raises(ValueError, match=match):
+        CPPartition(*fields)
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "fragments"])
+def test_partitions_of_cp_partition_pass_the_construction_checks(layout):
+    """What cp_partition makes satisfies CPPartition's own checks (every layout, explicit ragged
+    fragments with empty ones); a hand-built one's lists and integers of any library are taken as
+    tuples of ints, equal to cp_partition's."""
+    from flashinfer_cake.cp import CPPartition
+    for cu in CUS:
+        for world_size in (1, 2, 3, 5):
+            part = partition_of(cu, world_size, layout)
+            assert CPPartition(part.world_size, part.doc_lengths, part.fragments, part.layout) == part
+    np = pytest.importorskip("numpy")
+    by_hand = CPPartition(np.int64(2), [np.int32(7), 3], [[(0, 0, 1), [1, 0, 0]], [(np.int64(0), 1, 6), (1, 0, 3)]],
+                          "fragments")
+    want = cp_partition([0, 7, 10], 2, fragments=[[(0, 0, 1), (1, 0, 0)], [(0, 1, 6), (1, 0, 3)]])
+    assert by_hand == want and type(by_hand.world_size) is int and hash(by_hand) == hash(want)
+    assert all(type(v) is int for rank in by_hand.fragments for f in rank for v in f)
 
 
 def test_partitions_take_the_integers_data_loaders_give():

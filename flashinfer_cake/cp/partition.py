@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from .. import _checks
 __all__ = ["CPContext", "CPPartition", "build_cp_context", "cp_partition"]
 
 LAYOUTS = ("contiguous", "zigzag", "zigzag_per_document")
+EXPLICIT = "fragments"  # the layout name of a partition of explicit fragments
 # frag_info: min(a fragment's offset in its document, 3) | FRAG_CONTINUES when its document has
 # tokens after it (causal_conv1d_contract.h)
 FRAG_HEAD_MASK, FRAG_CONTINUES = 3, 4
@@ -32,16 +34,33 @@ FRAG_HEAD_MASK, FRAG_CONTINUES = 3, 4
 @dataclasses.dataclass(frozen=True)
 class CPPartition:
     """Which tokens of a packed global batch each rank holds: ``fragments[r]`` lists rank r's
-    fragments ``(doc, offset, length)`` in the order of its local packed batch. Built by
-    :func:`cp_partition`, which checks that the fragments cover every token once (explicit ones
-    too: ``fragments=``); identical on every rank. One constructed by hand is not checked by
-    :func:`build_cp_context` (a token no rank holds is silently nobody's): pass its fragments to
-    cp_partition instead."""
+    fragments ``(doc, offset, length)`` in the order of its local packed batch; identical on every
+    rank. Built by :func:`cp_partition` (a layout, or explicit ``fragments=``), or by hand:
+    constructed directly, it is checked on the host when made (no collective, no device tensor
+    read) by cp_partition's rules, a ValueError naming the first one broken: ``world_size`` a
+    positive int, ``doc_lengths`` non-negative ints, one sequence of fragments per rank, each
+    ``(doc, offset, length)`` ints within its document, every token of every document in exactly
+    one fragment, ``layout`` one of :data:`LAYOUTS` or ``"fragments"`` (a name: the fragments alone
+    define the partition). Lists and integers of any library (not tensors) are taken as tuples of
+    ints. (cp_partition's layouts are correct by construction and skip the checks, whose Python
+    loop costs about as much as building them, ~0.5 µs per fragment.)"""
 
     world_size: int
     doc_lengths: tuple[int, ...]
     fragments: tuple[tuple[tuple[int, int, int], ...], ...]
     layout: str
+
+    def __post_init__(self):
+        world_size = _checks.as_int(self.world_size, tensors=False)
+        if world_size is None or world_size < 1:
+            raise ValueError(f"CPPartition: world_size must be a positive int (the CP group's size), got "
+                             f"{self.world_size!r}")
+        lengths = _int_sequence("CPPartition", "doc_lengths", self.doc_lengths, "(one per document)")
+        fragments = _check_fragments("CPPartition", self.fragments, lengths, world_size)
+        if not isinstance(self.layout, str) or self.layout not in (*LAYOUTS, EXPLICIT):
+            raise ValueError(f"CPPartition: layout must be one of {[*LAYOUTS, EXPLICIT]}, got {self.layout!r}")
+        for name, value in (("world_size", world_size), ("doc_lengths", lengths), ("fragments", fragments)):
+            object.__setattr__(self, name, value)  # (frozen: the checked values as tuples of ints)
 
     def _rank(self, fn: str, rank) -> int:
         """``rank`` as an index into the partition's ranks (not Python's negative indexing: a -1
@@ -116,37 +135,75 @@ def _pieces(starts: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _check_fragments(fragments, lengths: tuple[int, ...], world_size: int) -> tuple:
+def _int_sequence(fn: str, name: str, values, what: str) -> tuple[int, ...]:
+    """``values``, a list or tuple of non-negative integers of any library (not tensors: no device
+    read), as a tuple of ints."""
+    if type(values) is tuple and all(type(v) is int and v >= 0 for v in values):
+        return values
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{fn}: {name} must be a sequence of non-negative ints {what}, got a {type(values).__name__}")
+    ints = tuple(_checks.as_int(v, tensors=False) for v in values)
+    for i, (v, n) in enumerate(zip(values, ints)):
+        if n is None or n < 0:
+            raise ValueError(f"{fn}: {name} must be a sequence of non-negative ints {what}, got {v!r} at index {i}")
+    return ints
+
+
+def _check_fragments(fn: str, fragments, lengths: tuple[int, ...], world_size: int) -> tuple:
+    """``fragments`` (one sequence per rank of ``(doc, offset, length)`` integers of any library,
+    not tensors) as tuples of ints, each within its document and every token of every document in
+    exactly one; else a ValueError naming the first rule broken, what it takes and what it got."""
     if not isinstance(fragments, (list, tuple)) or len(fragments) != world_size:
-        raise ValueError(f"cp_partition: fragments must hold one list per rank ({world_size}), got "
-                         f"{len(fragments) if isinstance(fragments, (list, tuple)) else type(fragments).__name__}")
-    covered = [[] for _ in lengths]
-    out = []
+        got = len(fragments) if isinstance(fragments, (list, tuple)) else type(fragments).__name__
+        raise ValueError(f"{fn}: fragments must hold one sequence per rank (world_size = {world_size}), got {got}")
+    D, starts = len(lengths), list(itertools.accumulate(lengths, initial=0))
+    spans, out = [], []  # spans: (global start, length) of each non-empty fragment
     for r, frags in enumerate(fragments):
         if not isinstance(frags, (list, tuple)):
-            raise ValueError(f"cp_partition: fragments[{r}] must be a list of (doc, offset, length), got {frags!r}")
+            raise ValueError(f"{fn}: fragments[{r}] must be a sequence of (doc, offset, length) triples, got {frags!r}")
         rank_frags = []
-        for f in frags:
-            ints = tuple(_checks.as_int(v, tensors=False) for v in f) if isinstance(f, (list, tuple)) else ()
-            if len(ints) != 3 or None in ints:  # ints of any library (NumPy's too), not tensors
-                raise ValueError(f"cp_partition: rank {r}'s fragments must be (doc, offset, length) ints, got {f!r}")
-            d, o, n = ints
-            if not (0 <= d < len(lengths) and n >= 0 and 0 <= o and o + n <= lengths[d]):
-                raise ValueError(f"cp_partition: rank {r}'s fragment {ints} is outside its document "
-                                 f"(doc in [0, {len(lengths)}), offset + length <= the document's length)")
-            covered[d].append((o, o + n))
-            rank_frags.append((d, o, n))
+        for i, f in enumerate(frags):
+            if not (type(f) is tuple and len(f) == 3 and type(f[0]) is int and type(f[1]) is int
+                    and type(f[2]) is int):  # (the common case, fast) else ints of any library (NumPy's), as tuples
+                ints = tuple(_checks.as_int(v, tensors=False) for v in f) if isinstance(f, (list, tuple)) else ()
+                if len(ints) != 3 or None in ints:
+                    raise ValueError(f"{fn}: fragments[{r}][{i}] must be a (doc, offset, length) triple of ints, "
+                                     f"got {f!r}")
+                f = ints
+            d, o, n = f
+            if not (0 <= d < D and o >= 0 and n >= 0 and o + n <= lengths[d]):
+                within = f", offset + length <= {lengths[d]} (doc_lengths[{d}])" if 0 <= d < D else ""
+                raise ValueError(f"{fn}: fragments[{r}][{i}] = {f} must lie in its document: doc in [0, {D}), "
+                                 f"offset >= 0, length >= 0{within}")
+            if n:
+                spans.append((starts[d] + o, n))
+            rank_frags.append(f)
         out.append(tuple(rank_frags))
-    for d, spans in enumerate(covered):
-        at = 0
-        for a, b in sorted(s for s in spans if s[1] > s[0]):
-            if a != at:
-                raise ValueError(f"cp_partition: document {d}'s tokens [{min(a, at)}, {max(a, at)}) are "
-                                 f"{'missing' if a > at else 'in more than one fragment'}")
-            at = b
-        if at != lengths[d]:
-            raise ValueError(f"cp_partition: document {d}'s tokens [{at}, {lengths[d]}) are in no fragment")
+    spans.sort()
+    at = 0  # the global tokens before `at` are each in exactly one fragment
+    for g, n in spans:
+        if g > at:
+            raise _coverage_error(fn, out, starts, at, g, False)
+        if g < at:
+            raise _coverage_error(fn, out, starts, g, min(at, g + n), True)
+        at = g + n
+    if at != starts[-1]:
+        raise _coverage_error(fn, out, starts, at, starts[-1], False)
     return tuple(out)
+
+
+def _coverage_error(fn: str, fragments: tuple, starts: list[int], lo: int, hi: int, twice: bool) -> ValueError:
+    """The error of the global tokens [lo, hi) (lo < hi), in no fragment or (``twice``: within
+    one document) in more than one: their first document's."""
+    d = bisect.bisect_right(starts, lo) - 1
+    a, b = lo - starts[d], min(hi, starts[d + 1]) - starts[d]
+    head = (f"{fn}: every token of every document must be in exactly one fragment, but document {d}'s tokens "
+            f"[{a}, {b})")
+    if not twice:
+        return ValueError(f"{head} are in no fragment: give a rank the fragment ({d}, {a}, {b - a})")
+    holders = [f"fragments[{r}][{i}] = {f}" for r, frags in enumerate(fragments) for i, f in enumerate(frags)
+               if f[0] == d and f[2] and f[1] < b and a < f[1] + f[2]]
+    return ValueError(f"{head} are in more than one fragment ({', '.join(holders)})")
 
 
 def cp_partition(cu_seqlens_global_cpu, world_size: int, layout: str | None = None, *,
@@ -171,7 +228,7 @@ def cp_partition(cu_seqlens_global_cpu, world_size: int, layout: str | None = No
     if fragments is not None:
         if layout is not None:
             raise ValueError(f"cp_partition: give layout or fragments, not both (got layout={layout!r})")
-        return CPPartition(world_size, lengths, _check_fragments(fragments, lengths, world_size), "fragments")
+        return _made(world_size, lengths, _check_fragments("cp_partition", fragments, lengths, world_size), EXPLICIT)
     layout = "contiguous" if layout is None else layout
     if layout not in LAYOUTS:
         raise ValueError(f"cp_partition: layout must be one of {list(LAYOUTS)}, got {layout!r}")
@@ -195,7 +252,18 @@ def cp_partition(cu_seqlens_global_cpu, world_size: int, layout: str | None = No
                     if b > a:
                         frags.append((d, a, b - a))
         per_rank.append(_merged(frags))
-    return CPPartition(P, lengths, tuple(per_rank), layout)
+    return _made(P, lengths, tuple(per_rank), layout)
+
+
+def _made(world_size: int, lengths: tuple, fragments: tuple, layout: str) -> CPPartition:
+    """cp_partition's CPPartition, without the constructor's second pass over its fields: a
+    layout's fragments are correct by construction (tests/test_cp.py passes them through the
+    constructor's checks too) and explicit ones have just passed cp_partition's (_check_fragments,
+    the same rules)."""
+    part = object.__new__(CPPartition)
+    for field, value in zip(dataclasses.fields(CPPartition), (world_size, lengths, fragments, layout)):
+        object.__setattr__(part, field.name, value)
+    return part
 
 
 def _merged(frags: list[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
