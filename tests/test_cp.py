@@ -551,6 +551,64 @@ def test_a_process_outside_the_group_is_told_so(tmp_path):
     assert results[1]["error"] is None
 
 
+# The end of a worker that defines rank and `calls`, (name, function) pairs: each call's ValueError
+# message or None, as its JSON line (another exception ends the rank: run_ranks shows its traceback).
+_CALLS_REPORTED = textwrap.dedent("""
+    out = {"rank": rank}
+    for name, call in calls:
+        try:
+            call()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    print(json.dumps(out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # (as _WORKER: gloo's static destructors)
+""")
+
+
+_EARLY_CONTEXT_WORKER = textwrap.dedent("""
+    import datetime, json, os, sys, torch, torch.distributed as dist
+    from flashinfer_cake.cp import build_cp_context, cake_causal_conv1d_cp, cp_partition, halo_exchange
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cfg = json.loads(sys.argv[1])
+    # the context first, as a data-loader or setup step may do: torch.distributed not initialized yet
+    ctx = build_cp_context(cp_partition([0, 10, 20], cfg["P"], "zigzag"), None, cfg["rank"][rank], "cpu")
+    dist.init_process_group("gloo", init_method="file://" + os.environ["CP_TEST_STORE"], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    calls = (("conv", lambda: cake_causal_conv1d_cp(torch.zeros(ctx.num_tokens, 16, dtype=torch.bfloat16),
+                                                    torch.zeros(16, 4), ctx)),
+             ("exchange", lambda: halo_exchange(torch.zeros(ctx.num_tokens, 8), ctx)),
+             ("again", lambda: halo_exchange(torch.zeros(ctx.num_tokens, 8), ctx)))
+""") + _CALLS_REPORTED
+
+
+@pytest.mark.parametrize("cfg, error", [
+    ({"P": 2, "rank": [0, 1]}, None),
+    ({"P": 3, "rank": [0, 1]}, "the partition is for 3 ranks and this is rank {r}, but the group has 2 ranks and this "
+                               "process is its rank {r}"),  # was gloo's "Number of tensor splits not equal to group size"
+    ({"P": 2, "rank": [1, 0]}, "the partition is for 2 ranks and this is rank {o}, but the group has 2 ranks and this "
+                               "process is its rank {r}"),  # ranks swapped: was an exchange of the wrong rows
+])
+def test_a_context_built_before_init_process_group_is_checked_at_its_first_call(cfg, error, tmp_path):
+    """build_cp_context before torch.distributed.init_process_group (group None: the default group,
+    which does not exist yet) cannot compare the partition with the group; its first call does,
+    before any collective, as build_cp_context would have: a ValueError on each rank naming both
+    sides. A context that matches its group runs."""
+    results = run_ranks(2, cfg, str(tmp_path / "store"), timeout=90, worker=_EARLY_CONTEXT_WORKER)
+    for r, res in enumerate(results):
+        if error is None:
+            assert res["exchange"] is None and res["again"] is None, res
+            assert "x must be a CUDA tensor" in res["conv"], res  # (this CPU machine: the conv's own rule)
+            continue
+        want = error.format(r=r, o=cfg["rank"][r])
+        for key, fn in (("conv", "cake_causal_conv1d_cp"), ("exchange", "halo_exchange"), ("again", "halo_exchange")):
+            assert res[key].startswith(f"{fn}: {want}"), (key, res[key])
+            assert "built before torch.distributed was initialized" in res[key], res[key]
+
+
 def test_conv_argument_errors_name_the_call_and_the_tensor():
     """The CP conv's own rules run before any collective, for every tensor, under the name of the
     function called and of the argument (xs[i] / weights[i] / biases[i] in a multi call)."""
@@ -664,25 +722,14 @@ _VERIFY_CALL_WORKER = textwrap.dedent("""
     cfg = json.loads(sys.argv[1])
     ctx = build_cp_context(cp_partition([0, 10, 20], world, "zigzag"), None, rank, "cpu", verify=True)
     x = torch.zeros(ctx.num_tokens + cfg["extra"][rank], cfg["C"][rank], dtype=torch.float64)
-    out = {"rank": rank}
-    for name, call in (("exchange", lambda: halo_exchange(x, ctx)),
-                       ("multi", lambda: halo_exchange_multi([x, x[:, :4].contiguous()], ctx)),
-                       ("conv", lambda: cake_causal_conv1d_cp(torch.zeros(ctx.num_tokens, 16, dtype=torch.bfloat16),
-                                                              torch.zeros(16, 4), ctx)),
-                       ("handle", lambda: cake_causal_conv1d_cp(  # rank 1's bad handle: every rank raises
-                           torch.zeros(ctx.num_tokens, 16, dtype=torch.bfloat16), torch.zeros(16, 4), ctx,
-                           recompute_handle=None if rank == 0 else object()))):
-        try:
-            call()
-            out[name] = None
-        except ValueError as e:
-            out[name] = str(e)
-    print(json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # (as _WORKER: gloo's static destructors)
-""")
+    calls = (("exchange", lambda: halo_exchange(x, ctx)),
+             ("multi", lambda: halo_exchange_multi([x, x[:, :4].contiguous()], ctx)),
+             ("conv", lambda: cake_causal_conv1d_cp(torch.zeros(ctx.num_tokens, 16, dtype=torch.bfloat16),
+                                                    torch.zeros(16, 4), ctx)),
+             ("handle", lambda: cake_causal_conv1d_cp(  # rank 1's bad handle: every rank raises
+                 torch.zeros(ctx.num_tokens, 16, dtype=torch.bfloat16), torch.zeros(16, 4), ctx,
+                 recompute_handle=None if rank == 0 else object())))
+""") + _CALLS_REPORTED
 
 
 @pytest.mark.parametrize("cfg, exchange_error", [

@@ -305,6 +305,8 @@ class CPContext:
     num_tokens: int            # local tokens
     num_fragments: int
     verify: bool = False       # build_cp_context(verify=True): each call checks every rank makes the same (check_call)
+    # partition and rank compared with the group's (build_cp_context, or the first call: check_context)
+    _group_checked: bool = dataclasses.field(default=False, init=False, repr=False)
 
 
 def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify: bool = False) -> CPContext:
@@ -313,7 +315,10 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
     asynchronous copy on the current stream (use the context on that stream, or order other
     streams after it). Each exchange is one ``all_to_all`` whose sizes, pair by pair, are the rows
     the receiver needs from the sender, the same on every rank. ``group``: the CP
-    group (None: the default group), whose size and this process's rank in it must match.
+    group (None: the default group), whose size and this process's rank in it must match: checked
+    here, or, where torch.distributed is not initialized yet (a context built before
+    ``init_process_group``: group None names a default group that does not exist yet), at the
+    context's first call, before its collective.
 
     Every rank must pass the same partition: ranks planning different batches exchange rows that
     do not match (wrong halos where the sizes happen to agree, else a collective that fails or
@@ -422,8 +427,14 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
         at += len(part)
     sends = [tuple(len(rows) for rows in to) for to in (halo_to, g_to)]
     recvs = [tuple(len(rows) for rows in frm) for frm in (halo_from, g_from)]
-    return CPContext(partition, group, rank, *views, sends[0], recvs[0], sends[1], recvs[1], cu[-1], len(cu) - 1,
-                     verify=bool(verify))
+    ctx = CPContext(partition, group, rank, *views, sends[0], recvs[0], sends[1], recvs[1], cu[-1], len(cu) - 1,
+                    verify=bool(verify))
+    object.__setattr__(ctx, "_group_checked", _initialized())  # (_context_problem compared them then)
+    return ctx
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def _context_problem(partition, group, rank) -> Exception | None:
@@ -444,20 +455,28 @@ def _context_problem(partition, group, rank) -> Exception | None:
             group, (list, tuple)) else ""
         return TypeError(f"build_cp_context: group must be a torch.distributed ProcessGroup or None (the default "
                          f"group), got {type(group).__name__}{hint}")
-    if dist.is_available() and dist.is_initialized():  # (group None: the default group)
-        size, group_rank = dist.get_world_size(group), dist.get_rank(group)
-        if size != partition.world_size or group_rank != rank:
-            return ValueError(f"build_cp_context: the partition is for {partition.world_size} ranks and this is rank "
-                              f"{rank}, but the group has {size} ranks and this process is its rank {group_rank} "
-                              "(pass the rank within the CP group)")
-    return None
+    return _group_problem("build_cp_context", partition, group, rank) if _initialized() else None
+
+
+def _group_problem(fn: str, partition: CPPartition, group, rank: int, first_call: bool = False) -> ValueError | None:
+    """The error of a partition or rank that is not the group's (group None: the default group),
+    or None; torch.distributed initialized. ``first_call``: checked at a context's first call."""
+    size, group_rank = dist.get_world_size(group), dist.get_rank(group)
+    if size == partition.world_size and group_rank == rank:
+        return None
+    when = (" (checked at the context's first call: it was built before torch.distributed was initialized)"
+            if first_call else "")
+    return ValueError(f"{fn}: the partition is for {partition.world_size} ranks and this is rank {rank}, but the group "
+                      f"has {size} ranks and this process is its rank {group_rank}{when}: pass build_cp_context the "
+                      f"rank within the CP group (dist.get_rank(group)) and cp_partition its size "
+                      f"(dist.get_world_size(group))")
 
 
 def _verify_same_partition(partition, group, problem: Exception | None) -> None:
     """build_cp_context(verify=True): every rank of ``group`` gathers every rank's partition
     summary (or its own argument error) and raises the same ValueError where they differ or any
     failed, so no rank is left waiting in a later collective."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _initialized():
         raise ValueError("build_cp_context: verify=True needs an initialized torch.distributed process group")
     if (group is not None and not isinstance(group, dist.ProcessGroup)) or group is dist.GroupMember.NON_GROUP_MEMBER:
         raise problem  # no group to gather over: this rank's own error (the others' gather waits on it, as a call's)
@@ -473,9 +492,18 @@ def _verify_same_partition(partition, group, problem: Exception | None) -> None:
 
 
 def check_context(fn: str, ctx) -> None:
+    """ctx is a CPContext; at the first call of one built before torch.distributed's
+    initialization, its partition's size and rank compared with its group's, as build_cp_context
+    does otherwise (host calls only: no collective). A group that is no process group is the
+    call's own error, later."""
     if not isinstance(ctx, CPContext):
         raise TypeError(f"{fn}: ctx must be a CPContext (flashinfer_cake.cp.build_cp_context), got "
                         f"{type(ctx).__name__}")
+    if not ctx._group_checked and _initialized() and (ctx.group is None or isinstance(ctx.group, dist.ProcessGroup)):
+        problem = _group_problem(fn, ctx.partition, ctx.group, ctx.rank, first_call=True)
+        if problem is not None:
+            raise problem
+        object.__setattr__(ctx, "_group_checked", True)
 
 
 def check_tables(fn: str, ctx: CPContext) -> None:
