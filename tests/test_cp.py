@@ -677,6 +677,30 @@ def test_conv_refuses_a_context_edited_by_hand():
         cake_causal_conv1d_cp(x, w, ctx)
 
 
+def test_a_context_on_another_device_than_x_local_is_named_with_both_devices():
+    """A context built on another device than the call's tensors: the error names the context and
+    the tensor, both devices and the fix (build the context on the tensor's device), not
+    "cu_seqlens" (the context's table, which the caller never passed). Here the context on meta and
+    x_local on the CPU, the two devices this machine has; on a GPU the case is a context on the CPU
+    (test_cp_gpu.py: test_bad_arguments, "ctx_device")."""
+    from flashinfer_cake.cp import cake_causal_conv1d_cp, cake_causal_conv1d_cp_multi, halo_exchange, halo_exchange_multi
+    part = cp_partition([0, 5, 9], 1)
+    ctx = build_cp_context(part, None, 0, "meta")
+    x, w = torch.zeros(9, 16, dtype=torch.bfloat16), torch.zeros(16, 4)
+    fix = r": build the context on its device: build_cp_context\(partition, group, rank, {}\.device\)$"
+    cases = [
+        (lambda: cake_causal_conv1d_cp(x, w, ctx), "cake_causal_conv1d_cp", "x_local", "cpu"),
+        (lambda: cake_causal_conv1d_cp_multi([x, x], [w, w], ctx), "cake_causal_conv1d_cp_multi", r"xs\[0\]", "cpu"),
+        (lambda: halo_exchange(x.double(), ctx), "halo_exchange", "x_local", "cpu"),
+        (lambda: halo_exchange_multi([x, x], ctx), "halo_exchange_multi", r"xs\[0\]", "cpu"),
+    ]
+    for call, fn, name, device in cases:
+        want = (rf"^{fn}: {name} must be on the context's device meta \(ctx's tables, from build_cp_context\), got "
+                rf"{device}" + fix.format(name))
+        with pytest.raises(ValueError, match=want):
+            call()
+
+
 def test_exchange_and_context_argument_errors():
     """halo_exchange(_multi) and build_cp_context name the argument, what they take and what they
     got, before any collective."""
@@ -688,7 +712,7 @@ def test_exchange_and_context_argument_errors():
         (lambda: halo_exchange(x, part), TypeError, r"^halo_exchange: ctx must be a CPContext.*got CPPartition"),
         (lambda: halo_exchange(x[1:], ctx), ValueError, r"^halo_exchange: x_local must be .*got shape \(8, 16\)"),
         (lambda: halo_exchange(torch.zeros(9, 16, dtype=torch.float64, device="meta"), ctx), ValueError,
-         r"context's device \(cpu\).* on meta"),
+         r"^halo_exchange: x_local must be on the context's device cpu .*got meta"),
         (lambda: halo_exchange_multi([x, x.float()], ctx), ValueError, r"^halo_exchange_multi: xs\[1\] .*float32"),
         (lambda: halo_exchange_multi([], ctx), ValueError, r"at least one tensor"),
         (lambda: build_cp_context(part, None, True, "cpu"), TypeError, r"rank must be an int, got True \(bool\)"),

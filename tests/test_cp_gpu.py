@@ -612,6 +612,8 @@ def test_recompute_handle_refused_in_capture(nccl_group):
     ("bias", ValueError, "bias must have shape"),
     ("dtype", ValueError, "x must have dtype torch.bfloat16"),
     ("misaligned", ValueError, "16-byte aligned address"),
+    ("ctx_device", ValueError, r"^cake_causal_conv1d_cp: x_local must be on the context's device cpu .*got cuda:0: "
+                               r"build the context on its device"),
 ])
 def test_bad_arguments(nccl_group, case, error, match):
     """Each bad argument is the Python rules' error, after a valid call has registered the
@@ -638,6 +640,8 @@ def test_bad_arguments(nccl_group, case, error, match):
         xl = xl.float()
     elif case == "misaligned":
         xl = torch.cat([xl.new_zeros(1), xl.flatten()])[1:].view(xl.shape)
+    elif case == "ctx_device":  # (was "cu_seqlens must be on x's device": the context's table)
+        ctx = build_cp_context(part, nccl_group, 0, "cpu")
     with pytest.raises(error, match=match):
         cake_causal_conv1d_cp(xl, w, ctx, b, **kwargs)
 

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import _checks, _dispatch
-from .partition import LOCAL_TOKENS_ORIGIN, CPContext, capturing, check_call, check_context, check_tables
+from .partition import (LOCAL_TOKENS_ORIGIN, CPContext, capturing, check_call, check_context, check_context_device,
+                        check_tables)
 
 __all__ = ["CPRecomputeHandle", "cake_causal_conv1d_cp", "cake_causal_conv1d_cp_multi"]
 
@@ -199,6 +200,8 @@ def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
         if x.shape[-1] >= _checks.MAX_CP_C:
             raise ValueError(f"{fn}: {xn} must have C below 2^25 channels (the context-parallel passes' range), "
                              f"got C={x.shape[-1]}")
+        if not _checks.without_memory(x):  # (a meta or fake x: check_forward_args says where such tensors go)
+            check_context_device(fn, xn, x, cp)  # (the single-GPU rules would name ctx.cu_seqlens "cu_seqlens")
     for (x, w, b), (xn, wn, bn) in zip(zip(xs, weights, biases), names):
         # the single-GPU rules, which name x, weight and bias: the prefix says which tensors
         _checks.check_forward_args(f"{fn} ({xn} as x)" if single else f"{fn} ({xn} as x, {wn}, {bn})", x, w,

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _checks
-from .partition import LOCAL_TOKENS_ORIGIN, CPContext, check_call, check_context
+from .partition import LOCAL_TOKENS_ORIGIN, CPContext, check_call, check_context, check_context_device
 
 try:  # the process group's own collective call (see exchange_rows)
     from torch._C._distributed_c10d import AllToAllOptions as _AllToAllOptions
@@ -129,9 +129,9 @@ def _check_exchange(fn: str, xs: list, ctx: CPContext, names: list[str]) -> None
         if not (x.dim() == 2 or (x.dim() == 3 and x.shape[0] == 1)) or x.shape[-2] != ctx.num_tokens:
             raise ValueError(f"{fn}: {name} must be [T, C] or [1, T, C] with this rank's T = {ctx.num_tokens} tokens "
                              f"({LOCAL_TOKENS_ORIGIN}), got shape {tuple(x.shape)}")
-        if x.dtype != xs[0].dtype or x.device != ctx.cu_seqlens.device:
-            raise ValueError(f"{fn}: {name} must have {names[0]}'s dtype and the context's device "
-                             f"({ctx.cu_seqlens.device}), got {x.dtype} on {x.device}")
+        if x.dtype != xs[0].dtype:
+            raise ValueError(f"{fn}: {name} must have {names[0]}'s dtype {xs[0].dtype}, got {x.dtype}")
+        check_context_device(fn, name, x, ctx)
 
 
 def halo_exchange(x_local: torch.Tensor, ctx: CPContext) -> torch.Tensor:

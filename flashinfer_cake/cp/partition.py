@@ -506,6 +506,15 @@ def check_context(fn: str, ctx) -> None:
         object.__setattr__(ctx, "_group_checked", True)
 
 
+def check_context_device(fn: str, name: str, t: torch.Tensor, ctx: CPContext) -> None:
+    """``t`` (the call's argument ``name``) on the device of ctx's tables."""
+    device = ctx.cu_seqlens.device
+    if t.device != device:
+        raise ValueError(f"{fn}: {name} must be on the context's device {device} (ctx's tables, from "
+                         f"build_cp_context), got {t.device}: build the context on its device: "
+                         f"build_cp_context(partition, group, rank, {name}.device)")
+
+
 def check_tables(fn: str, ctx: CPContext) -> None:
     """The context's tables and sizes as build_cp_context makes them (what the binding's tables_ok
     takes): int32, 1-D, contiguous, on one device, of the partition's sizes. Only a context edited
