@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_autograd_sizes, rows_read_as_they_are, states_read_as_they_are
+from ._checks import check_autograd_sizes, check_cuda_device, rows_read_as_they_are, states_read_as_they_are
 from .cake_causal_conv1d_train import cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
 
 
@@ -57,6 +57,16 @@ def causal_conv1d_bwd_op(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torc
 def _(x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, silu_grad_preactivation):
     return (x.new_empty(x.shape), torch.empty_like(weight), x.new_empty(0) if bias is None else torch.empty_like(bias),
             x.new_empty(0) if initial_states is None else torch.empty_like(initial_states))
+
+
+@causal_conv1d_fwd_op.register_kernel("cpu")
+@causal_conv1d_bwd_op.register_kernel("cpu")
+def _(x, *_):
+    # A compiled graph run on CPU tensors (tracing takes them as fakes) reaches the ops' CPU key:
+    # the eager call's error, not the dispatcher's "Could not run ... with arguments from the 'CPU'
+    # backend" (the ops' kernels are CUDA only).
+    check_cuda_device(AUTOGRAD, x)  # raises: x is on the CPU here
+    raise AssertionError(f"{AUTOGRAD}: the CPU kernel ran with x on {x.device}")
 
 
 def backward_of_any_grads(x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, silu_grad_preactivation):

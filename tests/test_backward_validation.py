@@ -556,6 +556,25 @@ def test_torch_compile_traces_one_graph_through_the_custom_ops(dynamic, states):
         assert "flashinfer_cake.causal_conv1d_bwd" in graphs.get("bw", ""), sorted(graphs)
 
 
+def test_torch_compile_on_cpu_tensors_is_the_eager_error():
+    """A compiled graph run on CPU tensors (tracing takes them as fakes, the graph then runs the ops
+    on the CPU): the eager call's "x must be a CUDA tensor", not the dispatcher's "Could not run
+    ... with arguments from the 'CPU' backend"; the ops called directly likewise."""
+    x = torch.randn(S, C).to(BF16).requires_grad_()
+    w, cu = torch.randn(C, 4), torch.tensor([0, 5, S], dtype=I32)
+    expected = rf"^{AUTOGRAD}: x must be a CUDA tensor, got device cpu$"
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(ValueError, match=expected):
+            torch.compile(cake_causal_conv1d, fullgraph=True, backend="aot_eager")(x, w, cu)
+    finally:
+        torch._dynamo.reset()
+    with pytest.raises(ValueError, match=expected):
+        torch.ops.flashinfer_cake.causal_conv1d_fwd(x, w, cu, None, None, False)
+    with pytest.raises(ValueError, match=expected):
+        torch.ops.flashinfer_cake.causal_conv1d_bwd(x, w, cu, x, None, None, None, "bf16")
+
+
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("override, argname", [
     pytest.param({"w": lambda: torch.randn(C, 1, 4)}, "weight", id="conv1d-weight"),
