@@ -105,10 +105,9 @@ def _wheel_trees(nvcc) -> str:
 
 def _module_state(spec) -> str:
     """The build a first call opens, else whether another toolchain's is all there is (it compiles)."""
-    path = jit.located(spec)
+    path, others = jit.lookup(spec)
     if path is not None:
         return str(path)
-    others = jit.published(spec)
     return f"not built by this toolchain (a first call builds it; {others[0]} is another's)" if others else "not built"
 
 

@@ -6,7 +6,7 @@ Installed as ``flashinfer_cake.jit`` (the sources live in the top-level ``jit/``
 """
 
 from .binding import binding_spec, load_binding
-from .core import JitSpec, load, located, prebuild, published
+from .core import JitSpec, load, located, lookup, prebuild, published
 from .variant import all_variants, variant_spec
 
-__all__ = ["JitSpec", "all_variants", "binding_spec", "load", "load_binding", "located", "prebuild", "published", "variant_spec"]
+__all__ = ["JitSpec", "all_variants", "binding_spec", "load", "load_binding", "located", "lookup", "prebuild", "published", "variant_spec"]

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from . import env
 from .build import BuildItem, build_once, build_specs, find_published, hold_lock, verified_module
@@ -244,23 +245,35 @@ def _existing_cache() -> Path | None:
     return cache if cache.exists() else None
 
 
+class Lookup(NamedTuple):
+    """Where the builds of a spec are (what ``flashinfer-cake env`` reports)."""
+    located: Path | None  # the build load tries first without compiling; None: it would compile
+    published: list[Path]  # the verified build in each AOT directory and in the JIT cache that holds one
+
+
+def lookup(spec: JitSpec) -> Lookup:
+    """Where ``spec``'s builds are, each directory listed once: :func:`located` and :func:`published`
+    in one pass (load still skips a prebuilt file it cannot open)."""
+    aot = _aot_builds(spec)
+    cache = _existing_cache()
+    here = cached = None
+    if cache is not None:
+        here, compiler = _in_cache(spec, cache)
+        # (where nothing compiles, load's choice is already any compiler's: find_published's, as below)
+        cached = here if compiler is None else find_published(cache, spec.module_prefix(), _preferred(spec))
+    return Lookup(aot[0] if aot else here, [*aot, *([cached] if cached is not None else [])])
+
+
 def located(spec: JitSpec) -> Path | None:
     """The build of ``spec`` that :func:`load` tries first without compiling, or None when it
-    would compile (what ``flashinfer-cake env`` reports; load still skips a prebuilt file it
-    cannot open)."""
-    aot = _aot_builds(spec)
-    if aot:
-        return aot[0]
-    cache = _existing_cache()
-    return None if cache is None else _in_cache(spec, cache)[0]
+    would compile."""
+    return lookup(spec).located
 
 
 def published(spec: JitSpec) -> list[Path]:
     """The verified build of ``spec`` in each AOT directory and in the JIT cache that holds one (any
     compiler; find_published's choice among several, as load makes it)."""
-    cache = _existing_cache()
-    cached = None if cache is None else find_published(cache, spec.module_prefix(), _preferred(spec))
-    return [*_aot_builds(spec), *([cached] if cached is not None else [])]
+    return lookup(spec).published
 
 
 def prebuild(specs: list[JitSpec], out_dir: Path | str | None = None, *, jobs: int | None = None,

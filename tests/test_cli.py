@@ -556,3 +556,19 @@ def test_a_repeated_arch_is_built_once():
 
     specs = cli._specs(["sm_90a", "9.0a"])
     assert len(specs) == len(set(specs)) == len(cli._specs(["sm_90a"]))
+
+
+def test_module_state_lists_each_directory_once(tmp_path, monkeypatch):
+    """`env`'s line of a module reads each directory once: the AOT directories and the cache are listed a single time
+    per module, whatever it finds (here nothing: every question is asked)."""
+    aot, cache = tmp_path / "aot", tmp_path / "cache"
+    for d in (aot, cache):
+        d.mkdir(mode=0o700)
+    monkeypatch.setattr(jit_env, "PACKAGE_AOT_DIR", tmp_path / "no-package-aot")
+    monkeypatch.setenv("FLASHINFER_CAKE_AOT_DIR", str(aot))
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
+    monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")  # the cache then serves any compiler's build: listed too
+    listed, real = [], os.listdir
+    monkeypatch.setattr(os, "listdir", lambda path=".": listed.append(Path(path)) or real(path))
+    assert cli._module_state(all_variants(["sm_90a"])[0]) == "not built"
+    assert listed.count(aot) == 1 and listed.count(cache) == 1, listed
