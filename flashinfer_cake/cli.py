@@ -87,6 +87,15 @@ def _cache_line() -> str:
     return f"{path}  (FLASHINFER_CAKE_CACHE_DIR{state})"
 
 
+def _aot_line() -> str:
+    """The prebuilt directories calls search; the package's aot/ that they skip (a broken install) is this line's error."""
+    dirs = env.aot_dirs()
+    skipped = env.package_aot_problem()
+    if skipped:
+        raise RuntimeError(skipped)
+    return f"{' '.join(map(str, dirs)) or 'none'}  (FLASHINFER_CAKE_AOT_DIR, the package's aot/)"
+
+
 def _wheel_trees(nvcc) -> str:
     """NVIDIA's CUDA wheel trees in this environment (jit/env.py), each with whether it is the nvcc taken, why
     not, or why it cannot build: a tree passed over is not an error."""
@@ -123,8 +132,7 @@ def cmd_env(args) -> int:
     _line("c++", lambda: f"{env.cxx_path()} ({compiler_version(env.cxx_path())})  (CXX)", problems)
     _line("arch list", lambda: f"{' '.join(env.arch_list())}  (FLASHINFER_CAKE_CUDA_ARCH_LIST)", problems)
     _line("cache dir", _cache_line, problems)
-    _line("aot dirs", lambda: f"{' '.join(map(str, env.aot_dirs())) or 'none'}  (FLASHINFER_CAKE_AOT_DIR, the "
-          f"package's aot/)", problems)
+    _line("aot dirs", _aot_line, problems)
     _line("jit", f"{'disabled' if env.jit_disabled() else 'enabled'}  (FLASHINFER_CAKE_DISABLE_JIT)", problems)
     if problems:
         print("modules          not listed (see the errors above)")

@@ -182,20 +182,30 @@ def _aot_builds(spec: JitSpec) -> list[Path]:
     return [path for path in found if path is not None]
 
 
+@functools.cache
+def _warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process meets it (each first load asks again)."""
+    logger.warning(message)
+
+
 def _find_or_build(spec: JitSpec):
     for path in _aot_builds(spec):
         try:
             return open_artifact(spec, path)
         except RuntimeError as e:  # e.g. built for another platform: the cache or JIT may do
             logger.warning("flashinfer_cake: skipping prebuilt %s: %s", path, e)
+    skipped = env.package_aot_problem()
+    if skipped:
+        _warn_once(f"flashinfer_cake: {skipped}")
     return open_artifact(spec, _find_or_build_in_cache(spec))
 
 
 def _disabled_error(spec: JitSpec, cache: Path) -> RuntimeError:
     searched = [str(d) for d in env.aot_dirs()] + [str(cache)]
+    skipped = env.package_aot_problem()
     return RuntimeError(
-        f"flashinfer_cake: {spec.uri} is not prebuilt (searched {searched}) and FLASHINFER_CAKE_DISABLE_JIT "
-        f"is set. Prebuild it with `flashinfer-cake build` (into the JIT cache) or `flashinfer-cake build --aot` "
+        f"flashinfer_cake: {spec.uri} is not prebuilt (searched {searched}{f'; {skipped}' if skipped else ''}) "
+        f"and FLASHINFER_CAKE_DISABLE_JIT is set. Prebuild it with `flashinfer-cake build` (into the JIT cache) or `flashinfer-cake build --aot` "
         f"(into the installed package), or unset FLASHINFER_CAKE_DISABLE_JIT."
     )
 

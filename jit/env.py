@@ -7,7 +7,8 @@ cache root the first time a module is looked up, :func:`output_dir` a prebuild's
 Environment variables:
     FLASHINFER_CAKE_CACHE_DIR      JIT cache root (default ``~/.cache/flashinfer_cake/<version>``).
     FLASHINFER_CAKE_AOT_DIR        a directory of prebuilt modules, searched before the package's aot/
-                                   (one that is not a directory, or that others can write to, is an error).
+                                   (one that is not a directory, that others can write to, or that this
+                                   process cannot read, is an error).
     FLASHINFER_CAKE_CUDA_ARCH_LIST archs that ``flashinfer-cake build`` prebuilds (default ``9.0a``).
     FLASHINFER_CAKE_NVCC           the nvcc to build with (else $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc,
                                    NVIDIA's CUDA wheels in this Python environment, PATH, /usr/local/cuda).
@@ -124,6 +125,30 @@ def _check_private_dir(path: Path, what: str) -> None:
     raise RuntimeError(f"flashinfer_cake: {what} {path} is {reason}; refusing to load code from it: {fix}")
 
 
+def _unreadable(path: Path) -> str | None:
+    """Why this process cannot search the directory ``path`` for builds (list it, open what it holds), with the fix
+    its owner can make; None when it can. (Listed, not only os.access: an ACL or a mount's rules refuse root too.)"""
+    try:
+        with os.scandir(path):
+            pass
+        if os.access(path, os.R_OK | os.X_OK):
+            return None
+        error = "Permission denied"
+    except OSError as e:
+        error = e.strerror or str(e)
+    st = path.stat()
+    fix = (f"`chmod u+rx {path}`" if st.st_uid == os.getuid() else
+           f"its owner (uid {st.st_uid}) can make it readable: `chmod a+rx {path}`")
+    return f"not readable by this process ({error}; mode {stat.filemode(st.st_mode)}): {fix}"
+
+
+def _check_readable(path: Path, what: str, otherwise: str) -> None:
+    """Refuse a directory we search for builds that this process cannot read: it would look empty."""
+    problem = _unreadable(path)
+    if problem:
+        raise RuntimeError(f"flashinfer_cake: {what} {path} is {problem}, or {otherwise}")
+
+
 def _make_dir(path: Path, what: str, mode: int, create: bool = True) -> Path:
     """``path`` as an existing directory (created with ``mode`` when missing), or a RuntimeError
     that says what is in the way. ``create=False``: a missing one is left missing when nothing
@@ -164,6 +189,7 @@ def cache_dir(create: bool = True) -> Path:
     root = _make_dir(cache_dir_path(), "the JIT cache directory (FLASHINFER_CAKE_CACHE_DIR)", 0o700, create)
     if root.exists():
         _check_private_dir(root, "FLASHINFER_CAKE_CACHE_DIR")
+        _check_readable(root, "FLASHINFER_CAKE_CACHE_DIR", "point FLASHINFER_CAKE_CACHE_DIR at another directory")
     return root
 
 
@@ -205,14 +231,20 @@ def aot_dirs() -> list[Path]:
             raise RuntimeError(f"flashinfer_cake: FLASHINFER_CAKE_AOT_DIR={shown} {state}: point it at a prebuild's "
                                f"output (`flashinfer-cake build --out DIR`) or unset it")
         _check_private_dir(path, "FLASHINFER_CAKE_AOT_DIR")
+        _check_readable(path, "FLASHINFER_CAKE_AOT_DIR", "point it at another prebuild's output or unset it")
         dirs.append(path)
-    if PACKAGE_AOT_DIR.is_dir():
-        reason = _unsafe_reason(PACKAGE_AOT_DIR, package=True)
-        if reason:  # a broken install: skip it, JIT still works
-            logger.warning("flashinfer_cake: ignoring %s: %s", PACKAGE_AOT_DIR, reason)
-        else:
-            dirs.append(PACKAGE_AOT_DIR)
+    if PACKAGE_AOT_DIR.is_dir() and package_aot_problem() is None:
+        dirs.append(PACKAGE_AOT_DIR)
     return dirs
+
+
+def package_aot_problem() -> str | None:
+    """Why the package's own aot/ is skipped, or None (used, or absent): a broken install, which is not an error
+    (calls build their modules with the JIT instead); the loader warns once, `flashinfer-cake env` reports it."""
+    if not PACKAGE_AOT_DIR.is_dir():
+        return None
+    reason = _unsafe_reason(PACKAGE_AOT_DIR, package=True) or _unreadable(PACKAGE_AOT_DIR)
+    return reason and f"ignoring {PACKAGE_AOT_DIR}: it is {reason}"
 
 
 # NVIDIA's CUDA wheels install one toolkit tree per CUDA major version into the `nvidia` namespace package

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,5 +52,23 @@ def bad_cuda_args():
         with torch.device("cuda"):
             call(valid_args())
             return valid_args(**{name: factory() for name, factory in override.items()})
+
+    return make
+
+
+@pytest.fixture
+def unreadable(monkeypatch):
+    """``unreadable(directory)``: the directory is unreadable to this process as chmod 000 makes it for a user (a root
+    test process reads anything): listing it is a PermissionError and os.access says no."""
+    def make(directory: Path) -> None:
+        real_access = os.access
+        for name in ("scandir", "listdir"):
+            def refused(path=".", real=getattr(os, name)):
+                if Path(path) == directory:
+                    raise PermissionError(13, "Permission denied", str(path))
+                return real(path)
+
+            monkeypatch.setattr(os, name, refused)
+        monkeypatch.setattr(os, "access", lambda path, mode, **k: Path(path) != directory and real_access(path, mode, **k))
 
     return make

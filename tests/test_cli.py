@@ -455,6 +455,26 @@ def test_unusable_cache_dir_is_one_line_and_env_reports_it(make, words, tmp_path
     assert r.stderr.startswith("flashinfer-cake: error: ") and str(cache) in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("which, line", [("cache", "cache dir"), ("aot-dir", "aot dirs"), ("package-aot", "aot dirs")])
+def test_env_reports_an_unreadable_directory(tmp_path, monkeypatch, capsys, unreadable, which, line):
+    """A cache or prebuilt directory this process cannot read is env's problem (exit 1), on its line, with the fix."""
+    directory = {"aot-dir": tmp_path / "aot", "cache": tmp_path / "cache", "package-aot": tmp_path / "pkg" / "aot"}[which]
+    directory.mkdir(mode=0o700, parents=True)
+    for var in ISOLATED_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(jit_env, "PACKAGE_AOT_DIR", directory if which == "package-aot" else tmp_path / "no-aot")
+    if which == "aot-dir":
+        monkeypatch.setenv("FLASHINFER_CAKE_AOT_DIR", str(directory))
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    unreadable(directory)
+    assert cli.main(["env"]) == 1
+    out, err = capsys.readouterr()
+    assert re.search(rf"^{line}\s+ERROR: .*{re.escape(str(directory))}(: it)? is not readable by this process \(Permission "
+                     rf"denied.*`chmod u\+rx {re.escape(str(directory))}`", out, re.M), out
+    assert err.count("\n") == 1 and str(directory) in err, err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the default action runs the forward on a GPU")
 def test_read_only_cache(built, tmp_path, monkeypatch, capsys):
     """A fully built cache is only read (no lock taken); a build into one that cannot be written

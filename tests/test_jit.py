@@ -1031,6 +1031,32 @@ def test_disable_jit_miss_with_a_cache_path_that_cannot_be_made_gives_the_prebui
         jit.load(SPEC)
 
 
+@pytest.mark.parametrize("which", ["aot-dir", "cache", "package-aot"])
+def test_an_unreadable_directory_is_named_with_its_fix(tmp_path, monkeypatch, caplog, unreadable, which):
+    """A prebuilt directory or a cache this process cannot read (chmod 000, a PermissionError on listing) is not
+    passed over as if it held nothing: the error a call ends with names it and the fix; the package's own aot/ (a
+    broken install, skipped as before) is one warning per process, and named in the not-prebuilt error."""
+    directory = {"aot-dir": tmp_path / "aot", "cache": tmp_path / "cache", "package-aot": tmp_path / "pkg" / "aot"}[which]
+    directory.mkdir(mode=0o700, parents=True)
+    if which == "aot-dir":
+        monkeypatch.setenv("FLASHINFER_CAKE_AOT_DIR", str(directory))
+    if which == "package-aot":
+        monkeypatch.setattr(env, "PACKAGE_AOT_DIR", directory)
+    monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")
+    unreadable(directory)
+    forbid_processes(monkeypatch)
+    for _ in range(2):  # two first calls (the memo emptied): one warning
+        monkeypatch.setattr(core, "_loaded", {})
+        with pytest.raises(RuntimeError) as e:
+            jit.load(SPEC)
+        message = str(e.value)
+        assert re.search(rf"{re.escape(str(directory))}(: it)? is not readable by this process \(Permission denied",
+                         message), message
+        assert f"`chmod u+rx {directory}`" in message, message
+    warned = [r.getMessage() for r in caplog.records if str(directory) in r.getMessage()]
+    assert len(warned) == (which == "package-aot"), warned
+
+
 def _world_writable_cache(cache, aot):
     cache.chmod(0o777)
     return cache
