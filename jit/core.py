@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -210,10 +211,36 @@ def _disabled_error(spec: JitSpec, cache: Path) -> RuntimeError:
     )
 
 
+def _can_build_in(directory: Path) -> bool:
+    """Whether this process may write ``directory``: where it cannot, nothing is compiled there and any compiler's build
+    of the same sources serves (load and prebuild alike); one that must be built there is :func:`_unwritable`."""
+    return os.access(directory, os.W_OK)
+
+
+def _unwritable(directory: Path, uris: list[str]) -> RuntimeError:
+    """The error of builds (``uris``) that must be written into ``directory``, which this process cannot write, said
+    before anything is compiled, with a fix that fits the directory."""
+    st = directory.stat()
+    if os.statvfs(directory).f_flag & os.ST_RDONLY:
+        why, chmod = "is on a read-only file system", ""
+    else:
+        why = f"is not writable by this process (mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid})"
+        chmod = f"make it writable (`chmod u+w {directory}`), or " if st.st_uid == os.getuid() else ""
+    if directory == env.PACKAGE_AOT_DIR:
+        other = (f"run `flashinfer-cake build --aot` as the install's owner (uid {st.st_uid}), or build into your JIT "
+                 f"cache (`flashinfer-cake build`)")
+    elif directory == env.cache_dir_path():
+        other = "point FLASHINFER_CAKE_CACHE_DIR at a directory you can write"
+    else:
+        other = ("build into a directory you can write (`flashinfer-cake build --out DIR`, then "
+                 "`export FLASHINFER_CAKE_AOT_DIR=DIR`)")
+    return RuntimeError(f"flashinfer_cake: cannot build {', '.join(uris)} in {directory}: it {why}: {chmod}{other}")
+
+
 def _in_cache(spec: JitSpec, cache: Path) -> tuple[Path | None, Path | None]:
     """(the build of ``spec`` in ``cache`` that load opens, or None; the compiler that builds it
     there, or None when nothing can be compiled: then any compiler's build will do)."""
-    compiler = None if env.jit_disabled() or not os.access(cache, os.W_OK) else _compiler_if_any(spec)
+    compiler = None if env.jit_disabled() or not _can_build_in(cache) else _compiler_if_any(spec)
     if compiler is None:
         return find_published(cache, spec.module_prefix(), _preferred(spec)), None
     return verified_module(cache / f"{_build_name(spec, compiler)}.so"), compiler
@@ -232,6 +259,8 @@ def _find_or_build_in_cache(spec: JitSpec) -> Path:
         if env.jit_disabled():
             raise _disabled_error(spec, cache)
         compiler = compiler_of(spec)  # raises, saying how to get one
+        if not _can_build_in(cache):
+            raise _unwritable(cache, [spec.uri])
     item = BuildItem(spec, _build_name(spec, compiler), compiler)
     try:
         return build_once(cache, item)
@@ -290,16 +319,23 @@ def prebuild(specs: list[JitSpec], out_dir: Path | str | None = None, *, jobs: i
              progress: Callable[[str], None] | None = None) -> dict[JitSpec, Path]:
     """Build every spec of ``specs`` not yet published in ``out_dir`` (default: the JIT cache) in
     one parallel ninja run, and return where each is. ``progress`` gets one line per artifact
-    built. A directory that already holds everything is only read (it may be read-only)."""
+    built. A directory that already holds everything is only read (it may be read-only); where
+    nothing can be compiled (no compiler, a directory this process cannot write), any compiler's
+    build serves, as load takes it, and one that none has built is an error before any compiling."""
     out_dir = env.cache_dir() if out_dir is None else env.output_dir(Path(out_dir))
     specs = list(dict.fromkeys(specs))  # each once: a repeated spec would take its lock twice
     try:
-        compilers = [compiler_of(s) for s in specs]
-    except RuntimeError:  # no compiler: enough when every spec is built (by any compiler) already
-        found = {s: find_published(out_dir, s.module_prefix()) for s in specs}
+        compilers, no_compiler = [compiler_of(s) for s in specs], None
+    except RuntimeError as e:
+        compilers, no_compiler = [], e
+    if no_compiler or not _can_build_in(out_dir):
+        found = {s: find_published(out_dir, s.module_prefix(), _preferred(s)) for s in specs}
         if all(found.values()):
+            if progress and any(found[s].stem != _build_name(s, c) for s, c in zip(specs, compilers)):
+                progress(f"note: {out_dir} is not writable by this process, so nothing was compiled: calls load the "
+                         f"builds it holds (of the same sources, some by another compiler)")
             return found
-        raise
+        raise no_compiler or _unwritable(out_dir, [s.uri for s, path in found.items() if path is None])
     items = [BuildItem(s, _build_name(s, c), c) for s, c in zip(specs, compilers)]
     done = {item.spec: out_dir / f"{item.name}.so" for item in items}
     if all(verified_module(path) for path in done.values()):

@@ -592,3 +592,45 @@ def test_module_state_lists_each_directory_once(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "listdir", lambda path=".": listed.append(Path(path)) or real(path))
     assert cli._module_state(all_variants(["sm_90a"])[0]) == "not built"
     assert listed.count(aot) == 1 and listed.count(cache) == 1, listed
+
+
+@pytest.mark.parametrize("held", ["every module", "all but the binding"])
+def test_build_into_a_directory_it_cannot_write(tmp_path, monkeypatch, capsys, held):
+    """`build --out DIR` into a directory this process cannot write (a read-only copy of another machine's prebuild):
+    when it holds every module by another compiler (the same sources), that is what calls load from it, and the build
+    only reads it (as a fully built read-only cache is only read); else it is refused before anything is compiled,
+    naming the directory, that it is not writable and the fix. A first call that would build into such a cache too."""
+    from flashinfer_cake.jit import core
+
+    out = tmp_path / "out"
+    out.mkdir(mode=0o755)
+    (tmp_path / "library.so").write_bytes(b"another compiler's build")
+    specs = cli._specs(None)
+    held_specs = specs if held == "every module" else [s for s in specs if s.uri != "torch_binding"]
+    prebuilt = {s.uri: build.publish(tmp_path / "library.so", out, s.module_prefix() + "0" * 8, {"uri": s.uri})
+                for s in held_specs}
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: not (Path(p) == out and mode & os.W_OK) and
+                        real_access(p, mode, **k))
+    for module in (build, core):  # (the late failure: compiling for minutes, then no publish)
+        monkeypatch.setattr(module, "build_specs", lambda *a, **k: pytest.fail("compiled where it cannot publish"))
+    for var in ISOLATED_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(jit_env, "PACKAGE_AOT_DIR", tmp_path / "no-package-aot")  # (a GPU round prebuilds into it)
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    status = cli.main(["build", "--out", str(out)])
+    stdout, err = capsys.readouterr()
+    if held == "every module":
+        assert status == 0, err
+        assert listed_modules(stdout, out) == prebuilt, stdout
+        assert f"note: {out} is not writable by this process, so nothing was compiled" in stdout, stdout
+        return
+    assert status == 1 and err.count("\n") == 1, err
+    assert f"cannot build torch_binding in {out}: it is not writable by this process" in err, err
+    assert f"`chmod u+w {out}`" in err and "`flashinfer-cake build --out DIR`" in err, err
+    assert not (out / "build").exists() and sorted(out.glob("*.lock")) == []  # nothing written
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(out))  # the same directory as a first call's cache
+    monkeypatch.setattr(core, "_loaded", {})
+    with pytest.raises(RuntimeError, match=rf"cannot build torch_binding in {re.escape(str(out))}: it is not writable"):
+        jit.load(jit.binding_spec())
