@@ -12,7 +12,7 @@ Environment variables:
     FLASHINFER_CAKE_CUDA_ARCH_LIST archs that ``flashinfer-cake build`` prebuilds (default ``9.0a``).
     FLASHINFER_CAKE_NVCC           the nvcc to build with (else $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc,
                                    NVIDIA's CUDA wheels in this Python environment, PATH, /usr/local/cuda).
-    CXX                            the C++ compiler of the torch binding (else c++ / g++ on PATH).
+    CXX                            the C++ compiler of the torch binding, one executable (else c++ / g++ on PATH).
     FLASHINFER_CAKE_DISABLE_JIT    ``1``: calls never compile; a module that is not prebuilt is an
                                    error. Explicit prebuilds (``flashinfer-cake build``) still
                                    compile: that is what they are for.
@@ -405,9 +405,20 @@ def toolkit_link_flags(nvcc: Path) -> tuple[str, ...]:
 
 
 def cxx_path() -> Path:
-    """The C++ compiler of the torch binding: $CXX, else c++ / g++ on PATH."""
+    """The C++ compiler of the torch binding: $CXX, else c++ / g++ on PATH. CXX is one executable (a name on PATH or
+    a path), as torch.utils.cpp_extension takes it (2.13 quotes it whole into its ninja file and adds ccache / sccache
+    itself): a launcher or flags in it would run a compiler the build's identity (toolchain_digest) does not name."""
     explicit = os.environ.get("CXX")
     found = shutil.which(explicit) if explicit else (shutil.which("c++") or shutil.which("g++"))
+    words = (explicit or "").split()
+    if not found and len(words) > 1:
+        compiler = next((w for w in reversed(words) if not w.startswith("-")), "g++")
+        raise RuntimeError(
+            f"CXX={explicit!r} is a command of {len(words)} words, not one C++ compiler executable, which is what CXX "
+            f"takes (a name on PATH or a path, as torch.utils.cpp_extension takes it; a compiler launcher such as "
+            f"ccache, or flags, cannot go in it: the build's identity is the compiler's): set CXX={compiler}, or unset "
+            f"it (c++ on PATH)."
+        )
     if not found:
         raise RuntimeError(
             (f"CXX={explicit!r} is not an executable. " if explicit else "No C++ compiler found (c++ or g++ on PATH). ")

@@ -1125,6 +1125,25 @@ def test_unsafe_directory_refused(built_cache, tmp_path, monkeypatch, unsafe, re
 # ------------------------------------------------------------------------- bad toolchains, errors
 
 
+@pytest.mark.parametrize("value, compiler", [("ccache g++", "g++"), ("sccache /usr/bin/c++", "/usr/bin/c++"),
+                                             ("g++ -m64", "g++")])
+def test_cxx_is_one_compiler_a_launcher_in_it_is_refused_saying_what_cxx_takes(monkeypatch, tmp_path, value, compiler):
+    """CXX names one executable, as torch.utils.cpp_extension (2.13) takes it: a launcher (ccache) or flags in it are
+    refused naming CXX, the value, the accepted form and the compiler to name; a path with a space is one."""
+    monkeypatch.setenv("CXX", value)
+    with pytest.raises(RuntimeError) as e:
+        env.cxx_path()
+    message = str(e.value)
+    assert f"CXX={value!r} is" in message and "one C++ compiler executable" in message, message
+    assert f"CXX={compiler}" in message and "torch.utils.cpp_extension" in message, message
+    spaced = tmp_path / "my tools" / "g++"
+    spaced.parent.mkdir()
+    spaced.write_text("#!/bin/sh\n")
+    spaced.chmod(0o755)
+    monkeypatch.setenv("CXX", str(spaced))
+    assert env.cxx_path() == spaced
+
+
 @pytest.mark.parametrize("kind", ["missing", "not-executable"])
 def test_no_nvcc(tmp_path, monkeypatch, kind):
     nvcc = tmp_path / "nvcc"
