@@ -34,7 +34,8 @@ ISOLATED_VARS = ("FLASHINFER_CAKE_CACHE_DIR", "FLASHINFER_CAKE_AOT_DIR", "FLASHI
 def flashinfer_cake(*args: str, cache: Path, cwd: Path, command=(sys.executable, "-m", "flashinfer_cake"),
                     timeout: float = 120, **env) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if k not in ISOLATED_VARS}
-    e.update(MAX_JOBS="2", FLASHINFER_CAKE_CACHE_DIR=str(cache), **env)
+    # 2 compile jobs (CI's cores) unless the runner sets MAX_JOBS (a GPU machine's 16 cores)
+    e.update(MAX_JOBS=os.environ.get("MAX_JOBS") or "2", FLASHINFER_CAKE_CACHE_DIR=str(cache), **env)
     return subprocess.run([*command, *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
 
 

@@ -59,9 +59,13 @@ print(m.variant)
 # ---------------------------------------------------------------------------------------- helpers
 
 
+# The builds' compile jobs: 2 (CI's cores) unless the runner sets MAX_JOBS (a GPU machine's 16 cores).
+MAX_JOBS = os.environ.get("MAX_JOBS") or "2"
+
+
 def child_env(**overrides) -> dict:
     e = {k: v for k, v in os.environ.items() if k not in ISOLATED_VARS}
-    e["MAX_JOBS"] = "2"
+    e["MAX_JOBS"] = MAX_JOBS
     e.update({k: str(v) for k, v in overrides.items()})
     return e
 
@@ -118,7 +122,7 @@ def isolated(monkeypatch, tmp_path):
     for var in ISOLATED_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("MAX_JOBS", "2")
+    monkeypatch.setenv("MAX_JOBS", MAX_JOBS)
     monkeypatch.setattr(core, "_loaded", {})
     monkeypatch.setattr(env, "PACKAGE_AOT_DIR", tmp_path / "no-package-aot")
 
