@@ -88,12 +88,11 @@ def _cache_line() -> str:
 
 
 def _aot_line() -> str:
-    """The prebuilt directories calls search; the package's aot/ that they skip (a broken install) is this line's error."""
-    dirs = env.aot_dirs()
+    """The prebuilt directories calls search; a package aot/ that they skip (a broken install: calls use the JIT, as
+    a missing one does) is a note on the line, not an error."""
     skipped = env.package_aot_problem()
-    if skipped:
-        raise RuntimeError(skipped)
-    return f"{' '.join(map(str, dirs)) or 'none'}  (FLASHINFER_CAKE_AOT_DIR, the package's aot/)"
+    note = f"; {skipped}: calls build with the JIT instead" if skipped else ""
+    return f"{' '.join(map(str, env.aot_dirs())) or 'none'}  (FLASHINFER_CAKE_AOT_DIR, the package's aot/{note})"
 
 
 def _wheel_trees(nvcc) -> str:

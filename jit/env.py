@@ -125,9 +125,9 @@ def _check_private_dir(path: Path, what: str) -> None:
     raise RuntimeError(f"flashinfer_cake: {what} {path} is {reason}; refusing to load code from it: {fix}")
 
 
-def _unreadable(path: Path) -> str | None:
+def _unreadable(path: Path, private: bool = False) -> str | None:
     """Why this process cannot search the directory ``path`` for builds (list it, open what it holds), with the fix
-    its owner can make; None when it can. (Listed, not only os.access: an ACL or a mount's rules refuse root too.)"""
+    its owner can make (``private``: the JIT cache, which is also written and stays 0700); None when it can. (Listed, not only os.access: an ACL or a mount's rules refuse root too.)"""
     try:
         with os.scandir(path):
             pass
@@ -137,14 +137,16 @@ def _unreadable(path: Path) -> str | None:
     except OSError as e:
         error = e.strerror or str(e)
     st = path.stat()
-    fix = (f"`chmod u+rx {path}`" if st.st_uid == os.getuid() else
-           f"its owner (uid {st.st_uid}) can make it readable: `chmod a+rx {path}`")
+    if st.st_uid == os.getuid():  # (the cache is written too, and stays private: 0700)
+        fix = f"`chmod {'700' if private else 'u+rx'} {path}`"
+    else:
+        fix = f"its owner (uid {st.st_uid}) can make it readable: `chmod a+rx {path}`"
     return f"not readable by this process ({error}; mode {stat.filemode(st.st_mode)}): {fix}"
 
 
-def _check_readable(path: Path, what: str, otherwise: str) -> None:
+def _check_readable(path: Path, what: str, otherwise: str, private: bool = False) -> None:
     """Refuse a directory we search for builds that this process cannot read: it would look empty."""
-    problem = _unreadable(path)
+    problem = _unreadable(path, private)
     if problem:
         raise RuntimeError(f"flashinfer_cake: {what} {path} is {problem}, or {otherwise}")
 
@@ -189,7 +191,8 @@ def cache_dir(create: bool = True) -> Path:
     root = _make_dir(cache_dir_path(), "the JIT cache directory (FLASHINFER_CAKE_CACHE_DIR)", 0o700, create)
     if root.exists():
         _check_private_dir(root, "FLASHINFER_CAKE_CACHE_DIR")
-        _check_readable(root, "FLASHINFER_CAKE_CACHE_DIR", "point FLASHINFER_CAKE_CACHE_DIR at another directory")
+        _check_readable(root, "FLASHINFER_CAKE_CACHE_DIR", "point FLASHINFER_CAKE_CACHE_DIR at another directory",
+                        private=True)
     return root
 
 
