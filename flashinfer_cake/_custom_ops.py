@@ -61,7 +61,7 @@ def _(x, weight, cu_seqlens, dy, bias, initial_states, dfinal_states, silu_grad_
 
 @causal_conv1d_fwd_op.register_kernel("cpu")
 @causal_conv1d_bwd_op.register_kernel("cpu")
-def _(x, *_):
+def _cpu_kernel(x, *_):
     # A compiled graph run on CPU tensors (tracing takes them as fakes) reaches the ops' CPU key:
     # the eager call's error, not the dispatcher's "Could not run ... with arguments from the 'CPU'
     # backend" (the ops' kernels are CUDA only).

@@ -974,12 +974,13 @@ def test_a_subclass_that_dispatches_in_python_goes_through_the_custom_ops():
     """An x of a __torch_dispatch__ subclass (an AsyncCollectiveTensor of tensor parallelism, a
     FunctionalTensor while AOTAutograd traces; here torch's TwoTensor) is declined by the binding
     and taken through the custom op, whose dispatch hands the subclass its call: on the CPU the
-    op's missing CPU kernel, not one of this package's argument errors."""
+    op's CPU kernel (the eager error, from inside the op), not the checks before the op."""
     from test_forward_validation import two_tensor
 
     x = two_tensor(torch.randn(S, C).to(BF16))
-    with pytest.raises(NotImplementedError, match=r"flashinfer_cake::causal_conv1d_fwd.*CPU"):
+    with pytest.raises(ValueError, match=rf"^{AUTOGRAD}: x must be a CUDA tensor, got device cpu$") as e:
         cake_causal_conv1d(x, torch.randn(C, 4), torch.tensor([0, S], dtype=I32))
+    assert any(entry.name == "_cpu_kernel" for entry in e.traceback), e.traceback
 
 
 def test_a_dispatch_mode_sees_the_custom_ops():

@@ -3,7 +3,8 @@ streaming walk, and does staggering the CTAs' walk remove it?
 
 A Triton stand-in for the streaming backward's memory pattern (r234's grid at 65536x1024: 64 token
 groups of 1024 rows x 4 channel tiles of 512 bytes, each CTA walking its rows in order, reading x and
-dy, writing dx = x + dy) over x / dy / dx as column slices of [S, C + pad] (pitch (C + pad) * 2 bytes).
+dy, writing dx = x + dy) over x / dy / dx as column slices of [S, C + pad] (pitch (C + pad) * 2 bytes),
+from column pad / 2, or 128 at pad 128 (tiles on 256-byte blocks).
 `stagger` k: group g starts its walk at row (g * k) mod L and wraps (the same rows, another order),
 so at any moment the CTAs' rows fall at other offsets. Median of CUDA-event timings.
     python3 scripts/probes/pitch_walk.py [--json out.json]
@@ -47,19 +48,23 @@ def main():
     args = p.parse_args()
     S, C, L, BC, R = 65536, 1024, 1024, 256, 4
     out = []
-    for pad in (0, 128, 256, 512):
+    # (pad, first column): column pad / 2 as r234 / r252 (at pad 128 the tiles sit 128 bytes off a 256-byte block),
+    # and pad 128 at column 128 (the tiles on 256-byte blocks, as the library's rotation puts all but the first):
+    # pitch 2 304 without the blocks' cost
+    for pad, col in ((0, 0), (128, 64), (128, 128), (256, 128), (512, 256)):
         bufs = [torch.randn(S, C + pad, device="cuda").to(torch.bfloat16) for _ in range(3)]
-        x, dy, dx = (b[:, pad // 2:pad // 2 + C] for b in bufs)
+        x, dy, dx = (b[:, col:col + C] for b in bufs)
         ref = (x.float() + dy.float()).to(torch.bfloat16)
-        for stagger in (0, 4, 36, 132, 260):
+        for stagger in (0, 4, 36, 132):
             dx.fill_(float("nan"))
             run = lambda: walk[(S // L, C // BC)](x, dy, dx, x.stride(0), L, stagger, BC=BC, R=R, num_warps=4)
             run()
             torch.cuda.synchronize()
             assert torch.equal(dx, ref), (pad, stagger)
             us = timed(run)
-            out.append(dict(pad=pad, pitch_bytes=(C + pad) * 2, stagger=stagger, us=round(us, 1)))
-            print(f"pad {pad:4d} (pitch {(C + pad) * 2} B) stagger {stagger:4d}: {us:7.1f} us", flush=True)
+            out.append(dict(pad=pad, column=col, pitch_bytes=(C + pad) * 2, stagger=stagger, us=round(us, 1)))
+            print(f"pad {pad:4d} (pitch {(C + pad) * 2} B) column {col:3d} stagger {stagger:4d}: {us:7.1f} us",
+                  flush=True)
         del bufs, x, dy, dx, ref
     copy_src = torch.empty(S * C * 3 // 2, dtype=torch.bfloat16, device="cuda")
     copy_dst = torch.empty_like(copy_src)  # 6 S C bytes, the walk's
