@@ -166,15 +166,19 @@ def _make_dir(path: Path, what: str, mode: int, create: bool = True) -> Path:
         problem = ("Not a directory" if not ancestor.is_dir() else
                    "Permission denied" if not os.access(ancestor, os.W_OK | os.X_OK) else None)
         if problem:
-            raise RuntimeError(f"flashinfer_cake: cannot create {what} {path}: {problem} ({ancestor})")
+            raise RuntimeError(f"flashinfer_cake: cannot create {what} {path}: {problem} ({ancestor}): {_ELSEWHERE}")
     elif not path.exists():
         try:
             path.mkdir(mode=mode, parents=True, exist_ok=True)
             os.chmod(path, mode)  # mkdir's mode is filtered by the umask
         except OSError as e:
-            raise RuntimeError(f"flashinfer_cake: cannot create {what} {path}: {e.strerror or e}"
-                               + (f" ({e.filename})" if e.filename and str(e.filename) != str(path) else "")) from e
+            where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+            raise RuntimeError(f"flashinfer_cake: cannot create {what} {path}: {e.strerror or e}{where}: "
+                               f"{_ELSEWHERE}") from e
     return path
+
+
+_ELSEWHERE = "choose another directory, under one you can write"  # (_make_dir's fix where mkdir fails)
 
 
 def cache_dir_path() -> Path:
@@ -246,8 +250,13 @@ def package_aot_problem() -> str | None:
     (calls build their modules with the JIT instead); the loader warns once, `flashinfer-cake env` reports it."""
     if not PACKAGE_AOT_DIR.is_dir():
         return None
-    reason = _unsafe_reason(PACKAGE_AOT_DIR, package=True) or _unreadable(PACKAGE_AOT_DIR)
-    return reason and f"ignoring {PACKAGE_AOT_DIR}: it is {reason}"
+    unsafe = _unsafe_reason(PACKAGE_AOT_DIR, package=True)
+    if unsafe:  # (the unreadable reason below says its own fix)
+        fix = (f"its owner can run `chmod o-w {PACKAGE_AOT_DIR}`" if PACKAGE_AOT_DIR.stat().st_mode & stat.S_IWOTH
+               else "reinstall the package, so that its aot/ is owned as the package is")
+        return f"ignoring {PACKAGE_AOT_DIR}: it is {unsafe}: {fix}"
+    unreadable = _unreadable(PACKAGE_AOT_DIR)
+    return unreadable and f"ignoring {PACKAGE_AOT_DIR}: it is {unreadable}"
 
 
 # NVIDIA's CUDA wheels install one toolkit tree per CUDA major version into the `nvidia` namespace package

@@ -483,6 +483,26 @@ def test_env_reports_an_unreadable_directory(tmp_path, monkeypatch, capsys, unre
         assert err.count("\n") == 1 and str(directory) in err, err
 
 
+def test_env_notes_a_package_aot_that_calls_skip(tmp_path, monkeypatch, capsys):
+    """A world-writable package aot/ (a broken install: calls skip it and use the JIT, as without one) is a note on
+    env's 'aot dirs' line with its fix, not an error: exit 0, the modules listed."""
+    aot = tmp_path / "pkg" / "aot"
+    aot.mkdir(parents=True)
+    aot.chmod(0o777)
+    for var in ISOLATED_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(jit_env, "PACKAGE_AOT_DIR", aot)
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    shown = re.escape(str(aot))
+    assert re.search(rf"^aot dirs\s+none  \(FLASHINFER_CAKE_AOT_DIR, the package's aot/; ignoring {shown}: it is writable by "
+                     rf"other users \(mode drwxrwxrwx\): its owner can run `chmod o-w {shown}`: calls build with the JIT "
+                     rf"instead\)$", out, re.M), out
+    assert re.search(r"^\s+torch_binding\s+", out, re.M), out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the default action runs the forward on a GPU")
 def test_read_only_cache(built, tmp_path, monkeypatch, capsys):
     """A fully built cache is only read (no lock taken); a build into one that cannot be written
