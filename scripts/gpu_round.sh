@@ -25,6 +25,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 export FLASHINFER_CAKE_CACHE_DIR=/tmp/cake_cache
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}  # the JIT / CLI tests build with it (else 2: test_cli took 336 s at 2 jobs, r251)
 { nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } > "$OUT/machine.txt" 2>&1
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
