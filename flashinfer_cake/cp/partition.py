@@ -306,7 +306,7 @@ class CPContext:
     num_fragments: int
     verify: bool = False       # build_cp_context(verify=True): each call checks every rank makes the same (check_call)
     # partition and rank compared with the group's (build_cp_context, or the first call: check_context)
-    _group_checked: bool = dataclasses.field(default=False, init=False, repr=False, compare=False)
+    _group_checked: bool = dataclasses.field(default=False, init=False, repr=False)
 
 
 def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify: bool = False) -> CPContext:
