@@ -574,10 +574,17 @@ _EARLY_CONTEXT_WORKER = textwrap.dedent("""
     from flashinfer_cake.cp import build_cp_context, cake_causal_conv1d_cp, cp_partition, halo_exchange
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = json.loads(sys.argv[1])
-    # the context first, as a data-loader or setup step may do: torch.distributed not initialized yet
-    ctx = build_cp_context(cp_partition([0, 10, 20], cfg["P"], "zigzag"), None, cfg["rank"][rank], "cpu")
-    dist.init_process_group("gloo", init_method="file://" + os.environ["CP_TEST_STORE"], rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+    init = lambda r, store: dist.init_process_group("gloo", init_method="file://" + store, rank=r, world_size=world,
+                                                    timeout=datetime.timedelta(seconds=30))
+    make = lambda: build_cp_context(cp_partition([0, 10, 20], cfg["P"], "zigzag"), None, cfg["rank"][rank], "cpu")
+    if cfg.get("reinit"):  # checked against a default group that a re-initialization replaces, its ranks swapped
+        init(rank, os.environ["CP_TEST_STORE"])
+        ctx = make()
+        dist.destroy_process_group()
+        init(world - 1 - rank, os.environ["CP_TEST_STORE"] + ".again")
+    else:  # the context first, as a data-loader or setup step may do: torch.distributed not initialized yet
+        ctx = make()
+        init(rank, os.environ["CP_TEST_STORE"])
     calls = (("conv", lambda: cake_causal_conv1d_cp(torch.zeros(ctx.num_tokens, 16, dtype=torch.bfloat16),
                                                     torch.zeros(16, 4), ctx)),
              ("exchange", lambda: halo_exchange(torch.zeros(ctx.num_tokens, 8), ctx)),
@@ -591,22 +598,25 @@ _EARLY_CONTEXT_WORKER = textwrap.dedent("""
                                "process is its rank {r}"),  # was gloo's "Number of tensor splits not equal to group size"
     ({"P": 2, "rank": [1, 0]}, "the partition is for 2 ranks and this is rank {o}, but the group has 2 ranks and this "
                                "process is its rank {r}"),  # ranks swapped: was an exchange of the wrong rows
+    ({"P": 2, "rank": [0, 1], "reinit": True}, "the partition is for 2 ranks and this is rank {r}, but the group has 2 "
+                                               "ranks and this process is its rank {n}"),
 ])
 def test_a_context_built_before_init_process_group_is_checked_at_its_first_call(cfg, error, tmp_path):
     """build_cp_context before torch.distributed.init_process_group (group None: the default group,
     which does not exist yet) cannot compare the partition with the group; its first call does,
     before any collective, as build_cp_context would have: a ValueError on each rank naming both
-    sides. A context that matches its group runs."""
+    sides. A context that matches its group runs. Likewise a context checked against a default
+    group that a re-initialization replaced (here with the ranks swapped)."""
     results = run_ranks(2, cfg, str(tmp_path / "store"), timeout=90, worker=_EARLY_CONTEXT_WORKER)
     for r, res in enumerate(results):
         if error is None:
             assert res["exchange"] is None and res["again"] is None, res
             assert "x must be a CUDA tensor" in res["conv"], res  # (this CPU machine: the conv's own rule)
             continue
-        want = error.format(r=r, o=cfg["rank"][r])
+        want = error.format(r=r, o=cfg["rank"][r], n=1 - r)
         for key, fn in (("conv", "cake_causal_conv1d_cp"), ("exchange", "halo_exchange"), ("again", "halo_exchange")):
             assert res[key].startswith(f"{fn}: {want}"), (key, res[key])
-            assert "built before torch.distributed was initialized" in res[key], res[key]
+            assert "the context was built before the group existed" in res[key], res[key]
 
 
 def test_conv_argument_errors_name_the_call_and_the_tensor():

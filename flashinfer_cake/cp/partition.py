@@ -305,8 +305,9 @@ class CPContext:
     num_tokens: int            # local tokens
     num_fragments: int
     verify: bool = False       # build_cp_context(verify=True): each call checks every rank makes the same (check_call)
-    # partition and rank compared with the group's (build_cp_context, or the first call: check_context)
-    _group_checked: bool = dataclasses.field(default=False, init=False, repr=False)
+    # the process group the partition and rank were compared with (build_cp_context, or the first call with this
+    # group: check_context); None: not yet (group None: the default group of that time, which a re-init replaces)
+    _checked_group: object = dataclasses.field(default=None, init=False, repr=False)
 
 
 def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify: bool = False) -> CPContext:
@@ -429,12 +430,18 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
     recvs = [tuple(len(rows) for rows in frm) for frm in (halo_from, g_from)]
     ctx = CPContext(partition, group, rank, *views, sends[0], recvs[0], sends[1], recvs[1], cu[-1], len(cu) - 1,
                     verify=bool(verify))
-    object.__setattr__(ctx, "_group_checked", _initialized())  # (_context_problem compared them then)
+    if _initialized():  # (_context_problem compared them then)
+        object.__setattr__(ctx, "_checked_group", _resolved(group))
     return ctx
 
 
 def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _resolved(group):
+    """The process group a call on ``group`` uses: group None is the default group of the time."""
+    return dist.group.WORLD if group is None else group
 
 
 def _context_problem(partition, group, rank) -> Exception | None:
@@ -460,12 +467,12 @@ def _context_problem(partition, group, rank) -> Exception | None:
 
 def _group_problem(fn: str, partition: CPPartition, group, rank: int, first_call: bool = False) -> ValueError | None:
     """The error of a partition or rank that is not the group's (group None: the default group),
-    or None; torch.distributed initialized. ``first_call``: checked at a context's first call."""
+    or None; torch.distributed initialized. ``first_call``: checked at a context's first call on the group."""
     size, group_rank = dist.get_world_size(group), dist.get_rank(group)
     if size == partition.world_size and group_rank == rank:
         return None
-    when = (" (checked at the context's first call: it was built before torch.distributed was initialized)"
-            if first_call else "")
+    when = (" (checked at the context's first call on this group: the context was built before the group existed, "
+            "before init_process_group or a re-initialization)" if first_call else "")
     return ValueError(f"{fn}: the partition is for {partition.world_size} ranks and this is rank {rank}, but the group "
                       f"has {size} ranks and this process is its rank {group_rank}{when}: pass build_cp_context the "
                       f"rank within the CP group (dist.get_rank(group)) and cp_partition its size "
@@ -492,18 +499,21 @@ def _verify_same_partition(partition, group, problem: Exception | None) -> None:
 
 
 def check_context(fn: str, ctx) -> None:
-    """ctx is a CPContext; at the first call of one built before torch.distributed's
-    initialization, its partition's size and rank compared with its group's, as build_cp_context
-    does otherwise (host calls only: no collective). A group that is no process group is the
-    call's own error, later."""
+    """ctx is a CPContext; at its first call on a process group it was not compared with (built
+    before init_process_group, or group None after a re-initialization replaced the default group),
+    its partition's size and rank compared with the group's, as build_cp_context does otherwise
+    (host calls only: no collective; an error on some ranks leaves the others in the call's
+    collective, as a mismatch is at build time: build_cp_context(verify=True) makes every rank
+    raise). A group that is no process group is the call's own error, later."""
     if not isinstance(ctx, CPContext):
         raise TypeError(f"{fn}: ctx must be a CPContext (flashinfer_cake.cp.build_cp_context), got "
                         f"{type(ctx).__name__}")
-    if not ctx._group_checked and _initialized() and (ctx.group is None or isinstance(ctx.group, dist.ProcessGroup)):
+    if (_initialized() and (ctx.group is None or isinstance(ctx.group, dist.ProcessGroup))
+            and ctx._checked_group is not _resolved(ctx.group)):
         problem = _group_problem(fn, ctx.partition, ctx.group, ctx.rank, first_call=True)
         if problem is not None:
             raise problem
-        object.__setattr__(ctx, "_group_checked", True)
+        object.__setattr__(ctx, "_checked_group", _resolved(ctx.group))
 
 
 def check_context_device(fn: str, name: str, t: torch.Tensor, ctx: CPContext) -> None:
