@@ -124,6 +124,9 @@ def test_bad_partitions_are_value_errors(cu, world_size, layout, frags, match):
     ((1, (5, -1), (((0, 0, 5),),), "fragments"),
      r"^CPPartition: doc_lengths must be a sequence of non-negative ints \(one per document\), got -1 at index 1"),
     ((1, torch.tensor([5]), (((0, 0, 5),),), "fragments"), r"doc_lengths must be a sequence .*got a Tensor"),
+    ((2, (4,), (((0, 0, 2),), ((0, 2, 2),)), "zigzag"),  # contiguous's cut named zigzag (which is 0-1 + 3-4 / 1-3)
+     r"^CPPartition: layout 'zigzag' names cp_partition's cut of these documents, but the fragments are another: "
+     r"pass layout='fragments'"),
     ((1, (5,), (((0, 0, 5),),), "zig-zag"),
      r"^CPPartition: layout must be one of \['contiguous', 'zigzag', 'zigzag_per_document', 'fragments'\], got "
      r"'zig-zag'"),
@@ -697,7 +700,8 @@ def test_a_context_on_another_device_than_x_local_is_named_with_both_devices():
     part = cp_partition([0, 5, 9], 1)
     ctx = build_cp_context(part, None, 0, "meta")
     x, w = torch.zeros(9, 16, dtype=torch.bfloat16), torch.zeros(16, 4)
-    fix = r": build the context on its device: build_cp_context\(partition, group, rank, {}\.device\)$"
+    fix = (r": move it there \({0}\.to\('meta'\)\), or build the context on its device \(build_cp_context\(partition, "
+           r"group, rank, {0}\.device\)\)$")
     cases = [
         (lambda: cake_causal_conv1d_cp(x, w, ctx), "cake_causal_conv1d_cp", "x_local", "cpu"),
         (lambda: cake_causal_conv1d_cp_multi([x, x], [w, w], ctx), "cake_causal_conv1d_cp_multi", r"xs\[0\]", "cpu"),

@@ -613,7 +613,7 @@ def test_recompute_handle_refused_in_capture(nccl_group):
     ("dtype", ValueError, "x must have dtype torch.bfloat16"),
     ("misaligned", ValueError, "16-byte aligned address"),
     ("ctx_device", ValueError, r"^cake_causal_conv1d_cp: x_local must be on the context's device cpu .*got cuda:0: "
-                               r"build the context on its device"),
+                               r"move it there \(x_local\.to\('cpu'\)\), or build the context on its device"),
 ])
 def test_bad_arguments(nccl_group, case, error, match):
     """Each bad argument is the Python rules' error, after a valid call has registered the

@@ -206,8 +206,6 @@ def _check_call(fn: str, cp, xs, weights, biases, policy, handle) -> None:
         # the single-GPU rules, which name x, weight and bias: the prefix says which tensors
         _checks.check_forward_args(f"{fn} ({xn} as x)" if single else f"{fn} ({xn} as x, {wn}, {bn})", x, w,
                                    cp.cu_seqlens, b, None, None, None, None, op="backward")
-        if x.device != xs[0].device:
-            raise ValueError(f"{fn}: every input must be on {xs[0].device}, got {xn} on {x.device}")
 
 
 def cake_causal_conv1d_cp_multi(xs, weights, ctx: CPContext, biases=None, *, silu_grad_preactivation: str = "bf16",

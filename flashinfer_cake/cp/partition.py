@@ -40,8 +40,8 @@ class CPPartition:
     read) by cp_partition's rules, a ValueError naming the first one broken: ``world_size`` a
     positive int, ``doc_lengths`` non-negative ints, one sequence of fragments per rank, each
     ``(doc, offset, length)`` ints within its document, every token of every document in exactly
-    one fragment, ``layout`` one of :data:`LAYOUTS` or ``"fragments"`` (a name: the fragments alone
-    define the partition). Lists and integers of any library (not tensors) are taken as tuples of
+    one fragment, ``layout`` ``"fragments"`` or one of :data:`LAYOUTS`, whose cut the fragments must
+    then be. Lists and integers of any library (not tensors) are taken as tuples of
     ints. (cp_partition's layouts are correct by construction and skip the checks, whose Python
     loop costs about as much as building them, ~0.5 µs per fragment.)"""
 
@@ -51,14 +51,15 @@ class CPPartition:
     layout: str
 
     def __post_init__(self):
-        world_size = _checks.as_int(self.world_size, tensors=False)
-        if world_size is None or world_size < 1:
-            raise ValueError(f"CPPartition: world_size must be a positive int (the CP group's size), got "
-                             f"{self.world_size!r}")
+        world_size = _world_size("CPPartition", self.world_size)
         lengths = _int_sequence("CPPartition", "doc_lengths", self.doc_lengths, "(one per document)")
         fragments = _check_fragments("CPPartition", self.fragments, lengths, world_size)
         if not isinstance(self.layout, str) or self.layout not in (*LAYOUTS, EXPLICIT):
             raise ValueError(f"CPPartition: layout must be one of {[*LAYOUTS, EXPLICIT]}, got {self.layout!r}")
+        if self.layout in LAYOUTS and cp_partition(list(itertools.accumulate(lengths, initial=0)), world_size,
+                                                   self.layout).fragments != fragments:
+            raise ValueError(f"CPPartition: layout {self.layout!r} names cp_partition's cut of these documents, but "
+                             f"the fragments are another: pass layout={EXPLICIT!r} for fragments of your own")
         for name, value in (("world_size", world_size), ("doc_lengths", lengths), ("fragments", fragments)):
             object.__setattr__(self, name, value)  # (frozen: the checked values as tuples of ints)
 
@@ -133,6 +134,14 @@ def _pieces(starts: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
         lo = max(lo, end)
         d += 1
     return out
+
+
+def _world_size(fn: str, value) -> int:
+    """``value`` as the CP group's size: a positive integer of any library (a CPU tensor's read once)."""
+    n = _checks.as_int(value)
+    if n is None or n < 1:
+        raise ValueError(f"{fn}: world_size must be a positive int (the CP group's size), got {value!r}")
+    return n
 
 
 def _int_sequence(fn: str, name: str, values, what: str) -> tuple[int, ...]:
@@ -221,9 +230,7 @@ def cp_partition(cu_seqlens_global_cpu, world_size: int, layout: str | None = No
     ``fragments``: explicit ``[(doc, offset, length), ...]`` per rank instead of a layout (any
     order; zero-length and short fragments allowed; every token of every document in exactly
     one). Raises ValueError naming what is wrong."""
-    if (_checks.as_int(world_size) or 0) < 1:
-        raise ValueError(f"cp_partition: world_size must be a positive int, got {world_size!r}")
-    world_size = _checks.as_int(world_size)
+    world_size = _world_size("cp_partition", world_size)
     lengths = _doc_lengths(cu_seqlens_global_cpu)
     if fragments is not None:
         if layout is not None:
@@ -261,8 +268,10 @@ def _made(world_size: int, lengths: tuple, fragments: tuple, layout: str) -> CPP
     constructor's checks too) and explicit ones have just passed cp_partition's (_check_fragments,
     the same rules)."""
     part = object.__new__(CPPartition)
-    for field, value in zip(dataclasses.fields(CPPartition), (world_size, lengths, fragments, layout)):
-        object.__setattr__(part, field.name, value)
+    values = {"world_size": world_size, "doc_lengths": lengths, "fragments": fragments, "layout": layout}
+    assert values.keys() == {f.name for f in dataclasses.fields(CPPartition)}  # (every field, by name)
+    for name, value in values.items():
+        object.__setattr__(part, name, value)
     return part
 
 
@@ -521,8 +530,8 @@ def check_context_device(fn: str, name: str, t: torch.Tensor, ctx: CPContext) ->
     device = ctx.cu_seqlens.device
     if t.device != device:
         raise ValueError(f"{fn}: {name} must be on the context's device {device} (ctx's tables, from "
-                         f"build_cp_context), got {t.device}: build the context on its device: "
-                         f"build_cp_context(partition, group, rank, {name}.device)")
+                         f"build_cp_context), got {t.device}: move it there ({name}.to('{device}')), or build the "
+                         f"context on its device (build_cp_context(partition, group, rank, {name}.device))")
 
 
 def check_tables(fn: str, ctx: CPContext) -> None:
