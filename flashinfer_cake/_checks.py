@@ -576,7 +576,7 @@ def check_autograd_sizes(fn: str, x, weight, cu_seqlens, bias, initial_states) -
     if not without_memory(x) and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
         # a real x on the CPU is refused as the raw functions refuse it: before its device is the others'
         # measure ("weight must be on x's device cpu"), and before a dispatch mode (FlopCounterMode, selective
-        # checkpointing) sends it to the ops' CPU backend, which has no kernel. (Under FakeTensorMode a real
+        # checkpointing) sees a call that the ops' CPU kernel only refuses. (Under FakeTensorMode a real
         # input becomes a fake one: the op's fake implementation takes it.)
         device = check_cuda_device(fn, x)
     check_same_device(fn, x, (("weight", weight), ("cu_seqlens", cu_seqlens), ("bias", bias),

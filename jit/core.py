@@ -226,15 +226,8 @@ def _unwritable(directory: Path, uris: list[str]) -> RuntimeError:
     else:
         why = f"is not writable by this process (mode {stat.filemode(st.st_mode)}, owner uid {st.st_uid})"
         chmod = f"make it writable (`chmod u+w {directory}`), or " if st.st_uid == os.getuid() else ""
-    if directory == env.PACKAGE_AOT_DIR:
-        other = (f"run `flashinfer-cake build --aot` as the install's owner (uid {st.st_uid}), or build into your JIT "
-                 f"cache (`flashinfer-cake build`)")
-    elif directory == env.cache_dir_path():
-        other = "point FLASHINFER_CAKE_CACHE_DIR at a directory you can write"
-    else:
-        other = ("build into a directory you can write (`flashinfer-cake build --out DIR`, then "
-                 "`export FLASHINFER_CAKE_AOT_DIR=DIR`)")
-    return RuntimeError(f"flashinfer_cake: cannot build {', '.join(uris)} in {directory}: it {why}: {chmod}{other}")
+    return RuntimeError(f"flashinfer_cake: cannot build {', '.join(uris)} in {directory}: it {why}: "
+                        f"{chmod}{env.build_elsewhere(directory)}")
 
 
 def _in_cache(spec: JitSpec, cache: Path) -> tuple[Path | None, Path | None]:

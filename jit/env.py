@@ -92,13 +92,17 @@ def arch_list() -> list[str]:
     return archs
 
 
+def _owners(package: bool) -> set[int]:
+    """Who may own a directory code is loaded from: you or root (the package's aot/: also the package's owner)."""
+    return {os.getuid(), 0, PACKAGE_DIR.stat().st_uid} if package else {os.getuid(), 0}
+
+
 def _unsafe_reason(path: Path, *, package: bool = False) -> str | None:
     """Why another user could have written code into this directory, or None. The package's own
     directory is as trusted as the Python files beside it: owned like the package, and
     group-writable is fine (pip creates it so under a umask of 002); only world-writable is not."""
     st = path.stat()
-    owners = {os.getuid(), 0, PACKAGE_DIR.stat().st_uid} if package else {os.getuid(), 0}
-    if st.st_uid not in owners:
+    if st.st_uid not in _owners(package):
         return f"owned by uid {st.st_uid}, not by you (uid {os.getuid()}) or root"
     unsafe = stat.S_IWOTH if package else stat.S_IWGRP | stat.S_IWOTH
     if st.st_mode & unsafe:
@@ -125,9 +129,10 @@ def _check_private_dir(path: Path, what: str) -> None:
     raise RuntimeError(f"flashinfer_cake: {what} {path} is {reason}; refusing to load code from it: {fix}")
 
 
-def _unreadable(path: Path, private: bool = False) -> str | None:
+def _unreadable(path: Path, mode: str = "u+rx") -> str | None:
     """Why this process cannot search the directory ``path`` for builds (list it, open what it holds), with the fix
-    its owner can make (``private``: the JIT cache, which is also written and stays 0700); None when it can. (Listed, not only os.access: an ACL or a mount's rules refuse root too.)"""
+    (``mode``: the chmod its owner runs; the JIT cache's is 700, as it is created, the package's aot/ a+rx, every
+    user's); None when it can. (Listed, not only os.access: an ACL or a mount's rules refuse root too.)"""
     try:
         with os.scandir(path):
             pass
@@ -137,16 +142,14 @@ def _unreadable(path: Path, private: bool = False) -> str | None:
     except OSError as e:
         error = e.strerror or str(e)
     st = path.stat()
-    if st.st_uid == os.getuid():  # (the cache is written too, and stays private: 0700)
-        fix = f"`chmod {'700' if private else 'u+rx'} {path}`"
-    else:
-        fix = f"its owner (uid {st.st_uid}) can make it readable: `chmod a+rx {path}`"
+    fix = (f"`chmod {mode} {path}`" if st.st_uid == os.getuid() else
+           f"its owner (uid {st.st_uid}) can make it readable: `chmod a+rx {path}`")
     return f"not readable by this process ({error}; mode {stat.filemode(st.st_mode)}): {fix}"
 
 
-def _check_readable(path: Path, what: str, otherwise: str, private: bool = False) -> None:
+def _check_readable(path: Path, what: str, otherwise: str, mode: str = "u+rx") -> None:
     """Refuse a directory we search for builds that this process cannot read: it would look empty."""
-    problem = _unreadable(path, private)
+    problem = _unreadable(path, mode)
     if problem:
         raise RuntimeError(f"flashinfer_cake: {what} {path} is {problem}, or {otherwise}")
 
@@ -166,7 +169,8 @@ def _make_dir(path: Path, what: str, mode: int, create: bool = True) -> Path:
         problem = ("Not a directory" if not ancestor.is_dir() else
                    "Permission denied" if not os.access(ancestor, os.W_OK | os.X_OK) else None)
         if problem:
-            raise RuntimeError(f"flashinfer_cake: cannot create {what} {path}: {problem} ({ancestor}): {_ELSEWHERE}")
+            raise RuntimeError(f"flashinfer_cake: cannot create {what} {path}: {problem} ({ancestor}): "
+                               f"{build_elsewhere(path)}")
     elif not path.exists():
         try:
             path.mkdir(mode=mode, parents=True, exist_ok=True)
@@ -174,11 +178,20 @@ def _make_dir(path: Path, what: str, mode: int, create: bool = True) -> Path:
         except OSError as e:
             where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
             raise RuntimeError(f"flashinfer_cake: cannot create {what} {path}: {e.strerror or e}{where}: "
-                               f"{_ELSEWHERE}") from e
+                               f"{build_elsewhere(path)}") from e
     return path
 
 
-_ELSEWHERE = "choose another directory, under one you can write"  # (_make_dir's fix where mkdir fails)
+def build_elsewhere(directory: Path) -> str:
+    """Where to build instead of ``directory``, which this process cannot create or write: the fix
+    that fits it (the package's aot/, the JIT cache, or a prebuild's --out)."""
+    if directory == PACKAGE_AOT_DIR:
+        return ("run `flashinfer-cake build --aot` as the install's owner, or build into your JIT cache "
+                "(`flashinfer-cake build`)")
+    if directory == cache_dir_path():
+        return "point FLASHINFER_CAKE_CACHE_DIR at a directory you can write"
+    return ("build into a directory you can write (`flashinfer-cake build --out DIR`, then "
+            "`export FLASHINFER_CAKE_AOT_DIR=DIR`)")
 
 
 def cache_dir_path() -> Path:
@@ -196,7 +209,7 @@ def cache_dir(create: bool = True) -> Path:
     if root.exists():
         _check_private_dir(root, "FLASHINFER_CAKE_CACHE_DIR")
         _check_readable(root, "FLASHINFER_CAKE_CACHE_DIR", "point FLASHINFER_CAKE_CACHE_DIR at another directory",
-                        private=True)
+                        mode="700")
     return root
 
 
@@ -252,10 +265,11 @@ def package_aot_problem() -> str | None:
         return None
     unsafe = _unsafe_reason(PACKAGE_AOT_DIR, package=True)
     if unsafe:  # (the unreadable reason below says its own fix)
-        fix = (f"its owner can run `chmod o-w {PACKAGE_AOT_DIR}`" if PACKAGE_AOT_DIR.stat().st_mode & stat.S_IWOTH
-               else "reinstall the package, so that its aot/ is owned as the package is")
+        fix = ("reinstall the package, so that its aot/ is owned as the package is"
+               if PACKAGE_AOT_DIR.stat().st_uid not in _owners(package=True)
+               else f"its owner can run `chmod o-w {PACKAGE_AOT_DIR}`")
         return f"ignoring {PACKAGE_AOT_DIR}: it is {unsafe}: {fix}"
-    unreadable = _unreadable(PACKAGE_AOT_DIR)
+    unreadable = _unreadable(PACKAGE_AOT_DIR, mode="a+rx")
     return unreadable and f"ignoring {PACKAGE_AOT_DIR}: it is {unreadable}"
 
 

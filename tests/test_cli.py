@@ -435,7 +435,7 @@ def _group_writable(root: Path) -> Path:
 @pytest.mark.parametrize("make, words", [
     (_file, ["exists and is not a directory"]),
     (_dangling, ["is a symbolic link to", "which does not exist"]),
-    (_under_a_file, ["cannot create", "Not a directory"]),
+    (_under_a_file, ["cannot create", "Not a directory", "point FLASHINFER_CAKE_CACHE_DIR at a directory you can write"]),
     (_shared_sticky, ["writable by other users", "a directory of your own"]),
     (_group_writable, ["writable by its group", "chmod go-w"]),
 ], ids=["file", "dangling-symlink", "under-a-file", "shared-sticky-dir", "group-writable"])
@@ -474,7 +474,7 @@ def test_env_reports_an_unreadable_directory(tmp_path, monkeypatch, capsys, unre
     package = which == "package-aot"
     assert cli.main(["env"]) == (0 if package else 1)
     out, err = capsys.readouterr()
-    fix = {"cache": "700", "aot-dir": r"u\+rx", "package-aot": r"u\+rx"}[which]
+    fix = {"cache": "700", "aot-dir": r"u\+rx", "package-aot": r"a\+rx"}[which]
     assert re.search(rf"^{line}\s+{'' if package else 'ERROR: '}.*{re.escape(str(directory))}(: it)? is not readable by "
                      rf"this process \(Permission denied.*`chmod {fix} {re.escape(str(directory))}`", out, re.M), out
     if package:
@@ -483,9 +483,11 @@ def test_env_reports_an_unreadable_directory(tmp_path, monkeypatch, capsys, unre
         assert err.count("\n") == 1 and str(directory) in err, err
 
 
-def test_env_notes_a_package_aot_that_calls_skip(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("owner", ["its owner's", "another user's"])
+def test_env_notes_a_package_aot_that_calls_skip(tmp_path, monkeypatch, capsys, owner):
     """A world-writable package aot/ (a broken install: calls skip it and use the JIT, as without one) is a note on
-    env's 'aot dirs' line with its fix, not an error: exit 0, the modules listed."""
+    env's 'aot dirs' line with its fix, not an error: exit 0, the modules listed. The fix is the rule's that failed:
+    owned by another user than the package's, a reinstall (a chmod would leave it skipped)."""
     aot = tmp_path / "pkg" / "aot"
     aot.mkdir(parents=True)
     aot.chmod(0o777)
@@ -494,6 +496,14 @@ def test_env_notes_a_package_aot_that_calls_skip(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(jit_env, "PACKAGE_AOT_DIR", aot)
     monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    if owner == "another user's":  # (the tests may run as root, who owns everything here)
+        monkeypatch.setattr(jit_env, "_owners", lambda package: {aot.stat().st_uid + 1})
+        assert cli.main(["env"]) == 0
+        out = capsys.readouterr().out
+        assert re.search(rf"^aot dirs\s+none  \(.*ignoring {re.escape(str(aot))}: it is owned by uid \d+, .*: reinstall the "
+                         rf"package, so that its aot/ is owned as the package is: calls build with the JIT instead\)$",
+                         out, re.M), out
+        return
     assert cli.main(["env"]) == 0
     out = capsys.readouterr().out
     shown = re.escape(str(aot))
@@ -620,6 +630,20 @@ def test_module_state_lists_each_directory_once(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "listdir", lambda path=".": listed.append(Path(path)) or real(path))
     assert cli._module_state(all_variants(["sm_90a"])[0]) == "not built"
     assert listed.count(aot) == 1 and listed.count(cache) == 1, listed
+
+
+def test_build_out_that_cannot_be_created_names_the_fix(tmp_path, monkeypatch, capsys):
+    """`build --out DIR` where DIR cannot be created (under a file here; a read-only parent alike): one error naming
+    it and where to build instead, nothing compiled."""
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "out"
+    monkeypatch.setattr(jit_env, "PACKAGE_AOT_DIR", tmp_path / "no-package-aot")
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    assert cli.main(["build", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot create the output directory {out}: Not a directory" in err, err
+    assert err.rstrip().endswith("build into a directory you can write (`flashinfer-cake build --out DIR`, then "
+                                 "`export FLASHINFER_CAKE_AOT_DIR=DIR`)"), err
 
 
 @pytest.mark.parametrize("held", ["every module", "all but the binding"])

@@ -1056,7 +1056,8 @@ def test_an_unreadable_directory_is_named_with_its_fix(tmp_path, monkeypatch, ca
         message = str(e.value)
         assert re.search(rf"{re.escape(str(directory))}(: it)? is not readable by this process \(Permission denied",
                          message), message
-        assert f"`chmod {'700' if which == 'cache' else 'u+rx'} {directory}`" in message, message
+        mode = {"cache": "700", "aot-dir": "u+rx", "package-aot": "a+rx"}[which]
+        assert f"`chmod {mode} {directory}`" in message, message
     warned = [r.getMessage() for r in caplog.records if str(directory) in r.getMessage()]
     assert len(warned) == (which == "package-aot"), warned
 
