@@ -713,6 +713,13 @@ def test_a_context_on_another_device_than_x_local_is_named_with_both_devices():
                 rf"{device}" + fix.format(name))
         with pytest.raises(ValueError, match=want):
             call()
+    # on the context's device, meta: the exchange has no rows to send (it ran on none, at world size 1)
+    meta = x.to("meta")
+    for call, fn, name in ((lambda: halo_exchange(meta, ctx), "halo_exchange", "x_local"),
+                           (lambda: halo_exchange_multi([meta, meta], ctx), "halo_exchange_multi", r"xs\[0\]")):
+        with pytest.raises(ValueError, match=rf"^{fn}: {name} must have memory of its own \(the exchange sends its "
+                                             rf"rows\), got a tensor of type Tensor on meta"):
+            call()
 
 
 def test_exchange_and_context_argument_errors():
