@@ -717,8 +717,8 @@ def test_a_context_on_another_device_than_x_local_is_named_with_both_devices():
     meta = x.to("meta")
     for call, fn, name in ((lambda: halo_exchange(meta, ctx), "halo_exchange", "x_local"),
                            (lambda: halo_exchange_multi([meta, meta], ctx), "halo_exchange_multi", r"xs\[0\]")):
-        with pytest.raises(ValueError, match=rf"^{fn}: {name} must have memory of its own \(the exchange sends its "
-                                             rf"rows\), got a tensor of type Tensor on meta"):
+        with pytest.raises(ValueError, match=rf"^{fn}: {name} must be a CUDA tensor with memory of its own, got a "
+                                             rf"tensor of type Tensor \(meta, fake"):
             call()
 
 

@@ -132,10 +132,7 @@ def _check_exchange(fn: str, xs: list, ctx: CPContext, names: list[str]) -> None
         if x.dtype != xs[0].dtype:
             raise ValueError(f"{fn}: {name} must have {names[0]}'s dtype {xs[0].dtype}, got {x.dtype}")
         check_context_device(fn, name, x, ctx)
-        if _checks.without_memory(x):  # (a meta context took a meta x: the exchange ran on no rows)
-            raise ValueError(f"{fn}: {name} must have memory of its own (the exchange sends its rows), got a tensor "
-                             f"of type {type(x).__name__} on {x.device} (meta, fake, or a subclass that dispatches "
-                             f"in Python): an AsyncCollectiveTensor needs .wait() first, a DTensor its local tensor")
+        _checks.check_has_memory(fn, ((name, x),))  # (a meta context took a meta x: the exchange ran on no rows)
 
 
 def halo_exchange(x_local: torch.Tensor, ctx: CPContext) -> torch.Tensor:
