@@ -25,17 +25,14 @@ import torch
 from flashinfer_cake import cli, jit
 from flashinfer_cake.jit import all_variants, build
 from flashinfer_cake.jit import env as jit_env
+from isolated_env import ISOLATED_VARS, child_env
 
 URIS = [s.uri for s in all_variants(["sm_90a"])] + ["torch_binding"]
-ISOLATED_VARS = ("FLASHINFER_CAKE_CACHE_DIR", "FLASHINFER_CAKE_AOT_DIR", "FLASHINFER_CAKE_DISABLE_JIT",
-                 "FLASHINFER_CAKE_CUDA_ARCH_LIST")
 
 
 def flashinfer_cake(*args: str, cache: Path, cwd: Path, command=(sys.executable, "-m", "flashinfer_cake"),
                     timeout: float = 120, **env) -> subprocess.CompletedProcess:
-    e = {k: v for k, v in os.environ.items() if k not in ISOLATED_VARS}
-    # 2 compile jobs (CI's cores) unless the runner sets MAX_JOBS (a GPU machine's 16 cores)
-    e.update(MAX_JOBS=os.environ.get("MAX_JOBS") or "2", FLASHINFER_CAKE_CACHE_DIR=str(cache), **env)
+    e = child_env(FLASHINFER_CAKE_CACHE_DIR=cache, **env)
     return subprocess.run([*command, *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
 
 
@@ -188,8 +185,7 @@ def test_env_counts_a_flashinfer_cake_nvcc_that_is_no_nvcc_as_a_problem(monkeypa
 def test_a_reader_that_goes_away_is_no_error_message(tmp_path):
     """`flashinfer-cake env | head -1`: the pipe's reader closes it early; the CLI stops without a traceback or an
     error line (exit status 1, as Python's own recipe for a broken pipe has it)."""
-    e = {k: v for k, v in os.environ.items() if k not in ISOLATED_VARS}
-    e.update(FLASHINFER_CAKE_CACHE_DIR=str(tmp_path / "cache"))
+    e = child_env(FLASHINFER_CAKE_CACHE_DIR=tmp_path / "cache")
     p = subprocess.Popen([sys.executable, "-m", "flashinfer_cake", "env"], cwd=tmp_path, env=e,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     p.stdout.close()  # before its first line (the CLI imports torch first)

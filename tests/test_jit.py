@@ -31,6 +31,7 @@ import torch
 
 from flashinfer_cake import jit
 from flashinfer_cake.jit import build, core, env, variant
+from isolated_env import ISOLATED_VARS, MAX_JOBS, child_env
 
 SPEC = jit.variant_spec("fp32", "none", "sm_90a")
 DTYPES = [(w, b) for w in variant.WEIGHT_DTYPES for b in variant.BIAS_DTYPES]
@@ -41,9 +42,6 @@ ENTRY_POINTS = ("cake_variant", "cake_fwd_arg_names", "cake_bwd_arg_names", "cak
                 "cake_causal_conv1d_cp")
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_INVALID_DEVICE = 101
-# Variables a test sets itself; FLASHINFER_CAKE_NVCC / CUDA_HOME (which compiler CI uses) are kept.
-ISOLATED_VARS = ("FLASHINFER_CAKE_CACHE_DIR", "FLASHINFER_CAKE_AOT_DIR", "FLASHINFER_CAKE_DISABLE_JIT",
-                 "FLASHINFER_CAKE_CUDA_ARCH_LIST")
 # Subprocesses ignore a package-shipped aot/ a developer may have built in the checkout.
 PREAMBLE = "from flashinfer_cake.jit import env as _e; _e.PACKAGE_AOT_DIR = _e.Path('/nonexistent/aot')\n"
 LOAD_SCRIPT = """
@@ -57,17 +55,6 @@ print(m.variant)
 
 
 # ---------------------------------------------------------------------------------------- helpers
-
-
-# The builds' compile jobs: 2 (CI's cores) unless the runner sets MAX_JOBS (a GPU machine's 16 cores).
-MAX_JOBS = os.environ.get("MAX_JOBS") or "2"
-
-
-def child_env(**overrides) -> dict:
-    e = {k: v for k, v in os.environ.items() if k not in ISOLATED_VARS}
-    e["MAX_JOBS"] = MAX_JOBS
-    e.update({k: str(v) for k, v in overrides.items()})
-    return e
 
 
 def popen_py(code: str, cwd: Path, *args, **env_overrides) -> subprocess.Popen:
