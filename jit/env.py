@@ -433,7 +433,8 @@ def toolkit_link_flags(nvcc: Path) -> tuple[str, ...]:
 def cxx_path() -> Path:
     """The C++ compiler of the torch binding: $CXX, else c++ / g++ on PATH. CXX is one executable (a name on PATH or
     a path), as torch.utils.cpp_extension takes it (2.13 quotes it whole into its ninja file and adds ccache / sccache
-    itself): a launcher or flags in it would run a compiler the build's identity (toolchain_digest) does not name."""
+    itself): a launcher or flags in it would run a compiler the build's identity (toolchain_digest) does not name. A
+    launcher's masquerade link (/usr/lib/ccache/c++) is followed to the compiler it runs (_past_launcher)."""
     explicit = os.environ.get("CXX")
     found = shutil.which(explicit) if explicit else (shutil.which("c++") or shutil.which("g++"))
     words = (explicit or "").split()
@@ -450,7 +451,30 @@ def cxx_path() -> Path:
             (f"CXX={explicit!r} is not an executable. " if explicit else "No C++ compiler found (c++ or g++ on PATH). ")
             + "The torch binding needs one (nvcc needs it as its host compiler too): install g++ or set CXX."
         )
-    return Path(found).absolute()
+    return _past_launcher(Path(found).absolute(), explicit)
+
+
+# Compiler launchers whose masquerade directories (/usr/lib/ccache: c++ -> ccache) put them first on PATH.
+_LAUNCHERS = ("ccache", "sccache")
+
+
+def _past_launcher(found: Path, explicit: str | None) -> Path:
+    """The compiler a launcher's masquerade link runs (/usr/lib/ccache/c++ -> ccache runs the next c++ on PATH that is
+    not a launcher): that one builds the binding and is the build's identity (toolchain_digest), not the launcher's
+    binary, so a compiler upgrade rebuilds it. Any other path as it is."""
+    launcher = found.resolve().name
+    if launcher not in _LAUNCHERS:
+        return found
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = Path(d or ".").absolute() / found.name
+        if (candidate.is_file() and os.access(candidate, os.X_OK)
+                and candidate.resolve().name not in _LAUNCHERS):
+            return candidate
+    raise RuntimeError(
+        f"{'CXX=' + repr(explicit) if explicit else 'c++ on PATH'} is {found}, a link to {launcher} (its masquerade "
+        f"directory), and no {found.name} on PATH behind it is a compiler: set CXX to the compiler itself (e.g. "
+        f"CXX=/usr/bin/g++), or put its directory on PATH."
+    )
 
 
 def _fingerprint(path: Path) -> str:

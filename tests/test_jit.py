@@ -1136,6 +1136,37 @@ def test_cxx_is_one_compiler_a_launcher_in_it_is_refused_saying_what_cxx_takes(m
     assert env.cxx_path() == spaced
 
 
+@pytest.mark.parametrize("how", ["path", "cxx"])
+def test_a_launchers_masquerade_link_is_followed_to_the_compiler_it_runs(monkeypatch, tmp_path, how):
+    """/usr/lib/ccache first on PATH makes c++ a link to ccache: the binding's compiler (and the build's identity,
+    toolchain_digest) is the c++ ccache runs, the next one on PATH that is not a launcher, so upgrading the compiler
+    rebuilds the binding; with no compiler behind the link the error names the link, the launcher and the fix."""
+    masq, real, empty = tmp_path / "ccache-bin", tmp_path / "bin", tmp_path / "empty"
+    for d in (masq, real, empty):
+        d.mkdir()
+    launcher = tmp_path / "ccache"
+    for exe in (launcher, real / "c++"):
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+    (masq / "c++").symlink_to(launcher)
+    (real / "ccache").symlink_to(launcher)  # a launcher under the compiler's name elsewhere is skipped too
+    monkeypatch.delenv("CXX", raising=False)
+    if how == "cxx":
+        monkeypatch.setenv("CXX", str(masq / "c++"))
+    monkeypatch.setenv("PATH", os.pathsep.join(map(str, [masq, real])))
+    assert env.cxx_path() == real / "c++"
+    before = env.toolchain_digest(env.cxx_path())
+    (real / "c++").write_text("#!/bin/sh\n# an upgraded compiler\n")
+    assert env.toolchain_digest(env.cxx_path()) != before  # (the launcher's own binary did not change)
+    monkeypatch.setenv("PATH", os.pathsep.join(map(str, [masq, empty])))
+    with pytest.raises(RuntimeError) as e:
+        env.cxx_path()
+    message = str(e.value)
+    shown = f"CXX={str(masq / 'c++')!r}" if how == "cxx" else "c++ on PATH"
+    assert f"{shown} is {masq / 'c++'}, a link to ccache" in message and "set CXX to the compiler itself" in message, \
+        message
+
+
 @pytest.mark.parametrize("kind", ["missing", "not-executable"])
 def test_no_nvcc(tmp_path, monkeypatch, kind):
     nvcc = tmp_path / "nvcc"
