@@ -112,11 +112,17 @@ def _wheel_trees(nvcc) -> str:
 
 
 def _module_state(spec) -> str:
-    """The build a first call opens, else whether another toolchain's is all there is (it compiles)."""
-    path, others = jit.lookup(spec)
+    """The build a first call opens, else whether another toolchain's is all there is (it compiles), else whether a
+    build of its uri for another identity or other sources is (e.g. a binding prebuilt for another torch)."""
+    path, others, other_builds = jit.lookup(spec)
     if path is not None:
         return str(path)
-    return f"not built by this toolchain (a first call builds it; {others[0]} is another's)" if others else "not built"
+    if others:
+        return f"not built by this toolchain (a first call builds it; {others[0]} is another's)"
+    if other_builds:
+        fix = "`flashinfer-cake build` builds it" if env.jit_disabled() else "a first call builds it"
+        return f"not built ({other_builds[0]} is {jit.built_for(spec, other_builds[0])}: {fix})"
+    return "not built"
 
 
 def cmd_env(args) -> int:

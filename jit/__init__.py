@@ -6,7 +6,8 @@ Installed as ``flashinfer_cake.jit`` (the sources live in the top-level ``jit/``
 """
 
 from .binding import binding_spec, load_binding
-from .core import JitSpec, load, located, lookup, prebuild, published
+from .core import JitSpec, built_for, load, located, lookup, prebuild, published
 from .variant import all_variants, variant_spec
 
-__all__ = ["JitSpec", "all_variants", "binding_spec", "load", "load_binding", "located", "lookup", "prebuild", "published", "variant_spec"]
+__all__ = ["JitSpec", "all_variants", "binding_spec", "built_for", "load", "load_binding", "located", "lookup", "prebuild",
+           "published", "variant_spec"]

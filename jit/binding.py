@@ -52,6 +52,8 @@ def binding_spec() -> JitSpec:
         lib_dirs=(str(torch_dir / "lib"),),
         identity=(torch.__version__, str(torch.version.git_version), str(torch.version.cuda), str(torch.version.hip),
                   _torch_build_settings(), str(sysconfig.get_config_var("EXT_SUFFIX"))),
+        identity_names=("torch", "torch git", "torch CUDA", "torch HIP", "torch's build settings",
+                        "the Python extension suffix"),
         python_extension=True,
     )
 

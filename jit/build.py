@@ -207,8 +207,8 @@ def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs:
         lambda stem, done, start: progress(f"compiled {uris[stem]} ({done}/{len(items)}, {time.perf_counter() - start:.1f} s)")))
     published = {}
     for item in items:
-        record = {"uri": item.spec.uri, "compiler": str(item.compiler), "compiler_version": versions[item.compiler],
-                  "build_seconds": round(seconds, 2)}
+        record = {"uri": item.spec.uri, "identity": list(item.spec.identity), "compiler": str(item.compiler),
+                  "compiler_version": versions[item.compiler], "build_seconds": round(seconds, 2)}
         published[item.spec] = publish(build_dir / f"{item.name}.so", out_dir, item.name, record)
     return published
 
@@ -245,28 +245,45 @@ def run_ninja(build_dir: Path, what: str, *, jobs: int | None = None,
 def verified_module(path: Path) -> Path | None:
     """``path`` if it is a published artifact whose bytes match its record, else None (missing,
     truncated, corrupt, or interrupted before its record was written)."""
-    record_path = path.with_suffix(".json")
-    try:
-        record = json.loads(record_path.read_text())
-        data = path.read_bytes()
-    except (OSError, ValueError):
+    record = read_record(path)
+    if not record:
         return None
-    if not isinstance(record, dict) or record.get("sha256") != hashlib.sha256(data).hexdigest():
-        if path.exists():
-            logger.warning("flashinfer_cake: ignoring corrupt module %s (does not match %s)", path, record_path)
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if record.get("sha256") != hashlib.sha256(data).hexdigest():
+        logger.warning("flashinfer_cake: ignoring corrupt module %s (does not match %s)", path, path.with_suffix(".json"))
         return None
     return path
 
 
-def find_published(directory: Path, prefix: str, preferred: Callable[[], str | None] | None = None) -> Path | None:
+def listing(directory: Path) -> list[str]:
+    """The names in ``directory``; [] when it cannot be listed (missing: an unreadable directory is refused where it
+    is named, env.aot_dirs and env.cache_dir)."""
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []
+
+
+def read_record(path: Path) -> dict:
+    """The record publish wrote beside the artifact ``path``; {} when it cannot be read."""
+    try:
+        record = json.loads(path.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def find_published(directory: Path, prefix: str, preferred: Callable[[], str | None] | None = None,
+                   names: list[str] | None = None) -> Path | None:
     """A verified artifact in ``directory`` whose name starts with ``prefix`` (any compiler). Of
     several: the one named ``preferred()`` (this machine's compiler's build; asked only then) when it is
     there, else the one whose record was written last (its mtime: copies that keep mtimes, ``cp -a``
-    or ``rsync -t``, keep the order), then by name."""
-    try:
-        names = [n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".so")]
-    except OSError:
-        return None
+    or ``rsync -t``, keep the order), then by name. ``names``: the directory's listing, when the caller
+    has it (one listing serves several questions)."""
+    names = [n for n in (listing(directory) if names is None else names) if n.startswith(prefix) and n.endswith(".so")]
     if len(names) > 1:
         local = preferred() if preferred is not None else None
 

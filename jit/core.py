@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import re
@@ -42,7 +41,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from . import env
-from .build import BuildItem, build_once, build_specs, find_published, hold_lock, verified_module
+from .build import BuildItem, build_once, build_specs, find_published, hold_lock, listing, read_record, verified_module
 from .module import KernelModule
 
 logger = logging.getLogger("flashinfer_cake.jit")
@@ -69,6 +68,9 @@ class JitSpec:
     lib_dirs: tuple[str, ...] = ()
     identity: tuple[str, ...] = ()
     python_extension: bool = False
+    # What each entry of ``identity`` is ("torch", ...), for the messages about a build of the same uri for another
+    # identity (not part of the digest or of the spec's equality).
+    identity_names: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
         if self.language not in ("cuda", "c++"):
@@ -176,10 +178,12 @@ def _preferred(spec: JitSpec) -> Callable[[], str | None]:
     return name
 
 
-def _aot_builds(spec: JitSpec) -> list[Path]:
+def _aot_builds(spec: JitSpec, listed: list[tuple[Path, list[str]]] | None = None) -> list[Path]:
     """The verified build of ``spec`` in each AOT directory that holds one, in search order (any
-    compiler; find_published's choice among several)."""
-    found = (find_published(directory, spec.module_prefix(), _preferred(spec)) for directory in env.aot_dirs())
+    compiler; find_published's choice among several). ``listed``: (directory, its listing) of each AOT
+    directory, when the caller has them."""
+    listed = [(directory, None) for directory in env.aot_dirs()] if listed is None else listed
+    found = (find_published(directory, spec.module_prefix(), _preferred(spec), names) for directory, names in listed)
     return [path for path in found if path is not None]
 
 
@@ -204,8 +208,10 @@ def _find_or_build(spec: JitSpec):
 def _disabled_error(spec: JitSpec, cache: Path) -> RuntimeError:
     searched = [str(d) for d in env.aot_dirs()] + [str(cache)]
     skipped = env.package_aot_problem()
+    other = lookup(spec).other_builds
     return RuntimeError(
-        f"flashinfer_cake: {spec.uri} is not prebuilt (searched {searched}{f'; {skipped}' if skipped else ''}) "
+        f"flashinfer_cake: {spec.uri} is not prebuilt (searched {searched}{f'; {skipped}' if skipped else ''}"
+        f"{f'; {other[0]} is {built_for(spec, other[0])}' if other else ''}) "
         f"and FLASHINFER_CAKE_DISABLE_JIT is set. Prebuild it with `flashinfer-cake build` (into the JIT cache) or `flashinfer-cake build --aot` "
         f"(into the installed package), or unset FLASHINFER_CAKE_DISABLE_JIT."
     )
@@ -230,12 +236,13 @@ def _unwritable(directory: Path, uris: list[str]) -> RuntimeError:
                         f"{chmod}{env.build_elsewhere(directory)}")
 
 
-def _in_cache(spec: JitSpec, cache: Path) -> tuple[Path | None, Path | None]:
+def _in_cache(spec: JitSpec, cache: Path, names: list[str] | None = None) -> tuple[Path | None, Path | None]:
     """(the build of ``spec`` in ``cache`` that load opens, or None; the compiler that builds it
-    there, or None when nothing can be compiled: then any compiler's build will do)."""
+    there, or None when nothing can be compiled: then any compiler's build will do). ``names``: the
+    cache's listing, when the caller has it."""
     compiler = None if env.jit_disabled() or not _can_build_in(cache) else _compiler_if_any(spec)
     if compiler is None:
-        return find_published(cache, spec.module_prefix(), _preferred(spec)), None
+        return find_published(cache, spec.module_prefix(), _preferred(spec), names), None
     return verified_module(cache / f"{_build_name(spec, compiler)}.so"), compiler
 
 
@@ -261,10 +268,8 @@ def _find_or_build_in_cache(spec: JitSpec) -> Path:
         other = find_published(cache, spec.module_prefix())
         if other is None or other.stem == item.name:
             raise
-        try:
-            by = f", by {json.loads(other.with_suffix('.json').read_text())['compiler_version']}"
-        except (OSError, ValueError, KeyError, TypeError):
-            by = ""
+        version = read_record(other).get("compiler_version")
+        by = f", by {version}" if isinstance(version, str) else ""
         raise RuntimeError(f"{e}\nflashinfer_cake: the cache holds another compiler's build of {spec.uri} ({other}{by}); "
                            f"FLASHINFER_CAKE_DISABLE_JIT=1 loads it instead of building (and a process with it set "
                            f"compiles nothing)") from e
@@ -281,19 +286,47 @@ class Lookup(NamedTuple):
     """Where the builds of a spec are (what ``flashinfer-cake env`` reports)."""
     located: Path | None  # the build load tries first without compiling; None: it would compile
     published: list[Path]  # the verified build in each AOT directory and in the JIT cache that holds one
+    # where none is published: the verified builds of its uri from other sources or for another identity (e.g. a
+    # binding prebuilt for another torch), which no process like this one loads (:func:`built_for` says why)
+    other_builds: list[Path]
+
+
+def _other_builds(spec: JitSpec, directory: Path, names: list[str]) -> list[Path]:
+    """The verified builds of ``spec.uri`` among ``names`` (``directory``'s listing) that are not ``spec``'s."""
+    form = re.compile(rf"{re.escape(spec.uri)}_[0-9a-f]{{{_SOURCE_DIGEST_CHARS}}}_[0-9a-f]{{{_TOOLCHAIN_DIGEST_CHARS}}}\.so")
+    return [directory / n for n in sorted(names) if form.fullmatch(n) and not n.startswith(spec.module_prefix())
+            and verified_module(directory / n)]
 
 
 def lookup(spec: JitSpec) -> Lookup:
     """Where ``spec``'s builds are, each directory listed once: :func:`located` and :func:`published`
-    in one pass (load still skips a prebuilt file it cannot open)."""
-    aot = _aot_builds(spec)
+    in one pass (load still skips a prebuilt file it cannot open), and where there are none, the other builds of its
+    uri (:attr:`Lookup.other_builds`)."""
+    listed = [(directory, listing(directory)) for directory in env.aot_dirs()]
+    aot = _aot_builds(spec, listed)
     cache = _existing_cache()
     here = cached = None
     if cache is not None:
-        here, compiler = _in_cache(spec, cache)
+        listed.append((cache, listing(cache)))
+        here, compiler = _in_cache(spec, cache, listed[-1][1])
         # (where nothing compiles, load's choice is already any compiler's: find_published's, as below)
-        cached = here if compiler is None else find_published(cache, spec.module_prefix(), _preferred(spec))
-    return Lookup(aot[0] if aot else here, [*aot, *([cached] if cached is not None else [])])
+        cached = here if compiler is None else find_published(cache, spec.module_prefix(), _preferred(spec), listed[-1][1])
+    published = [*aot, *([cached] if cached is not None else [])]
+    others = [] if published else [p for directory, names in listed for p in _other_builds(spec, directory, names)]
+    return Lookup(aot[0] if aot else here, published, others)
+
+
+def built_for(spec: JitSpec, other: Path) -> str:
+    """What ``other``, a build of ``spec.uri`` that is not ``spec``'s (:attr:`Lookup.other_builds`), was built for:
+    the identity entries its record names that differ from this process's, else other sources."""
+    recorded = read_record(other).get("identity")
+    if not isinstance(recorded, list) or len(recorded) != len(spec.identity):
+        what = "another torch or other sources" if spec.identity else "other sources"
+        return f"built for {what} (its record, from an older flashinfer_cake, does not say which)"
+    names = spec.identity_names or tuple(f"identity[{i}]" for i in range(len(spec.identity)))
+    differ = [f"{name} {theirs} (this process: {ours})"
+              for name, theirs, ours in zip(names, recorded, spec.identity) if theirs != ours]
+    return f"built for {', '.join(differ)}" if differ else "built from other sources (another flashinfer_cake's)"
 
 
 def located(spec: JitSpec) -> Path | None:

@@ -9,6 +9,7 @@ FLASHINFER_CAKE_DISABLE_JIT) run the command as a user would.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -626,6 +627,48 @@ def test_module_state_lists_each_directory_once(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "listdir", lambda path=".": listed.append(Path(path)) or real(path))
     assert cli._module_state(all_variants(["sm_90a"])[0]) == "not built"
     assert listed.count(aot) == 1 and listed.count(cache) == 1, listed
+
+
+def fake_build(directory: Path, uri: str, record: dict) -> Path:
+    """A verified artifact of ``uri`` under a source digest no spec of this checkout has (bytes that match their
+    record; not a library)."""
+    data = b"not a library"
+    path = directory / f"{uri}_{'0' * 16}_{'0' * 8}.so"
+    path.write_bytes(data)
+    path.with_suffix(".json").write_text(json.dumps({"uri": uri, **record, "sha256": hashlib.sha256(data).hexdigest()}))
+    return path
+
+
+@pytest.mark.parametrize("recorded", ["another torch", "an older record", "other sources"])
+def test_a_binding_built_for_another_torch_is_named_as_that(tmp_path, monkeypatch, recorded):
+    """A torch binding built for another torch (its digest differs) is named as that, with what differs, in `env` and
+    in the error of a call under FLASHINFER_CAKE_DISABLE_JIT (which said 'not prebuilt' as if nothing were there); a
+    record from before records kept the identity, or of the same identity (other sources), says so."""
+    from flashinfer_cake.jit import core
+
+    spec = jit.binding_spec()
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    for var in ISOLATED_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(jit_env, "PACKAGE_AOT_DIR", tmp_path / "no-package-aot")
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
+    monkeypatch.setattr(core, "_loaded", {})
+    identity = list(spec.identity)
+    if recorded == "another torch":
+        identity[0] = "2.10.0+cu128"
+    other = fake_build(cache, "torch_binding", {} if recorded == "an older record" else {"identity": identity})
+    said = {"another torch": f"built for torch 2.10.0+cu128 (this process: {torch.__version__})",
+            "an older record": "built for another torch or other sources (its record, from an older flashinfer_cake, "
+                               "does not say which)",
+            "other sources": "built from other sources (another flashinfer_cake's)"}[recorded]
+    assert cli._module_state(spec) == f"not built ({other} is {said}: a first call builds it)"
+    monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")
+    assert cli._module_state(spec) == f"not built ({other} is {said}: `flashinfer-cake build` builds it)"
+    with pytest.raises(RuntimeError, match="torch_binding is not prebuilt") as e:
+        jit.load(spec)
+    assert f"; {other} is {said})" in str(e.value), e.value
+    assert cli._module_state(all_variants(["sm_90a"])[0]) == "not built"  # another uri's build is not named
 
 
 def test_build_out_that_cannot_be_created_names_the_fix(tmp_path, monkeypatch, capsys):
