@@ -120,8 +120,7 @@ def _module_state(spec) -> str:
     if others:
         return f"not built by this toolchain (a first call builds it; {others[0]} is another's)"
     if other_builds:
-        fix = "`flashinfer-cake build` builds it" if env.jit_disabled() else "a first call builds it"
-        return f"not built ({other_builds[0]} is {jit.built_for(spec, other_builds[0])}: {fix})"
+        return f"not built ({other_builds[0]} is {jit.built_for(spec, other_builds[0])})"
     return "not built"
 
 

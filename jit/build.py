@@ -3,7 +3,7 @@
 Layout of an output directory (the JIT cache or an AOT directory)::
 
     <name>.so      the artifact, <name> = JitSpec.module_name(compiler digest)
-    <name>.json    its record: sha256 of the .so, uri, compiler and version, build seconds;
+    <name>.json    its record: sha256 of the .so, uri, identity (the JitSpec's), compiler and version, build seconds;
                    written last, so an artifact without a matching record is never loaded
     <name>.lock    the file lock of its build
     build/...      ninja's work directories (sources, build.ninja, objects, build.log: the

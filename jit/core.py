@@ -77,6 +77,9 @@ class JitSpec:
             raise ValueError(f"JitSpec {self.uri}: language must be 'cuda' or 'c++', got {self.language!r}")
         if not isinstance(self.units, tuple) or not all(isinstance(u, str) for u in self.units):
             raise TypeError(f"JitSpec {self.uri}: units must be a tuple of source strings, got {type(self.units).__name__}")
+        if self.identity_names and len(self.identity_names) != len(self.identity):
+            raise ValueError(f"JitSpec {self.uri}: identity_names must name each of the {len(self.identity)} identity "
+                             f"entries, got {len(self.identity_names)} names")
 
     @property
     def suffix(self) -> str:
@@ -208,7 +211,7 @@ def _find_or_build(spec: JitSpec):
 def _disabled_error(spec: JitSpec, cache: Path) -> RuntimeError:
     searched = [str(d) for d in env.aot_dirs()] + [str(cache)]
     skipped = env.package_aot_problem()
-    other = lookup(spec).other_builds
+    other = lookup(spec).other_builds if cache.is_dir() else []  # (a cache that is not there holds nothing)
     return RuntimeError(
         f"flashinfer_cake: {spec.uri} is not prebuilt (searched {searched}{f'; {skipped}' if skipped else ''}"
         f"{f'; {other[0]} is {built_for(spec, other[0])}' if other else ''}) "
@@ -286,16 +289,18 @@ class Lookup(NamedTuple):
     """Where the builds of a spec are (what ``flashinfer-cake env`` reports)."""
     located: Path | None  # the build load tries first without compiling; None: it would compile
     published: list[Path]  # the verified build in each AOT directory and in the JIT cache that holds one
-    # where none is published: the verified builds of its uri from other sources or for another identity (e.g. a
-    # binding prebuilt for another torch), which no process like this one loads (:func:`built_for` says why)
+    # where none is published: the latest verified build of its uri from other sources or for another identity (e.g.
+    # a binding prebuilt for another torch) in each directory that holds one, which no process like this one loads
+    # (:func:`built_for` says why)
     other_builds: list[Path]
 
 
-def _other_builds(spec: JitSpec, directory: Path, names: list[str]) -> list[Path]:
-    """The verified builds of ``spec.uri`` among ``names`` (``directory``'s listing) that are not ``spec``'s."""
+def _other_build(spec: JitSpec, directory: Path, names: list[str]) -> Path | None:
+    """The latest verified build of ``spec.uri`` among ``names`` (``directory``'s listing) that is not ``spec``'s (the
+    order find_published takes among several), or None."""
     form = re.compile(rf"{re.escape(spec.uri)}_[0-9a-f]{{{_SOURCE_DIGEST_CHARS}}}_[0-9a-f]{{{_TOOLCHAIN_DIGEST_CHARS}}}\.so")
-    return [directory / n for n in sorted(names) if form.fullmatch(n) and not n.startswith(spec.module_prefix())
-            and verified_module(directory / n)]
+    others = [n for n in names if form.fullmatch(n) and not n.startswith(spec.module_prefix())]
+    return find_published(directory, "", names=others)
 
 
 def lookup(spec: JitSpec) -> Lookup:
@@ -312,7 +317,7 @@ def lookup(spec: JitSpec) -> Lookup:
         # (where nothing compiles, load's choice is already any compiler's: find_published's, as below)
         cached = here if compiler is None else find_published(cache, spec.module_prefix(), _preferred(spec), listed[-1][1])
     published = [*aot, *([cached] if cached is not None else [])]
-    others = [] if published else [p for directory, names in listed for p in _other_builds(spec, directory, names)]
+    others = [] if published else [p for directory, names in listed if (p := _other_build(spec, directory, names))]
     return Lookup(aot[0] if aot else here, published, others)
 
 
@@ -320,11 +325,14 @@ def built_for(spec: JitSpec, other: Path) -> str:
     """What ``other``, a build of ``spec.uri`` that is not ``spec``'s (:attr:`Lookup.other_builds`), was built for:
     the identity entries its record names that differ from this process's, else other sources."""
     recorded = read_record(other).get("identity")
-    if not isinstance(recorded, list) or len(recorded) != len(spec.identity):
-        what = "another torch or other sources" if spec.identity else "other sources"
+    what = "another torch or other sources" if spec.identity else "other sources"
+    if not isinstance(recorded, list):
         return f"built for {what} (its record, from an older flashinfer_cake, does not say which)"
+    if len(recorded) != len(spec.identity):
+        return f"built for {what} (its record's identity has {len(recorded)} entries, this one {len(spec.identity)})"
     names = spec.identity_names or tuple(f"identity[{i}]" for i in range(len(spec.identity)))
-    differ = [f"{name} {theirs} (this process: {ours})"
+    # (a long value, e.g. torch's build settings, is named, not quoted)
+    differ = [f"{name} {theirs} (this process: {ours})" if len(f"{theirs}{ours}") <= 80 else f"other {name}"
               for name, theirs, ours in zip(names, recorded, spec.identity) if theirs != ours]
     return f"built for {', '.join(differ)}" if differ else "built from other sources (another flashinfer_cake's)"
 

@@ -434,47 +434,70 @@ def cxx_path() -> Path:
     """The C++ compiler of the torch binding: $CXX, else c++ / g++ on PATH. CXX is one executable (a name on PATH or
     a path), as torch.utils.cpp_extension takes it (2.13 quotes it whole into its ninja file and adds ccache / sccache
     itself): a launcher or flags in it would run a compiler the build's identity (toolchain_digest) does not name. A
-    launcher's masquerade link (/usr/lib/ccache/c++) is followed to the compiler it runs (_past_launcher)."""
+    launcher's masquerade link (/usr/lib/ccache/c++) builds through the launcher, and the build's identity is the
+    compiler it runs (compiler_behind)."""
     explicit = os.environ.get("CXX")
-    found = shutil.which(explicit) if explicit else (shutil.which("c++") or shutil.which("g++"))
-    words = (explicit or "").split()
-    if not found and len(words) > 1:
-        compiler = next((w for w in reversed(words) if not w.startswith("-")), "g++")
-        raise RuntimeError(
-            f"CXX={explicit!r} is a command of {len(words)} words, not one C++ compiler executable, which is what CXX "
-            f"takes (a name on PATH or a path, as torch.utils.cpp_extension takes it; a compiler launcher such as "
-            f"ccache, or flags, cannot go in it: the build's identity is the compiler's): set CXX={compiler}, or unset "
-            f"it (c++ on PATH)."
-        )
-    if not found:
-        raise RuntimeError(
-            (f"CXX={explicit!r} is not an executable. " if explicit else "No C++ compiler found (c++ or g++ on PATH). ")
-            + "The torch binding needs one (nvcc needs it as its host compiler too): install g++ or set CXX."
-        )
-    return _past_launcher(Path(found).absolute(), explicit)
+    if explicit:
+        found = shutil.which(explicit)
+        words = explicit.split()
+        if not found and len(words) > 1:
+            compiler = next((w for w in reversed(words) if not w.startswith("-")), "g++")
+            raise RuntimeError(
+                f"CXX={explicit!r} is a command of {len(words)} words, not one C++ compiler executable, which is what "
+                f"CXX takes (a name on PATH or a path, as torch.utils.cpp_extension takes it; a compiler launcher such "
+                f"as ccache, or flags, cannot go in it: the build's identity is the compiler's): set CXX={compiler}, or "
+                f"unset it (c++ on PATH)."
+            )
+        if not found:
+            raise RuntimeError(f"CXX={explicit!r} is not an executable. The torch binding needs one (nvcc needs it as "
+                               f"its host compiler too): install g++ or set CXX.")
+        if compiler_behind(Path(found).absolute()) is None:
+            raise _no_compiler_behind(Path(found).absolute(), f"CXX={explicit!r}")
+        return Path(found).absolute()
+    links = []
+    for name in ("c++", "g++"):
+        found = shutil.which(name)
+        if found and compiler_behind(Path(found).absolute()) is not None:
+            return Path(found).absolute()
+        links += [Path(found).absolute()] if found else []
+    if links:
+        raise _no_compiler_behind(links[0], f"{links[0].name} on PATH")
+    raise RuntimeError("No C++ compiler found (c++ or g++ on PATH). The torch binding needs one (nvcc needs it as its "
+                       "host compiler too): install g++ or set CXX.")
 
 
 # Compiler launchers whose masquerade directories (/usr/lib/ccache: c++ -> ccache) put them first on PATH.
-_LAUNCHERS = ("ccache", "sccache")
+_LAUNCHERS = ("ccache", "sccache", "distcc", "icecc")
 
 
-def _past_launcher(found: Path, explicit: str | None) -> Path:
-    """The compiler a launcher's masquerade link runs (/usr/lib/ccache/c++ -> ccache runs the next c++ on PATH that is
-    not a launcher): that one builds the binding and is the build's identity (toolchain_digest), not the launcher's
-    binary, so a compiler upgrade rebuilds it. Any other path as it is."""
-    launcher = found.resolve().name
-    if launcher not in _LAUNCHERS:
-        return found
+def _target_name(path: Path | str) -> str:
+    return os.path.basename(os.path.realpath(path))  # (realpath: never raises, a link loop included)
+
+
+def compiler_behind(path: Path) -> Path | None:
+    """The compiler ``path`` runs: itself, or for a launcher's masquerade link (/usr/lib/ccache/c++ -> ccache, which
+    runs the next c++ on PATH that is not a launcher) that compiler, whose files are the build's identity
+    (toolchain_digest: a compiler upgrade rebuilds); None for a launcher with no compiler behind it, or the launcher
+    itself."""
+    if _target_name(path) not in _LAUNCHERS:
+        return path
+    if path.name in _LAUNCHERS:
+        return None
     for d in os.environ.get("PATH", "").split(os.pathsep):
-        candidate = Path(d or ".").absolute() / found.name
-        if (candidate.is_file() and os.access(candidate, os.X_OK)
-                and candidate.resolve().name not in _LAUNCHERS):
-            return candidate
-    raise RuntimeError(
-        f"{'CXX=' + repr(explicit) if explicit else 'c++ on PATH'} is {found}, a link to {launcher} (its masquerade "
-        f"directory), and no {found.name} on PATH behind it is a compiler: set CXX to the compiler itself (e.g. "
-        f"CXX=/usr/bin/g++), or put its directory on PATH."
-    )
+        candidate = os.path.join(os.path.abspath(d or "."), path.name)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK) and _target_name(candidate) not in _LAUNCHERS:
+            return Path(candidate)
+    return None
+
+
+def _no_compiler_behind(found: Path, shown: str) -> RuntimeError:
+    launcher = _target_name(found)
+    if found.name in _LAUNCHERS:
+        what = f"the compiler launcher {launcher} itself, not a compiler"
+    else:
+        what = (f"a link to the compiler launcher {launcher} (its masquerade directory), and no {found.name} on PATH "
+                f"behind it is a compiler")
+    return RuntimeError(f"{shown} is {found}, {what}: set CXX to the compiler itself (e.g. CXX=/usr/bin/g++).")
 
 
 def _fingerprint(path: Path) -> str:
@@ -520,12 +543,13 @@ COMPILER_ENV = ("NVCC_APPEND_FLAGS", "NVCC_PREPEND_FLAGS", "NVCC_CCBIN", "CPATH"
 
 
 def toolchain_digest(nvcc: Path) -> str:
-    """Identity of an nvcc without running it (the warm path starts no process): path, size and
-    mtime of the nvcc binary (through a wrapper script to the nvcc it runs) and of the toolkit's
-    version.json and a file of each part NVIDIA's wheels update apart (PIP_TOOLKIT_PARTS), and the
-    COMPILER_ENV variables that are set. A new or updated toolkit changes it."""
+    """Identity of an nvcc (or of the C++ compiler, alike) without running it (the warm path starts no process):
+    path, size and mtime of the nvcc binary (through a wrapper script to the nvcc it runs; through a launcher's
+    masquerade link to the compiler it runs, compiler_behind) and of the toolkit's version.json and a file of each
+    part NVIDIA's wheels update apart (PIP_TOOLKIT_PARTS), and the COMPILER_ENV variables that are set. A new or
+    updated toolkit changes it."""
     flags = "".join(f"\0{name}={os.environ[name]}" for name in COMPILER_ENV if os.environ.get(name))
-    return _toolchain_digest(_fingerprint(nvcc.resolve()) + flags)
+    return _toolchain_digest(_fingerprint((compiler_behind(nvcc) or nvcc).resolve()) + flags)
 
 
 def ninja_path() -> str:

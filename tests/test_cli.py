@@ -629,21 +629,23 @@ def test_module_state_lists_each_directory_once(tmp_path, monkeypatch):
     assert listed.count(aot) == 1 and listed.count(cache) == 1, listed
 
 
-def fake_build(directory: Path, uri: str, record: dict) -> Path:
+def fake_build(directory: Path, uri: str, record: dict, digest: str = "0" * 16) -> Path:
     """A verified artifact of ``uri`` under a source digest no spec of this checkout has (bytes that match their
     record; not a library)."""
     data = b"not a library"
-    path = directory / f"{uri}_{'0' * 16}_{'0' * 8}.so"
+    path = directory / f"{uri}_{digest}_{'0' * 8}.so"
     path.write_bytes(data)
     path.with_suffix(".json").write_text(json.dumps({"uri": uri, **record, "sha256": hashlib.sha256(data).hexdigest()}))
     return path
 
 
-@pytest.mark.parametrize("recorded", ["another torch", "an older record", "other sources"])
+@pytest.mark.parametrize("recorded", ["another torch", "other build settings", "an older record", "another form",
+                                      "other sources"])
 def test_a_binding_built_for_another_torch_is_named_as_that(tmp_path, monkeypatch, recorded):
     """A torch binding built for another torch (its digest differs) is named as that, with what differs, in `env` and
-    in the error of a call under FLASHINFER_CAKE_DISABLE_JIT (which said 'not prebuilt' as if nothing were there); a
-    record from before records kept the identity, or of the same identity (other sources), says so."""
+    in the error of a call under FLASHINFER_CAKE_DISABLE_JIT (which said 'not prebuilt' as if nothing were there): a
+    short value quoted, a long one (torch's build settings) named; a record from before records kept the identity,
+    one of another form, or of the same identity (other sources) says so. The latest such build is the one named."""
     from flashinfer_cake.jit import core
 
     spec = jit.binding_spec()
@@ -657,14 +659,22 @@ def test_a_binding_built_for_another_torch_is_named_as_that(tmp_path, monkeypatc
     identity = list(spec.identity)
     if recorded == "another torch":
         identity[0] = "2.10.0+cu128"
-    other = fake_build(cache, "torch_binding", {} if recorded == "an older record" else {"identity": identity})
+    elif recorded == "other build settings":
+        identity[4] = "Build settings: " + "x" * 1500
+    record = {"an older record": {}, "another form": {"identity": identity[:3]}}.get(recorded, {"identity": identity})
+    older = fake_build(cache, "torch_binding", {"identity": ["an older one"]}, digest="1" * 16)
+    os.utime(older.with_suffix(".json"), (1, 1))
+    other = fake_build(cache, "torch_binding", record)
     said = {"another torch": f"built for torch 2.10.0+cu128 (this process: {torch.__version__})",
+            "other build settings": "built for other torch's build settings",
             "an older record": "built for another torch or other sources (its record, from an older flashinfer_cake, "
                                "does not say which)",
+            "another form": f"built for another torch or other sources (its record's identity has 3 entries, this "
+                            f"one {len(spec.identity)})",
             "other sources": "built from other sources (another flashinfer_cake's)"}[recorded]
-    assert cli._module_state(spec) == f"not built ({other} is {said}: a first call builds it)"
+    assert cli._module_state(spec) == f"not built ({other} is {said})"
     monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", "1")
-    assert cli._module_state(spec) == f"not built ({other} is {said}: `flashinfer-cake build` builds it)"
+    assert cli._module_state(spec) == f"not built ({other} is {said})"
     with pytest.raises(RuntimeError, match="torch_binding is not prebuilt") as e:
         jit.load(spec)
     assert f"; {other} is {said})" in str(e.value), e.value

@@ -294,6 +294,16 @@ def test_spec_units_must_be_sources():
         dataclasses.replace(SPEC, units="// one unit")
 
 
+def test_spec_identity_names_name_every_entry_and_are_not_its_identity():
+    """identity_names label identity's entries for messages (core.built_for): one per entry, and not part of the
+    spec's equality or digest (a prebuilt module's name does not change with them)."""
+    with pytest.raises(ValueError, match="identity_names must name each of the 2 identity entries, got 1 names"):
+        dataclasses.replace(SPEC, identity=("a", "b"), identity_names=("A",))
+    named = dataclasses.replace(SPEC, identity=("a", "b"), identity_names=("A", "B"))
+    unnamed = dataclasses.replace(SPEC, identity=("a", "b"))
+    assert named == unnamed and named.digest == unnamed.digest
+
+
 def test_nvcc_flags():
     flags = SPEC.cflags
     assert "-gencode=arch=compute_90a,code=sm_90a" in flags
@@ -1137,34 +1147,44 @@ def test_cxx_is_one_compiler_a_launcher_in_it_is_refused_saying_what_cxx_takes(m
 
 
 @pytest.mark.parametrize("how", ["path", "cxx"])
-def test_a_launchers_masquerade_link_is_followed_to_the_compiler_it_runs(monkeypatch, tmp_path, how):
-    """/usr/lib/ccache first on PATH makes c++ a link to ccache: the binding's compiler (and the build's identity,
-    toolchain_digest) is the c++ ccache runs, the next one on PATH that is not a launcher, so upgrading the compiler
-    rebuilds the binding; with no compiler behind the link the error names the link, the launcher and the fix."""
-    masq, real, empty = tmp_path / "ccache-bin", tmp_path / "bin", tmp_path / "empty"
-    for d in (masq, real, empty):
+def test_a_launchers_masquerade_link_builds_with_the_identity_of_the_compiler_it_runs(monkeypatch, tmp_path, how):
+    """/usr/lib/ccache first on PATH makes c++ a link to ccache: the binding builds through it (ccache kept), and its
+    build's identity (toolchain_digest) is the c++ ccache runs, the next one on PATH that is not a launcher, so
+    upgrading the compiler rebuilds the binding. With no compiler behind the link (or CXX naming the launcher
+    itself) the error names the link, the launcher and the fix; without CXX, g++ on PATH serves then."""
+    masq, masq2, real, other = (tmp_path / d for d in ("ccache-bin", "sccache-bin", "bin", "other"))
+    for d in (masq, masq2, real, other):
         d.mkdir()
     launcher = tmp_path / "ccache"
-    for exe in (launcher, real / "c++"):
+    for exe in (launcher, real / "c++", other / "g++"):
         exe.write_text("#!/bin/sh\n")
         exe.chmod(0o755)
     (masq / "c++").symlink_to(launcher)
-    (real / "ccache").symlink_to(launcher)  # a launcher under the compiler's name elsewhere is skipped too
+    (masq2 / "c++").symlink_to(launcher)  # a second masquerade link ahead of the compiler: skipped too
     monkeypatch.delenv("CXX", raising=False)
     if how == "cxx":
         monkeypatch.setenv("CXX", str(masq / "c++"))
-    monkeypatch.setenv("PATH", os.pathsep.join(map(str, [masq, real])))
-    assert env.cxx_path() == real / "c++"
+    monkeypatch.setenv("PATH", os.pathsep.join(map(str, [masq, masq2, masq, real])))
+    assert env.cxx_path() == masq / "c++"  # the build runs through the launcher
+    assert env.compiler_behind(masq / "c++") == real / "c++"
     before = env.toolchain_digest(env.cxx_path())
+    assert before == env.toolchain_digest(real / "c++")
     (real / "c++").write_text("#!/bin/sh\n# an upgraded compiler\n")
     assert env.toolchain_digest(env.cxx_path()) != before  # (the launcher's own binary did not change)
-    monkeypatch.setenv("PATH", os.pathsep.join(map(str, [masq, empty])))
+    monkeypatch.setenv("PATH", os.pathsep.join(map(str, [masq, masq2])))
     with pytest.raises(RuntimeError) as e:
         env.cxx_path()
     message = str(e.value)
     shown = f"CXX={str(masq / 'c++')!r}" if how == "cxx" else "c++ on PATH"
-    assert f"{shown} is {masq / 'c++'}, a link to ccache" in message and "set CXX to the compiler itself" in message, \
-        message
+    assert f"{shown} is {masq / 'c++'}, a link to the compiler launcher ccache" in message, message
+    assert "set CXX to the compiler itself" in message, message
+    monkeypatch.setenv("PATH", os.pathsep.join(map(str, [masq, other])))
+    if how == "path":
+        assert env.cxx_path() == other / "g++"
+    else:
+        monkeypatch.setenv("CXX", str(launcher))
+        with pytest.raises(RuntimeError, match=f"is {re.escape(str(launcher))}, the compiler launcher ccache itself"):
+            env.cxx_path()
 
 
 @pytest.mark.parametrize("kind", ["missing", "not-executable"])
