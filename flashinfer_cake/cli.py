@@ -111,6 +111,15 @@ def _wheel_trees(nvcc) -> str:
     return " | ".join(states) or "none"
 
 
+def _cxx_line() -> str:
+    """The binding's compiler and its version; through a launcher's masquerade link, the compiler it runs (what names
+    the build) and the link."""
+    cxx = env.cxx_path()
+    behind = env.compiler_behind(cxx)
+    via = "" if behind == cxx else f", through {cxx} ({os.path.basename(os.path.realpath(cxx))})"
+    return f"{behind} ({compiler_version(cxx)}){via}  (CXX)"
+
+
 def _module_state(spec) -> str:
     """The build a first call opens, else whether another toolchain's is all there is (it compiles), else whether a
     build of its uri for another identity or other sources is (e.g. a binding prebuilt for another torch)."""
@@ -133,7 +142,7 @@ def cmd_env(args) -> int:
     _line("gpus", _cuda_devices, problems)
     _line("nvcc", lambda: _no_nvcc_line() if nvcc is None else _nvcc_line(nvcc), problems)
     _line("cuda wheels", lambda: _wheel_trees(nvcc), problems)
-    _line("c++", lambda: f"{env.cxx_path()} ({compiler_version(env.cxx_path())})  (CXX)", problems)
+    _line("c++", _cxx_line, problems)
     _line("arch list", lambda: f"{' '.join(env.arch_list())}  (FLASHINFER_CAKE_CUDA_ARCH_LIST)", problems)
     _line("cache dir", _cache_line, problems)
     _line("aot dirs", _aot_line, problems)

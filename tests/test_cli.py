@@ -629,6 +629,26 @@ def test_module_state_lists_each_directory_once(tmp_path, monkeypatch):
     assert listed.count(aot) == 1 and listed.count(cache) == 1, listed
 
 
+def test_env_names_the_compiler_behind_a_launchers_masquerade_link(tmp_path, monkeypatch):
+    """`env`'s c++ line: through /usr/lib/ccache/c++ (a link to ccache), the compiler ccache runs, which names the
+    binding's build, then the link it builds through."""
+    masq, real = tmp_path / "ccache-bin", tmp_path / "bin"
+    for d in (masq, real):
+        d.mkdir()
+    launcher = tmp_path / "ccache"
+    launcher.write_text("#!/bin/sh\nexec \"$@\"\n")  # (run as c++ --version it runs `--version`: exit 127)
+    (real / "c++").write_text("#!/bin/sh\necho 'c++ (Fake) 14.2.0'\n")
+    for exe in (launcher, real / "c++"):
+        exe.chmod(0o755)
+    (masq / "c++").symlink_to(launcher)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", os.pathsep.join(map(str, [masq, real])))
+    line = cli._cxx_line()
+    assert line.startswith(f"{real / 'c++'} (") and line.endswith(f", through {masq / 'c++'} (ccache)  (CXX)"), line
+    monkeypatch.setenv("PATH", str(real))
+    assert cli._cxx_line() == f"{real / 'c++'} (c++ (Fake) 14.2.0)  (CXX)"
+
+
 def fake_build(directory: Path, uri: str, record: dict, digest: str = "0" * 16) -> Path:
     """A verified artifact of ``uri`` under a source digest no spec of this checkout has (bytes that match their
     record; not a library)."""
