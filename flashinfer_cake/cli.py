@@ -146,7 +146,7 @@ def cmd_env(args) -> int:
     _line("arch list", lambda: f"{' '.join(env.arch_list())}  (FLASHINFER_CAKE_CUDA_ARCH_LIST)", problems)
     _line("cache dir", _cache_line, problems)
     _line("aot dirs", _aot_line, problems)
-    _line("jit", f"{'disabled' if env.jit_disabled() else 'enabled'}  (FLASHINFER_CAKE_DISABLE_JIT)", problems)
+    _line("jit", lambda: f"{'disabled' if env.jit_disabled() else 'enabled'}  (FLASHINFER_CAKE_DISABLE_JIT)", problems)
     if problems:
         print("modules          not listed (see the errors above)")
     else:

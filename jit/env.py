@@ -60,7 +60,16 @@ def include_dir() -> Path:
 
 
 def jit_disabled() -> bool:
-    return os.environ.get("FLASHINFER_CAKE_DISABLE_JIT", "") not in ("", "0")
+    """FLASHINFER_CAKE_DISABLE_JIT: 1, true, yes or on disable the JIT; unset, empty, 0, false, no or off do not (any
+    case, spaces around ignored); any other value is an error, not a guess (`false` disabled it until 2026-12-06)."""
+    value = os.environ.get("FLASHINFER_CAKE_DISABLE_JIT", "")
+    word = value.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"FLASHINFER_CAKE_DISABLE_JIT must be 1, true, yes or on (calls never compile) or 0, false, no, "
+                     f"off or empty (they build what is missing), got {value!r}")
 
 
 def max_jobs() -> int:
@@ -436,7 +445,7 @@ def cxx_path() -> Path:
     itself): a launcher or flags in it would run a compiler the build's identity (toolchain_digest) does not name. A
     launcher's masquerade link (/usr/lib/ccache/c++) builds through the launcher, and the build's identity is the
     compiler it runs (compiler_behind)."""
-    explicit = os.environ.get("CXX")
+    explicit = os.environ.get("CXX", "").strip()
     if explicit:
         found = shutil.which(explicit)
         words = explicit.split()
@@ -449,8 +458,8 @@ def cxx_path() -> Path:
                 f"unset it (c++ on PATH)."
             )
         if not found:
-            raise RuntimeError(f"CXX={explicit!r} is not an executable. The torch binding needs one (nvcc needs it as "
-                               f"its host compiler too): install g++ or set CXX.")
+            raise RuntimeError(f"CXX={explicit!r} is not an executable (a name on PATH or a path): set it to the C++ "
+                               f"compiler of the torch binding, or unset it (c++ or g++ on PATH).")
         if compiler_behind(Path(found).absolute()) is None:
             raise _no_compiler_behind(Path(found).absolute(), f"CXX={explicit!r}")
         return Path(found).absolute()
@@ -462,8 +471,8 @@ def cxx_path() -> Path:
         links += [Path(found).absolute()] if found else []
     if links:
         raise _no_compiler_behind(links[0], f"{links[0].name} on PATH")
-    raise RuntimeError("No C++ compiler found (c++ or g++ on PATH). The torch binding needs one (nvcc needs it as its "
-                       "host compiler too): install g++ or set CXX.")
+    raise RuntimeError("No C++ compiler found (c++ or g++ on PATH). The torch binding needs one (and nvcc a host "
+                       "compiler, which it finds on PATH): install g++, or set CXX to a C++ compiler.")
 
 
 # Compiler launchers whose masquerade directories (/usr/lib/ccache: c++ -> ccache) put them first on PATH.

@@ -358,6 +358,37 @@ def test_max_jobs_invalid(monkeypatch, value):
         env.max_jobs()
 
 
+@pytest.mark.parametrize("value, disabled", [(None, False), ("", False), ("0", False), ("false", False), (" Off ", False),
+                                             ("no", False), ("1", True), ("true", True), ("YES", True), ("on", True)])
+def test_disable_jit_reads_the_usual_words(monkeypatch, value, disabled):
+    """FLASHINFER_CAKE_DISABLE_JIT=false leaves the JIT on (it disabled it: any value but empty and 0 did)."""
+    if value is None:
+        monkeypatch.delenv("FLASHINFER_CAKE_DISABLE_JIT", raising=False)
+    else:
+        monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", value)
+    assert env.jit_disabled() is disabled
+
+
+@pytest.mark.parametrize("value", ["00", "2", "disable", "y"])
+def test_disable_jit_refuses_another_value(monkeypatch, value, capsys):
+    """Any other value is an error naming the variable, the accepted words and the value, from a call and in `env`'s
+    line (whose other lines still print)."""
+    monkeypatch.setenv("FLASHINFER_CAKE_DISABLE_JIT", value)
+    expected = (f"FLASHINFER_CAKE_DISABLE_JIT must be 1, true, yes or on (calls never compile) or 0, false, no, off "
+                f"or empty (they build what is missing), got {value!r}")
+    with pytest.raises(ValueError) as e:
+        env.jit_disabled()
+    assert str(e.value) == expected
+    with pytest.raises(ValueError, match="FLASHINFER_CAKE_DISABLE_JIT must be"):
+        jit.load(SPEC)
+    from flashinfer_cake import cli
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    assert cli.main(["env"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(rf"^jit\s+ERROR: {re.escape(expected)}$", out, re.M), out
+    assert re.search(r"^modules\s+not listed \(see the errors above\)$", out, re.M), out
+
+
 @pytest.mark.parametrize("value", [None, "9.0a", "9.0", "sm_90a", "sm_90", "90a", "9.0a, 9.0;sm_90a"])
 def test_arch_list_accepted(monkeypatch, value):
     if value is not None:
@@ -1144,6 +1175,29 @@ def test_cxx_is_one_compiler_a_launcher_in_it_is_refused_saying_what_cxx_takes(m
     spaced.chmod(0o755)
     monkeypatch.setenv("CXX", str(spaced))
     assert env.cxx_path() == spaced
+
+
+def test_cxx_that_is_not_a_compiler_says_to_fix_or_unset_it(monkeypatch, tmp_path):
+    """CXX naming nothing says to set it to the compiler or unset it (it said "install g++ or set CXX" to a user who
+    had both); spaces around a name are not part of it; no compiler at all says to install one."""
+    cc = tmp_path / "bin" / "c++"
+    cc.parent.mkdir()
+    cc.write_text("#!/bin/sh\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("PATH", str(cc.parent))
+    monkeypatch.setenv("CXX", "nosuchcc")
+    with pytest.raises(RuntimeError) as e:
+        env.cxx_path()
+    assert str(e.value) == ("CXX='nosuchcc' is not an executable (a name on PATH or a path): set it to the C++ compiler "
+                            "of the torch binding, or unset it (c++ or g++ on PATH).")
+    monkeypatch.setenv("CXX", "  c++ ")
+    assert env.cxx_path() == cc
+    monkeypatch.setenv("CXX", " ")
+    assert env.cxx_path() == cc  # (blank: unset)
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match=r"^No C\+\+ compiler found \(c\+\+ or g\+\+ on PATH\)\..*install g\+\+"):
+        env.cxx_path()
 
 
 @pytest.mark.parametrize("how", ["path", "cxx"])
