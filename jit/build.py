@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -214,6 +215,28 @@ def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs:
 
 
 _BUILT = re.compile(r"^\[\d+/\d+\] build (\S+)\.so$")
+_STEP = re.compile(r"^\[\d+/\d+\] ")
+# ptxas --resource-usage's report (kept in build.log: registers and spills per kernel), hundreds of lines a build
+_PTXAS_REPORT = re.compile(r"^(ptxas info\s*:|\s+\d+ bytes stack frame)")
+# ninja's status when it is interrupted (SIGINT: Ctrl-C reaches its process group) or killed by a signal
+_INTERRUPTED = (130, 143, -signal.SIGINT, -signal.SIGTERM)
+
+
+def failure_excerpt(log: str, limit: int = 80) -> str:
+    """What a failed build's log says about the failure: each FAILED step of ninja with the command and output under
+    it, else the log's last 20 lines; ptxas's resource report left out; at most ``limit`` lines."""
+    lines = [line for line in log.splitlines() if not _PTXAS_REPORT.match(line)]
+    keep = []
+    for i, line in enumerate(lines):
+        if line.startswith("FAILED: "):
+            j = i + 1
+            while j < len(lines) and not _STEP.match(lines[j]) and not lines[j].startswith(("FAILED: ", "ninja: ")):
+                j += 1
+            keep += lines[i:j]
+    keep = keep or lines[-20:]
+    if len(keep) > limit:
+        keep = keep[:limit] + [f"... ({len(keep) - limit} more lines)"]
+    return "\n".join(keep)
 
 
 def run_ninja(build_dir: Path, what: str, *, jobs: int | None = None,
@@ -235,10 +258,12 @@ def run_ninja(build_dir: Path, what: str, *, jobs: int | None = None,
     returncode = proc.wait()
     log = "".join(lines)
     (build_dir / "build.log").write_text(log)
+    if returncode in _INTERRUPTED:
+        raise RuntimeError(f"flashinfer_cake: building {what} was interrupted (ninja exit {returncode}); nothing of "
+                           f"it was published (its output: {build_dir / 'build.log'})")
     if returncode != 0:
-        raise RuntimeError(
-            f"flashinfer_cake: building {what} failed (ninja exit {returncode}, log {build_dir / 'build.log'}):\n{log}"
-        )
+        raise RuntimeError(f"flashinfer_cake: building {what} failed (ninja exit {returncode}; the whole output: "
+                           f"{build_dir / 'build.log'}):\n{failure_excerpt(log)}")
     return time.perf_counter() - start
 
 

@@ -1338,6 +1338,45 @@ def test_a_python_without_its_headers_is_named_before_the_binding_builds(tmp_pat
     assert not (tmp_path / "out" / "build" / "prebuild" / "build.log").exists(), str(e.value)
 
 
+def test_a_failed_builds_message_is_its_failed_steps_without_ptxas_report():
+    """A failed build's error shows ninja's FAILED steps with their command and compiler output, not the whole log
+    (a full prebuild's is ~1 900 lines, three quarters ptxas's resource report); without a FAILED step, the last
+    lines; capped, with the count of what is left out."""
+    log = "\n".join(["[1/4] nvcc -c a.cu", "ptxas info    : 0 bytes gmem",
+                     "ptxas info    : Function properties for _Z1kv", "    0 bytes stack frame, 0 bytes spill stores",
+                     "ptxas info    : Used 96 registers", "[2/4] nvcc -c b.cu", "FAILED: b.o", "nvcc -c b.cu -o b.o",
+                     'b.cu(3): error: identifier "x" is undefined', "1 error detected", "[3/4] nvcc -c c.cu",
+                     "ptxas info    : Used 80 registers", "ninja: build stopped: subcommand failed."])
+    assert build.failure_excerpt(log) == ('FAILED: b.o\nnvcc -c b.cu -o b.o\nb.cu(3): error: identifier "x" is '
+                                          'undefined\n1 error detected')
+    assert build.failure_excerpt("ptxas info    : Used 1 registers\nsomething\nninja: error: loading") == \
+        "something\nninja: error: loading"
+    many = "\n".join(["FAILED: b.o", *(f"line {i}" for i in range(100))])
+    excerpt = build.failure_excerpt(many)
+    assert excerpt.splitlines()[-1] == "... (21 more lines)" and len(excerpt.splitlines()) == 81
+
+
+@pytest.mark.parametrize("status", [130, 1])
+def test_an_interrupted_build_says_so_in_one_line(tmp_path, monkeypatch, status):
+    """ninja ended by Ctrl-C (status 130) is 'interrupted', one line, not a failure with its log; another status is a
+    failure with the log's excerpt."""
+    ninja = tmp_path / "ninja"
+    ninja.write_text(f"#!/bin/sh\necho '[1/2] nvcc -c a.cu'\necho 'ninja: build stopped: interrupted by user.'\n"
+                     f"exit {status}\n")
+    ninja.chmod(0o755)
+    monkeypatch.setattr(env, "ninja_path", lambda: str(ninja))
+    with pytest.raises(RuntimeError) as e:
+        build.run_ninja(tmp_path, "a module")
+    log = tmp_path / "build.log"
+    if status == 130:
+        assert str(e.value) == (f"flashinfer_cake: building a module was interrupted (ninja exit 130); nothing of it "
+                                f"was published (its output: {log})")
+    else:
+        assert str(e.value).startswith(f"flashinfer_cake: building a module failed (ninja exit 1; the whole output: "
+                                       f"{log}):\n[1/2] nvcc -c a.cu\n"), e.value
+    assert log.read_text().endswith("interrupted by user.\n")
+
+
 def test_compile_error_carries_compiler_output(tmp_path, monkeypatch):
     broken = 'extern "C" int cake_variant() { return cake_undefined_symbol; }\n'
     with pytest.raises(RuntimeError) as e:
