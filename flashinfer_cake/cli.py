@@ -262,7 +262,8 @@ def cmd_check(args) -> int:
         if env.jit_disabled():
             print(f"{why}, and FLASHINFER_CAKE_DISABLE_JIT is set: nothing to run, nothing built.")
             return cmd_env(args)
-        print(f"{why}: building the modules only, no forward run.")
+        print(f"{why}: building the modules only, no forward run (minutes on a few cores: a line per module, and "
+              f"how far it is each minute between them; FLASHINFER_CAKE_DISABLE_JIT=1 builds nothing).", flush=True)
         return cmd_build(argparse.Namespace(arch=None, out=None, aot=False, jobs=None))
     S, C, docs = 16384, 4096, 16
     g = torch.Generator(device="cuda").manual_seed(0)

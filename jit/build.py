@@ -205,7 +205,9 @@ def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs:
     write_if_different(build_dir / "build.ninja", _ninja_file(items))
     uris = {item.name: item.spec.uri for item in items}
     seconds = run_ninja(build_dir, ", ".join(uris.values()), jobs=jobs, progress=progress and (
-        lambda stem, done, start: progress(f"compiled {uris[stem]} ({done}/{len(items)}, {time.perf_counter() - start:.1f} s)")))
+        lambda stem, done, start: progress(f"compiled {uris[stem]} ({done}/{len(items)}, {time.perf_counter() - start:.1f} s)")),
+        heartbeat=progress and (lambda step, steps, start: progress(
+            f"  compiling: {step} of {steps} steps done ({time.perf_counter() - start:.0f} s)")))
     published = {}
     for item in items:
         record = {"uri": item.spec.uri, "identity": list(item.spec.identity), "compiler": str(item.compiler),
@@ -215,7 +217,7 @@ def build_specs(items: list[BuildItem], out_dir: Path, build_dir: Path, *, jobs:
 
 
 _BUILT = re.compile(r"^\[\d+/\d+\] build (\S+)\.so$")
-_STEP = re.compile(r"^\[\d+/\d+\] ")
+_STEP = re.compile(r"^\[(\d+)/(\d+)\] ")  # a ninja step's line: steps done, steps
 # ptxas --resource-usage's report (kept in build.log: registers and spills per kernel), hundreds of lines a build
 _PTXAS_REPORT = re.compile(r"^(ptxas info\s*:|\s+\d+ bytes stack frame)")
 # ninja's status when it is interrupted (SIGINT: Ctrl-C reaches its process group) or killed by a signal
@@ -239,22 +241,34 @@ def failure_excerpt(log: str, limit: int = 80) -> str:
     return "\n".join(keep)
 
 
+# How often a long build says how far it is between its artifacts (build_specs' progress): the kernel modules link
+# together at the end, after minutes of compiling on a few cores (a prebuild: 278-484 s on 2).
+HEARTBEAT_S = 60.0
+
+
 def run_ninja(build_dir: Path, what: str, *, jobs: int | None = None,
-              progress: Callable[[str, int, float], None] | None = None) -> float:
+              progress: Callable[[str, int, float], None] | None = None,
+              heartbeat: Callable[[int, int, float], None] | None = None) -> float:
     """Run ninja in ``build_dir`` (its build.ninja written); the seconds it took. Keeps the whole
     output in build.log, calls ``progress(stem, artifacts done so far, start time)`` as each
-    artifact is linked, and raises RuntimeError with the compiler's output when the build fails."""
+    artifact is linked and ``heartbeat(steps done, steps, start time)`` as a step ends at least
+    HEARTBEAT_S after the last call of either, and raises RuntimeError with the compiler's output
+    when the build fails."""
     (build_dir / "build.log").unlink(missing_ok=True)  # present again only once ninja has ended
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     cmd = [env.ninja_path(), "-C", str(build_dir), "-j", str(jobs or env.max_jobs())]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, done = [], 0
     for line in proc.stdout:
         lines.append(line)
-        match = _BUILT.match(line.strip())
+        match, step = _BUILT.match(line.strip()), _STEP.match(line)
         if match and progress:
             done += 1
             progress(match.group(1), done, start)
+            last = time.perf_counter()
+        elif step and heartbeat and time.perf_counter() - last >= HEARTBEAT_S:
+            heartbeat(int(step[1]), int(step[2]), start)
+            last = time.perf_counter()
     returncode = proc.wait()
     log = "".join(lines)
     (build_dir / "build.log").write_text(log)

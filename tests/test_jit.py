@@ -1377,6 +1377,21 @@ def test_an_interrupted_build_says_so_in_one_line(tmp_path, monkeypatch, status)
     assert log.read_text().endswith("interrupted by user.\n")
 
 
+def test_a_long_build_says_how_far_it_is_between_its_artifacts(tmp_path, monkeypatch):
+    """Between artifacts (which link at the end of a prebuild, after minutes on a few cores), a step that ends at
+    least HEARTBEAT_S after the last line says how many of the steps are done."""
+    ninja = tmp_path / "ninja"
+    ninja.write_text("#!/bin/sh\nfor i in 1 2 3; do echo \"[$i/4] nvcc -c $i.cu\"; sleep 0.3; done\n"
+                     "echo '[4/4] build m.so'\n")
+    ninja.chmod(0o755)
+    monkeypatch.setattr(env, "ninja_path", lambda: str(ninja))
+    monkeypatch.setattr(build, "HEARTBEAT_S", 0.2)
+    beats, built = [], []
+    build.run_ninja(tmp_path, "m", progress=lambda stem, done, start: built.append((stem, done)),
+                    heartbeat=lambda step, steps, start: beats.append((step, steps)))
+    assert built == [("m", 1)] and (2, 4) in beats and (3, 4) in beats and len(beats) <= 3, (built, beats)
+
+
 def test_compile_error_carries_compiler_output(tmp_path, monkeypatch):
     broken = 'extern "C" int cake_variant() { return cake_undefined_symbol; }\n'
     with pytest.raises(RuntimeError) as e:
