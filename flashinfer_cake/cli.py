@@ -262,8 +262,9 @@ def cmd_check(args) -> int:
         if env.jit_disabled():
             print(f"{why}, and FLASHINFER_CAKE_DISABLE_JIT is set: nothing to run, nothing built.")
             return cmd_env(args)
-        print(f"{why}: building the modules only, no forward run (minutes on a few cores: a line per module, and "
-              f"how far it is each minute between them; FLASHINFER_CAKE_DISABLE_JIT=1 builds nothing).", flush=True)
+        print(f"{why}: building the modules that are not built yet, no forward run (all of them take minutes on a "
+              f"few cores: a line per module, and how far it is each minute between them; "
+              f"FLASHINFER_CAKE_DISABLE_JIT=1 builds nothing).", flush=True)
         return cmd_build(argparse.Namespace(arch=None, out=None, aot=False, jobs=None))
     S, C, docs = 16384, 4096, 16
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -343,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError, OSError) as e:
         print(f"flashinfer-cake: error: {_message(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # (a build's output so far is in its build.log)
+        print("flashinfer-cake: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -221,7 +221,9 @@ _STEP = re.compile(r"^\[(\d+)/(\d+)\] ")  # a ninja step's line: steps done, ste
 # ptxas --resource-usage's report (kept in build.log: registers and spills per kernel), hundreds of lines a build
 _PTXAS_REPORT = re.compile(r"^(ptxas info\s*:|\s+\d+ bytes stack frame)")
 # ninja's status when it is interrupted (SIGINT: Ctrl-C reaches its process group) or killed by a signal
-_INTERRUPTED = (130, 143, -signal.SIGINT, -signal.SIGTERM)
+# (ninja exits 130 on SIGINT, SIGTERM and SIGHUP alike; 143 is a step's own status: a compiler killed, a failure)
+_INTERRUPTED = (130, -signal.SIGINT, -signal.SIGTERM)
+_ERROR = re.compile(r"\berror\b|\bfatal\b", re.IGNORECASE)
 
 
 def failure_excerpt(log: str, limit: int = 80) -> str:
@@ -236,8 +238,9 @@ def failure_excerpt(log: str, limit: int = 80) -> str:
                 j += 1
             keep += lines[i:j]
     keep = keep or lines[-20:]
-    if len(keep) > limit:
-        keep = keep[:limit] + [f"... ({len(keep) - limit} more lines)"]
+    if len(keep) > limit:  # the FAILED lines and the errors first (warnings can fill the limit before them)
+        shown = [line for line in keep if line.startswith("FAILED: ") or _ERROR.search(line)][:limit] or keep[:limit]
+        keep = shown + [f"... ({len(keep) - len(shown)} more lines)"]
     return "\n".join(keep)
 
 
@@ -257,18 +260,29 @@ def run_ninja(build_dir: Path, what: str, *, jobs: int | None = None,
     (build_dir / "build.log").unlink(missing_ok=True)  # present again only once ninja has ended
     start = last = time.perf_counter()
     cmd = [env.ninja_path(), "-C", str(build_dir), "-j", str(jobs or env.max_jobs())]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # (NINJA_STATUS set: the step lines this reads are ninja's default form)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "NINJA_STATUS": "[%f/%t] "})
     lines, done = [], 0
-    for line in proc.stdout:
-        lines.append(line)
-        match, step = _BUILT.match(line.strip()), _STEP.match(line)
-        if match and progress:
-            done += 1
-            progress(match.group(1), done, start)
-            last = time.perf_counter()
-        elif step and heartbeat and time.perf_counter() - last >= HEARTBEAT_S:
-            heartbeat(int(step[1]), int(step[2]), start)
-            last = time.perf_counter()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            match, step = _BUILT.match(line.strip()), _STEP.match(line)
+            if match and progress:
+                done += 1
+                progress(match.group(1), done, start)
+                last = time.perf_counter()
+            elif step and heartbeat and time.perf_counter() - last >= HEARTBEAT_S:
+                heartbeat(int(step[1]), int(step[2]), start)
+                last = time.perf_counter()
+    except KeyboardInterrupt:  # Ctrl-C reached ninja too: its output so far is the log; the interrupt goes on
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        lines.append(proc.stdout.read())  # (what the iteration had buffered included)
+        (build_dir / "build.log").write_text("".join(lines))
+        raise
     returncode = proc.wait()
     log = "".join(lines)
     (build_dir / "build.log").write_text(log)

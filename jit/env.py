@@ -13,8 +13,9 @@ Environment variables:
     FLASHINFER_CAKE_NVCC           the nvcc to build with (else $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc,
                                    NVIDIA's CUDA wheels in this Python environment, PATH, /usr/local/cuda).
     CXX                            the C++ compiler of the torch binding, one executable (else c++ / g++ on PATH).
-    FLASHINFER_CAKE_DISABLE_JIT    ``1``: calls never compile; a module that is not prebuilt is an
-                                   error. Explicit prebuilds (``flashinfer-cake build``) still
+    FLASHINFER_CAKE_DISABLE_JIT    ``1`` (``true``, ``yes``, ``on``): calls never compile; a module that is
+                                   not prebuilt is an error (``0``, ``false``, ``no``, ``off`` or empty: the
+                                   JIT builds it; any other value is an error). Explicit prebuilds (``flashinfer-cake build``) still
                                    compile: that is what they are for.
     MAX_JOBS                       parallel compile jobs for ninja.
 """
@@ -68,8 +69,8 @@ def jit_disabled() -> bool:
         return True
     if word in ("", "0", "false", "no", "off"):
         return False
-    raise ValueError(f"FLASHINFER_CAKE_DISABLE_JIT must be 1, true, yes or on (calls never compile) or 0, false, no, "
-                     f"off or empty (they build what is missing), got {value!r}")
+    raise RuntimeError(f"FLASHINFER_CAKE_DISABLE_JIT must be 1, true, yes or on (calls never compile) or 0, false, "
+                       f"no, off or empty (they build what is missing), got {value!r}")
 
 
 def max_jobs() -> int:
@@ -455,7 +456,7 @@ def cxx_path() -> Path:
                 f"CXX={explicit!r} is a command of {len(words)} words, not one C++ compiler executable, which is what "
                 f"CXX takes (a name on PATH or a path, as torch.utils.cpp_extension takes it; a compiler launcher such "
                 f"as ccache, or flags, cannot go in it: the build's identity is the compiler's): set CXX={compiler}, or "
-                f"unset it (c++ on PATH)."
+                f"unset it (c++ or g++ on PATH)."
             )
         if not found:
             raise RuntimeError(f"CXX={explicit!r} is not an executable (a name on PATH or a path): set it to the C++ "

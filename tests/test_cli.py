@@ -63,7 +63,12 @@ def test_build(built):
     progress = re.findall(r"^compiled (\S+) \((\d)/7, \d+\.\d s\)$", r.stdout, re.M)
     assert sorted(uri for uri, _ in progress) == sorted(URIS) and [n for _, n in progress] == list("1234567"), r.stdout
     assert re.search(rf"^built 7 module\(s\) into {re.escape(str(cache))} in \d+\.\d s$", r.stdout, re.M), r.stdout
-    assert "ptxas" not in r.stdout + r.stderr and len(r.stdout.splitlines()) <= 20, r.stdout
+    # (and, between them, how far the build is: a line a minute at the most)
+    heartbeats = re.findall(r"^  compiling: (\d+) of (\d+) steps done \((\d+) s\)$", r.stdout, re.M)
+    assert all(int(n) < int(m) for n, m, _ in heartbeats), r.stdout
+    assert [int(t) for _, _, t in heartbeats] == sorted(int(t) for _, _, t in heartbeats), r.stdout
+    others = [line for line in r.stdout.splitlines() if not line.startswith("  compiling: ")]
+    assert "ptxas" not in r.stdout + r.stderr and len(others) <= 20, r.stdout
     log = (cache / "build" / "prebuild" / "build.log").read_text()
     assert len(re.findall(r"^ptxas info\s*: Used \d+ registers", log, re.M)) >= 7, log[-2000:]
 
