@@ -116,7 +116,7 @@ def _cxx_line() -> str:
     the build) and the link."""
     cxx = env.cxx_path()
     behind = env.compiler_behind(cxx)
-    via = "" if behind == cxx else f", through {cxx} ({os.path.basename(os.path.realpath(cxx))})"
+    via = "" if behind == cxx else f", through {cxx} ({env.target_name(cxx)})"
     return f"{behind} ({compiler_version(cxx)}){via}  (CXX)"
 
 

@@ -461,15 +461,13 @@ def cxx_path() -> Path:
         if not found:
             raise RuntimeError(f"CXX={explicit!r} is not an executable (a name on PATH or a path): set it to the C++ "
                                f"compiler of the torch binding, or unset it (c++ or g++ on PATH).")
-        if compiler_behind(Path(found).absolute()) is None:
-            raise _no_compiler_behind(Path(found).absolute(), f"CXX={explicit!r}")
-        return Path(found).absolute()
-    links = []
-    for name in ("c++", "g++"):
-        found = shutil.which(name)
-        if found and compiler_behind(Path(found).absolute()) is not None:
-            return Path(found).absolute()
-        links += [Path(found).absolute()] if found else []
+        if compiler_behind(path := Path(found).absolute()) is None:
+            raise _no_compiler_behind(path, f"CXX={explicit!r}")
+        return path
+    links = [Path(found).absolute() for found in (shutil.which("c++"), shutil.which("g++")) if found]
+    for path in links:
+        if compiler_behind(path) is not None:
+            return path
     if links:
         raise _no_compiler_behind(links[0], f"{links[0].name} on PATH")
     raise RuntimeError("No C++ compiler found (c++ or g++ on PATH). The torch binding needs one (and nvcc a host "
@@ -480,8 +478,9 @@ def cxx_path() -> Path:
 _LAUNCHERS = ("ccache", "sccache", "distcc", "icecc")
 
 
-def _target_name(path: Path | str) -> str:
-    return os.path.basename(os.path.realpath(path))  # (realpath: never raises, a link loop included)
+def target_name(path: Path | str) -> str:
+    """The name of the file ``path`` leads to through its links (realpath: never raises, a link loop included)."""
+    return os.path.basename(os.path.realpath(path))
 
 
 def compiler_behind(path: Path) -> Path | None:
@@ -489,19 +488,19 @@ def compiler_behind(path: Path) -> Path | None:
     runs the next c++ on PATH that is not a launcher) that compiler, whose files are the build's identity
     (toolchain_digest: a compiler upgrade rebuilds); None for a launcher with no compiler behind it, or the launcher
     itself."""
-    if _target_name(path) not in _LAUNCHERS:
+    if target_name(path) not in _LAUNCHERS:
         return path
     if path.name in _LAUNCHERS:
         return None
     for d in os.environ.get("PATH", "").split(os.pathsep):
         candidate = os.path.join(os.path.abspath(d or "."), path.name)
-        if os.path.isfile(candidate) and os.access(candidate, os.X_OK) and _target_name(candidate) not in _LAUNCHERS:
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK) and target_name(candidate) not in _LAUNCHERS:
             return Path(candidate)
     return None
 
 
 def _no_compiler_behind(found: Path, shown: str) -> RuntimeError:
-    launcher = _target_name(found)
+    launcher = target_name(found)
     if found.name in _LAUNCHERS:
         what = f"the compiler launcher {launcher} itself, not a compiler"
     else:
