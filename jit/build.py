@@ -66,6 +66,9 @@ def hold_lock(out_dir: Path, name: str, what: str):
         try:
             lock.acquire(timeout=0.5)
         except filelock.Timeout:
+            # Held by another process, or a file this one cannot open (a directory like /proc/self, another user's
+            # lock), which filelock retries for ever: the second is the OSError below.
+            os.close(os.open(lock.lock_file, os.O_RDWR | os.O_CREAT, 0o644))
             notice(f"flashinfer_cake: waiting for another process to finish building {what} (lock {lock.lock_file})")
             lock.acquire()
     except OSError as e:
@@ -129,16 +132,21 @@ def _ninja_file(items: list[BuildItem]) -> str:
 
 def compiler_version(compiler: Path) -> str:
     """The compiler's version line (runs it: cold path only)."""
-    out = subprocess.run([str(compiler), "--version"], capture_output=True, text=True, check=False)
+    out = subprocess.run([str(compiler), "--version"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                         check=False)
     lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
     return next((line for line in lines if "release" in line), lines[0] if lines else f"error: {out.stderr.strip()}")
 
 
 def check_nvcc_release(nvcc: Path, version: str) -> None:
-    """Refuse an nvcc older than the kernels need (its version line, compiler_version's) before it fails
-    mid-build on a flag it does not know; a line without a release lets the build speak."""
+    """Refuse, by its version line (compiler_version's), what is not CUDA's nvcc (FLASHINFER_CAKE_NVCC=/usr/bin/gcc,
+    which would fail mid-build on nvcc's flags) and an nvcc older than the kernels need (a flag it does not know)."""
     found = re.search(r"release (\d+)\.(\d+)", version)
-    if found and (int(found[1]), int(found[2])) < env.MIN_NVCC_RELEASE:
+    if not found:
+        raise RuntimeError(f"flashinfer_cake: {nvcc} is not CUDA's nvcc: `{nvcc.name} --version` says {version!r}, "
+                           f"with no 'release X.Y'; FLASHINFER_CAKE_NVCC, CUDA_HOME / CUDA_PATH, NVIDIA's CUDA wheels "
+                           f"or PATH (the search order) must lead to nvcc {env.MIN_NVCC} or newer.")
+    if (int(found[1]), int(found[2])) < env.MIN_NVCC_RELEASE:
         raise RuntimeError(f"flashinfer_cake: {nvcc} is CUDA {found[1]}.{found[2]} ({version}); the kernels need nvcc "
                            f"{env.MIN_NVCC} or newer (their build flags): {env.other_nvcc_hint(nvcc)}.")
 

@@ -1241,6 +1241,28 @@ def test_a_launchers_masquerade_link_builds_with_the_identity_of_the_compiler_it
             env.cxx_path()
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc")
+def test_a_lock_file_that_cannot_be_opened_is_an_error_not_a_wait():
+    """filelock retries a lock file it cannot open for ever (a directory like /proc/self, where even root makes no
+    file): hold_lock says it cannot build there."""
+    with pytest.raises(RuntimeError, match=r"cannot build in /proc/self: No such file or directory \(/proc/self/x.lock\)"):
+        with build.hold_lock(Path("/proc/self"), "x", "x"):
+            pass
+
+
+def test_a_program_that_is_not_nvcc_is_refused_before_the_build(tmp_path, monkeypatch):
+    """FLASHINFER_CAKE_NVCC=/usr/bin/gcc (or any program whose --version has no CUDA release) would fail mid-build on
+    nvcc's flags: refused first, saying what it printed."""
+    gcc = tmp_path / "gcc"
+    gcc.write_text("#!/bin/sh\necho 'gcc (Ubuntu 13.2.0-23ubuntu4) 13.2.0'\n")
+    gcc.chmod(0o755)
+    monkeypatch.setenv("FLASHINFER_CAKE_NVCC", str(gcc))
+    with pytest.raises(RuntimeError, match=re.escape(f"{gcc} is not CUDA's nvcc: `gcc --version` says 'gcc (Ubuntu "
+                                                     f"13.2.0-23ubuntu4) 13.2.0', with no 'release X.Y'")):
+        jit.load(SPEC)
+    assert published(tmp_path / "cache") == []
+
+
 @pytest.mark.parametrize("kind", ["missing", "not-executable"])
 def test_no_nvcc(tmp_path, monkeypatch, kind):
     nvcc = tmp_path / "nvcc"
@@ -1257,7 +1279,8 @@ def test_no_nvcc(tmp_path, monkeypatch, kind):
 def test_nvcc_that_cannot_target_the_arch(tmp_path, monkeypatch):
     fatal = "nvcc fatal   : Unsupported gpu architecture 'compute_90a'"
     nvcc = tmp_path / "nvcc"
-    nvcc.write_text(f"#!/bin/sh\necho \"{fatal}\" >&2\nexit 1\n")
+    nvcc.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && echo 'Cuda compilation tools, release 13.0, V13.0.88' "
+                    f"&& exit 0\necho \"{fatal}\" >&2\nexit 1\n")
     nvcc.chmod(0o755)
     monkeypatch.setenv("FLASHINFER_CAKE_NVCC", str(nvcc))
     with pytest.raises(RuntimeError, match=re.escape(fatal)) as e:
