@@ -1,19 +1,6 @@
-"""The ``flashinfer-cake`` command (also ``python -m flashinfer_cake``).
-
-    flashinfer-cake            build what this machine needs, run the forward once on a typical
-                               training shape, check it against the reference, print GB/s
-                               (without a GPU: say so, build the variants, exit 0)
-    flashinfer-cake env        versions, nvcc, arch list, directories, which modules are built
-                               (always finishes: a problem is reported on its line)
-    flashinfer-cake build      prebuild every variant and the torch binding (into the JIT cache,
-                               --out DIR, or --aot: the installed package's own aot/)
-    flashinfer-cake clear-cache
-
-Under FLASHINFER_CAKE_DISABLE_JIT=1 the default action compiles nothing (it runs on prebuilt
-modules, or says which are missing); ``build`` still compiles: prebuilding is what it is for.
-Errors are one line on stderr and exit status 1 (a usage error, e.g. an unknown subcommand or a
-bad option value: argparse's usage line and status 2).
-"""
+"""The ``flashinfer-cake`` command (also ``python -m flashinfer_cake``): check this machine, prebuild the kernel
+modules, list them, clear the JIT cache. ``flashinfer-cake --help`` and ``flashinfer-cake <command> --help`` say
+what each does (the texts below)."""
 
 from __future__ import annotations
 
@@ -33,13 +20,44 @@ from . import __version__, jit
 from .jit import env
 from .jit.build import check_nvcc_release, compiler_version, hold_lock
 from .jit.core import is_build_name
+from .jit.variant import BIAS_DTYPES, WEIGHT_DTYPES
 
 
-def _specs(archs: list[str] | None) -> list[jit.JitSpec]:
-    """Every variant for ``archs`` (default: the arch list), then the torch binding."""
-    # (each arch once: a repeated one, e.g. "--arch sm_90a --arch 9.0a", would take its lock twice)
-    archs = list(dict.fromkeys(env.normalize_arch(a, "--arch") for a in archs)) if archs else env.arch_list()
-    return [*jit.all_variants(archs), jit.binding_spec()]
+DESCRIPTION = """\
+Without a command: build what this machine needs, run the forward once on a typical training shape, check it
+against the FP64 reference and print GB/s. Without a GPU: say so, build the modules that are not built yet, exit 0.
+
+Under FLASHINFER_CAKE_DISABLE_JIT=1 the default action compiles nothing (it runs on prebuilt modules, or says which
+are missing); `build` still compiles: prebuilding is what it is for. Errors are one line on stderr and exit status 1;
+a usage error (an unknown command, a bad option value) is argparse's usage line and status 2; Ctrl-C is status 130.
+"""
+
+ENV_DESCRIPTION = """\
+Print the versions (flashinfer_cake, python, torch), the GPUs, the nvcc and C++ compiler a build would use, NVIDIA's
+CUDA wheels, the arch list, the cache and prebuilt directories, and for every module the build a first call opens.
+Always finishes: a problem is reported on its line, then exit status 1 with the first one on stderr.
+"""
+
+BUILD_DESCRIPTION = """\
+Prebuild the kernel modules (one per weight dtype, bias dtype and arch) and the torch binding in one parallel ninja
+run: into the JIT cache (FLASHINFER_CAKE_CACHE_DIR), --out DIR (then export FLASHINFER_CAKE_AOT_DIR=DIR), or --aot
+(the installed package's own aot/, found with no variable). A call needs the variant of its weight's dtype and its
+bias's (none for no bias); --weight / --bias prebuild only those. One line per module as it links, and how far the
+build is each minute between them; a failed build prints the compiler's errors (the whole log is in build.log).
+"""
+
+CLEAR_CACHE_DESCRIPTION = """\
+Delete the JIT cache's builds, after any running build: the lock files stay (a build may be waiting on one), and so
+does anything in the directory that is not flashinfer_cake's (FLASHINFER_CAKE_CACHE_DIR may be a shared directory).
+"""
+
+
+def _specs(archs: list[str] | None, weights: list[str] | None = None, biases: list[str] | None = None) -> list[jit.JitSpec]:
+    """The variants of ``archs`` (default: the arch list), ``weights`` and ``biases`` (default: all), then the torch
+    binding. Each value once: a repeated arch, e.g. "--arch sm_90a --arch 9.0a", would take its lock twice."""
+    archs = list(dict.fromkeys(archs)) if archs else env.arch_list()
+    return [*jit.all_variants(archs, *(tuple(dict.fromkeys(v)) if v else all_ for v, all_ in
+                                      ((weights, WEIGHT_DTYPES), (biases, BIAS_DTYPES)))), jit.binding_spec()]
 
 
 def _line(label: str, value, problems: list[str], width: int = 16) -> None:
@@ -161,7 +179,7 @@ def cmd_env(args) -> int:
 def cmd_build(args) -> int:
     out = env.PACKAGE_AOT_DIR if args.aot else args.out
     start = time.perf_counter()
-    built = jit.prebuild(_specs(args.arch), out, jobs=args.jobs, progress=lambda line: print(line, flush=True))
+    built = jit.prebuild(_specs(args.arch, args.weight, args.bias), out, jobs=args.jobs, progress=lambda line: print(line, flush=True))
     for spec, path in built.items():
         print(f"{spec.uri:44s} {path}")
     where = next(iter(built.values())).parent
@@ -265,7 +283,7 @@ def cmd_check(args) -> int:
         print(f"{why}: building the modules that are not built yet, no forward run (all of them take minutes on a "
               f"few cores: a line per module, and how far it is each minute between them; "
               f"FLASHINFER_CAKE_DISABLE_JIT=1 builds nothing).", flush=True)
-        return cmd_build(argparse.Namespace(arch=None, out=None, aot=False, jobs=None))
+        return cmd_build(argparse.Namespace(arch=None, weight=None, bias=None, out=None, aot=False, jobs=None))
     S, C, docs = 16384, 4096, 16
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -302,6 +320,13 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _arch(text: str) -> str:
+    try:
+        return env.normalize_arch(text, "--arch")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--arch: ")) from None
+
+
 def _stdout_closed() -> bool:
     """Whether stdout is a pipe whose reader has gone (poll's POLLERR on its write end)."""
     try:
@@ -313,18 +338,27 @@ def _stdout_closed() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashinfer-cake", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("env", help="versions, compilers, arch list, directories, built modules")
-    build = sub.add_parser("build", help="prebuild every variant and the torch binding")
-    build.add_argument("--arch", action="append", help="arch to build, e.g. sm_90a (default: the arch list)")
+    text = dict(formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="flashinfer-cake", description=DESCRIPTION, **text)
+    sub = parser.add_subparsers(dest="command", title="commands")
+    sub.add_parser("env", help="versions, compilers, arch list, directories, built modules", description=ENV_DESCRIPTION,
+                   **text)
+    build = sub.add_parser("build", help="prebuild the variants and the torch binding", description=BUILD_DESCRIPTION,
+                           **text)
+    build.add_argument("--arch", action="append", type=_arch,
+                       help="arch to build, e.g. sm_90a or 9.0a (repeatable; default: FLASHINFER_CAKE_CUDA_ARCH_LIST, "
+                            "else sm_90a)")
+    build.add_argument("--weight", action="append", choices=WEIGHT_DTYPES,
+                       help="only the variants of this weight dtype (repeatable; default: all)")
+    build.add_argument("--bias", action="append", choices=BIAS_DTYPES,
+                       help="only the variants of this bias dtype, none for no bias (repeatable; default: all)")
     where = build.add_mutually_exclusive_group()
-    where.add_argument("--out", help="output directory (default: the JIT cache)")
+    where.add_argument("--out", metavar="DIR", help="output directory (default: the JIT cache)")
     where.add_argument("--aot", action="store_true", help=f"into the installed package's aot/ ({env.PACKAGE_AOT_DIR})")
     build.add_argument("-j", "--jobs", type=_positive_int,
-                       help="parallel compile jobs (default: MAX_JOBS or all cores)")
-    sub.add_parser("clear-cache", help="delete the JIT cache's builds (its lock files stay), after any running build")
+                       help="parallel compile jobs (default: MAX_JOBS, else all cores)")
+    sub.add_parser("clear-cache", help="delete the JIT cache's builds, after any running build",
+                   description=CLEAR_CACHE_DESCRIPTION, **text)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     handler = {"env": cmd_env, "build": cmd_build, "clear-cache": cmd_clear_cache, None: cmd_check}[args.command]

@@ -370,11 +370,62 @@ def test_clear_cache_of_a_missing_directory_creates_nothing(tmp_path):
     assert not (tmp_path / "mistyped").exists()
 
 
-@pytest.mark.parametrize("jobs", ["0", "-1", "two"])
-def test_bad_jobs_is_a_usage_error(jobs, tmp_path):
-    r = flashinfer_cake("build", "-j", jobs, cache=tmp_path / "cache", cwd=tmp_path)
-    assert r.returncode == 2 and "-j/--jobs: must be a positive integer" in r.stderr, (r.returncode, r.stderr)
+@pytest.mark.parametrize("argv, message", [
+    *((["-j", jobs], "-j/--jobs: must be a positive integer") for jobs in ("0", "-1", "two")),
+    (["--arch", "8.0"], "argument --arch: unsupported arch '8.0'; supported: "),
+    (["--arch", "sm_90a", "--arch", "sm_80"], "argument --arch: unsupported arch 'sm_80'"),
+    (["--weight", "fp16"], "argument --weight: invalid choice: 'fp16'"),
+    (["--bias", "bf16", "--bias", "None"], "argument --bias: invalid choice: 'None'"),
+])
+def test_bad_option_values_are_usage_errors(argv, message, tmp_path):
+    r = flashinfer_cake("build", *argv, cache=tmp_path / "cache", cwd=tmp_path)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.startswith("usage: "), (r.returncode, r.stderr)
     assert not (tmp_path / "cache").exists()  # nothing built
+
+
+@pytest.mark.parametrize("argv, uris", [
+    (["--arch", "sm_90a", "--arch", "9.0a"], URIS),  # one arch: its specs once (each would take its lock twice)
+    (["--weight", "bf16", "--bias", "none"], ["causal_conv1d_w_bf16_b_none_sm_90a", "torch_binding"]),
+    (["--bias", "fp32", "--bias", "none", "--bias", "fp32"],
+     [f"causal_conv1d_w_{w}_b_{b}_sm_90a" for w in ("fp32", "bf16") for b in ("fp32", "none")] + ["torch_binding"]),
+], ids=["arch-twice", "one-variant", "two-biases"])
+def test_build_selects_archs_and_variants(argv, uris, tmp_path, monkeypatch, capsys):
+    """`build` prebuilds the variants its options select (each once), and always the torch binding (every call's)."""
+    for var in ISOLATED_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(logging, "basicConfig", lambda **k: None)
+    asked = []
+    monkeypatch.setattr(cli.jit, "prebuild", lambda specs, out, **k: asked.append([s.uri for s in specs]) or
+                        {s: tmp_path / "cache" / f"{s.uri}.so" for s in specs})
+    assert cli.main(["build", *argv]) == 0
+    assert asked == [uris]
+    assert f"all {len(uris)} modules are in {tmp_path / 'cache'}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["env", "build", "clear-cache"])
+def test_each_command_has_a_help_page(command, capsys):
+    """`flashinfer-cake <command> --help` says what the command does (its description), not only its usage."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith(f"usage: flashinfer-cake {command}")
+    description = {"env": cli.ENV_DESCRIPTION, "build": cli.BUILD_DESCRIPTION, "clear-cache": cli.CLEAR_CACHE_DESCRIPTION}
+    assert description[command] in out, out
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert cli.DESCRIPTION in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc")
+@pytest.mark.parametrize("command", ["build", "clear-cache"])
+def test_a_cache_dir_that_cannot_hold_a_lock_file_is_an_error_not_a_wait(command, tmp_path):
+    """No file can be made in /proc/self: its lock file cannot be opened, which filelock retries for ever (clear-cache
+    waited on it). It is an error naming the directory, at once."""
+    r = flashinfer_cake(command, cache=Path("/proc/self"), cwd=tmp_path, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("flashinfer-cake: error: ") and "/proc/self" in r.stderr, r.stderr
+    assert "waiting for another process" not in r.stderr, r.stderr
 
 
 def test_console_script(tmp_path):
@@ -388,11 +439,12 @@ def test_console_script(tmp_path):
 
 
 @pytest.mark.parametrize("argv, env, message", [
-    (["build", "--arch", "8.0"], {}, "--arch: unsupported arch '8.0'"),
     (["env"], {"FLASHINFER_CAKE_CUDA_ARCH_LIST": "8.0"}, "FLASHINFER_CAKE_CUDA_ARCH_LIST: unsupported arch '8.0'"),
     (["build"], {"FLASHINFER_CAKE_NVCC": "/nonexistent/nvcc"}, "FLASHINFER_CAKE_NVCC='/nonexistent/nvcc'"),
+    *(([command], {"FLASHINFER_CAKE_NVCC": sys.executable}, f"{sys.executable} is not CUDA's nvcc: `"
+       f"{Path(sys.executable).name} --version` says 'Python ") for command in ("build", "env")),
     (["build"], {"MAX_JOBS": "zero"}, "MAX_JOBS must be a positive integer"),
-], ids=["bad-arch", "bad-arch-list", "no-nvcc", "bad-max-jobs"])
+], ids=["bad-arch-list", "no-nvcc", "not-nvcc-build", "not-nvcc-env", "bad-max-jobs"])
 def test_errors_exit_1_with_message(argv, env, message, tmp_path, monkeypatch, capsys):
     for var in ISOLATED_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -608,14 +660,6 @@ def test_aot_build_script_is_build_aot(monkeypatch):
         with pytest.raises(SystemExit):
             exec(compile(script.read_text(), str(script), "exec"), {"__name__": "__main__"})
         assert calls == [["build", *out]], out
-
-
-def test_a_repeated_arch_is_built_once():
-    """--arch sm_90a --arch 9.0a names one arch: its specs once (each would take its lock twice)."""
-    from flashinfer_cake import cli
-
-    specs = cli._specs(["sm_90a", "9.0a"])
-    assert len(specs) == len(set(specs)) == len(cli._specs(["sm_90a"]))
 
 
 def test_module_state_lists_each_directory_once(tmp_path, monkeypatch):
