@@ -24,31 +24,41 @@ from .jit.variant import BIAS_DTYPES, WEIGHT_DTYPES
 
 
 DESCRIPTION = """\
-Without a command: build what this machine needs, run the forward once on a typical training shape, check it
-against the FP64 reference and print GB/s. Without a GPU: say so, build the modules that are not built yet, exit 0.
+Without a command: build what this machine needs, run the forward once on a
+typical training shape, check it against the FP64 reference and print GB/s.
+Without a GPU: say so, build the modules that are not built yet, exit 0.
 
-Under FLASHINFER_CAKE_DISABLE_JIT=1 the default action compiles nothing (it runs on prebuilt modules, or says which
-are missing); `build` still compiles: prebuilding is what it is for. Errors are one line on stderr and exit status 1;
-a usage error (an unknown command, a bad option value) is argparse's usage line and status 2; Ctrl-C is status 130.
+Under FLASHINFER_CAKE_DISABLE_JIT=1 the default action compiles nothing (it
+runs on prebuilt modules, or says which are missing); `build` still compiles:
+prebuilding is what it is for. Errors are one line on stderr and exit status 1;
+a usage error (an unknown command, a bad option value) is argparse's usage line
+and status 2; Ctrl-C is status 130.
 """
 
 ENV_DESCRIPTION = """\
-Print the versions (flashinfer_cake, python, torch), the GPUs, the nvcc and C++ compiler a build would use, NVIDIA's
-CUDA wheels, the arch list, the cache and prebuilt directories, and for every module the build a first call opens.
-Always finishes: a problem is reported on its line, then exit status 1 with the first one on stderr.
+Print the versions (flashinfer_cake, python, torch), the GPUs, the nvcc and C++
+compiler a build would use, NVIDIA's CUDA wheels, the arch list, the cache and
+prebuilt directories, and for every module the build a first call opens. Always
+finishes: a problem is reported on its line, then exit status 1 with the first
+one on stderr.
 """
 
 BUILD_DESCRIPTION = """\
-Prebuild the kernel modules (one per weight dtype, bias dtype and arch) and the torch binding in one parallel ninja
-run: into the JIT cache (FLASHINFER_CAKE_CACHE_DIR), --out DIR (then export FLASHINFER_CAKE_AOT_DIR=DIR), or --aot
-(the installed package's own aot/, found with no variable). A call needs the variant of its weight's dtype and its
-bias's (none for no bias); --weight / --bias prebuild only those. One line per module as it links, and how far the
-build is each minute between them; a failed build prints the compiler's errors (the whole log is in build.log).
+Prebuild the kernel modules (one per weight dtype, bias dtype and arch) and the
+torch binding in one parallel ninja run: into the JIT cache
+(FLASHINFER_CAKE_CACHE_DIR), --out DIR (then export
+FLASHINFER_CAKE_AOT_DIR=DIR), or --aot (the installed package's own aot/, found
+with no variable). A call whose weight is W (fp32 or bf16) and whose bias is B
+(fp32, bf16, or none without a bias) loads causal_conv1d_w_W_b_B_<arch>:
+--weight W --bias B prebuilds only that one. One line per module as it links,
+and how far the build is each minute between them; a failed build prints the
+compiler's errors (the whole log is in build.log).
 """
 
 CLEAR_CACHE_DESCRIPTION = """\
-Delete the JIT cache's builds, after any running build: the lock files stay (a build may be waiting on one), and so
-does anything in the directory that is not flashinfer_cake's (FLASHINFER_CAKE_CACHE_DIR may be a shared directory).
+Delete the JIT cache's builds, after any running build: the lock files stay (a
+build may be waiting on one), and so does anything in the directory that is not
+flashinfer_cake's (FLASHINFER_CAKE_CACHE_DIR may be a shared directory).
 """
 
 
@@ -56,8 +66,9 @@ def _specs(archs: list[str] | None, weights: list[str] | None = None, biases: li
     """The variants of ``archs`` (default: the arch list), ``weights`` and ``biases`` (default: all), then the torch
     binding. Each value once: a repeated arch, e.g. "--arch sm_90a --arch 9.0a", would take its lock twice."""
     archs = list(dict.fromkeys(archs)) if archs else env.arch_list()
-    return [*jit.all_variants(archs, *(tuple(dict.fromkeys(v)) if v else all_ for v, all_ in
-                                      ((weights, WEIGHT_DTYPES), (biases, BIAS_DTYPES)))), jit.binding_spec()]
+    weights = tuple(dict.fromkeys(weights)) if weights else WEIGHT_DTYPES
+    biases = tuple(dict.fromkeys(biases)) if biases else BIAS_DTYPES
+    return [*jit.all_variants(archs, weights, biases), jit.binding_spec()]
 
 
 def _line(label: str, value, problems: list[str], width: int = 16) -> None:
@@ -183,7 +194,7 @@ def cmd_build(args) -> int:
     for spec, path in built.items():
         print(f"{spec.uri:44s} {path}")
     where = next(iter(built.values())).parent
-    print(f"all {len(built)} modules are in {where} ({time.perf_counter() - start:.1f} s)")
+    print(f"the {len(built)} modules built are in {where} ({time.perf_counter() - start:.1f} s)")
     searched = [env.PACKAGE_AOT_DIR]
     try:
         searched += env.aot_dirs()
@@ -346,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     build = sub.add_parser("build", help="prebuild the variants and the torch binding", description=BUILD_DESCRIPTION,
                            **text)
     build.add_argument("--arch", action="append", type=_arch,
-                       help="arch to build, e.g. sm_90a or 9.0a (repeatable; default: FLASHINFER_CAKE_CUDA_ARCH_LIST, "
-                            "else sm_90a)")
+                       help=f"arch to build: {', '.join(sorted(set(env.ARCH_OF_CAPABILITY.values())))}, the kernels' "
+                            f"(in any spelling FLASHINFER_CAKE_CUDA_ARCH_LIST takes, e.g. 9.0a; repeatable; default: "
+                            f"the arch list)")
     build.add_argument("--weight", action="append", choices=WEIGHT_DTYPES,
                        help="only the variants of this weight dtype (repeatable; default: all)")
     build.add_argument("--bias", action="append", choices=BIAS_DTYPES,

@@ -57,6 +57,21 @@ class BuildItem:
     compiler: Path
 
 
+def _check_lock_file(lock_file: Path) -> None:
+    """Raise the OSError of a lock file filelock cannot open, which some of its versions retry for ever (a cache path
+    like /proc/self, where no file can be made); a lock file held by another process passes. Creates nothing that
+    stays: filelock's mode without flock (some NFS, Lustre, FUSE mounts) reads an empty lock file as held."""
+    try:
+        os.close(os.open(lock_file, os.O_RDONLY))
+    except FileNotFoundError:  # (not there: can its directory hold a file at all?)
+        try:
+            fd, probe = tempfile.mkstemp(dir=lock_file.parent, prefix=f".{lock_file.name}.")
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(lock_file)) from e
+        os.close(fd)
+        os.unlink(probe)
+
+
 @contextlib.contextmanager
 def hold_lock(out_dir: Path, name: str, what: str):
     """Hold ``out_dir/<name>.lock``; says so when another process holds it (its build may take a
@@ -66,9 +81,7 @@ def hold_lock(out_dir: Path, name: str, what: str):
         try:
             lock.acquire(timeout=0.5)
         except filelock.Timeout:
-            # Held by another process, or a file this one cannot open (a directory like /proc/self, another user's
-            # lock), which filelock retries for ever: the second is the OSError below.
-            os.close(os.open(lock.lock_file, os.O_RDWR | os.O_CREAT, 0o644))
+            _check_lock_file(Path(lock.lock_file))
             notice(f"flashinfer_cake: waiting for another process to finish building {what} (lock {lock.lock_file})")
             lock.acquire()
     except OSError as e:
@@ -134,18 +147,26 @@ def compiler_version(compiler: Path) -> str:
     """The compiler's version line (runs it: cold path only)."""
     out = subprocess.run([str(compiler), "--version"], stdin=subprocess.DEVNULL, capture_output=True, text=True,
                          check=False)
-    lines = out.stdout.strip().splitlines() if out.returncode == 0 else []
-    return next((line for line in lines if "release" in line), lines[0] if lines else f"error: {out.stderr.strip()}")
+    if out.returncode != 0:
+        detail = (out.stderr.strip() or out.stdout.strip()).split("\n", 1)[0]
+        return f"error: `{compiler.name} --version` exited {out.returncode}" + (f": {detail}" if detail else "")
+    lines = out.stdout.strip().splitlines()
+    return next((line for line in lines if "release" in line),
+                lines[0] if lines else f"error: `{compiler.name} --version` printed nothing")
 
 
 def check_nvcc_release(nvcc: Path, version: str) -> None:
-    """Refuse, by its version line (compiler_version's), what is not CUDA's nvcc (FLASHINFER_CAKE_NVCC=/usr/bin/gcc,
-    which would fail mid-build on nvcc's flags) and an nvcc older than the kernels need (a flag it does not know)."""
+    """Refuse, by its version line (compiler_version's), an nvcc that does not run, what is not CUDA's nvcc
+    (FLASHINFER_CAKE_NVCC=/usr/bin/gcc, which would fail mid-build on nvcc's flags) and an nvcc older than the
+    kernels need (a flag it does not know)."""
+    if version.startswith("error: "):
+        raise RuntimeError(f"flashinfer_cake: {nvcc} does not run as nvcc ({version.removeprefix('error: ')}); nvcc "
+                           f"is looked up in this order: {', '.join(env.NVCC_SEARCH_ORDER)}.")
     found = re.search(r"release (\d+)\.(\d+)", version)
     if not found:
         raise RuntimeError(f"flashinfer_cake: {nvcc} is not CUDA's nvcc: `{nvcc.name} --version` says {version!r}, "
-                           f"with no 'release X.Y'; FLASHINFER_CAKE_NVCC, CUDA_HOME / CUDA_PATH, NVIDIA's CUDA wheels "
-                           f"or PATH (the search order) must lead to nvcc {env.MIN_NVCC} or newer.")
+                           f"with no 'release X.Y'. nvcc is looked up in this order: {', '.join(env.NVCC_SEARCH_ORDER)}; "
+                           f"the first must be CUDA's nvcc {env.MIN_NVCC} or newer.")
     if (int(found[1]), int(found[2])) < env.MIN_NVCC_RELEASE:
         raise RuntimeError(f"flashinfer_cake: {nvcc} is CUDA {found[1]}.{found[2]} ({version}); the kernels need nvcc "
                            f"{env.MIN_NVCC} or newer (their build flags): {env.other_nvcc_hint(nvcc)}.")

@@ -122,6 +122,7 @@ def variant_spec(weight: str, bias: str, arch: str, *, split: bool = True) -> Ji
     )
 
 
-def all_variants(archs: list[str], weights=WEIGHT_DTYPES, biases=BIAS_DTYPES) -> list[JitSpec]:
+def all_variants(archs: list[str], weights: tuple[str, ...] = WEIGHT_DTYPES,
+                 biases: tuple[str, ...] = BIAS_DTYPES) -> list[JitSpec]:
     """Every (weight, bias) variant for each arch, or those of the given weight and bias dtypes."""
     return [variant_spec(w, b, a) for a in archs for w in weights for b in biases]

@@ -1242,23 +1242,43 @@ def test_a_launchers_masquerade_link_builds_with_the_identity_of_the_compiler_it
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc")
-def test_a_lock_file_that_cannot_be_opened_is_an_error_not_a_wait():
+def test_a_lock_file_that_cannot_be_opened_is_an_error_not_a_wait(tmp_path):
     """filelock retries a lock file it cannot open for ever (a directory like /proc/self, where even root makes no
-    file): hold_lock says it cannot build there."""
-    with pytest.raises(RuntimeError, match=r"cannot build in /proc/self: No such file or directory \(/proc/self/x.lock\)"):
-        with build.hold_lock(Path("/proc/self"), "x", "x"):
-            pass
+    file): hold_lock says it cannot build there (in a process of its own: the old wait must fail, not hang)."""
+    r = run_py("from pathlib import Path\nfrom flashinfer_cake.jit import build\n"
+               "with build.hold_lock(Path('/proc/self'), 'x', 'x'):\n    pass\n", tmp_path, timeout=60)
+    assert r.returncode == 1 and "RuntimeError: flashinfer_cake: cannot build in /proc/self: No such file or directory " \
+                                 "(/proc/self/x.lock)" in r.stderr, r.stderr
 
 
-def test_a_program_that_is_not_nvcc_is_refused_before_the_build(tmp_path, monkeypatch):
-    """FLASHINFER_CAKE_NVCC=/usr/bin/gcc (or any program whose --version has no CUDA release) would fail mid-build on
-    nvcc's flags: refused first, saying what it printed."""
-    gcc = tmp_path / "gcc"
-    gcc.write_text("#!/bin/sh\necho 'gcc (Ubuntu 13.2.0-23ubuntu4) 13.2.0'\n")
-    gcc.chmod(0o755)
-    monkeypatch.setenv("FLASHINFER_CAKE_NVCC", str(gcc))
-    with pytest.raises(RuntimeError, match=re.escape(f"{gcc} is not CUDA's nvcc: `gcc --version` says 'gcc (Ubuntu "
-                                                     f"13.2.0-23ubuntu4) 13.2.0', with no 'release X.Y'")):
+def test_the_lock_files_check_leaves_no_file(tmp_path):
+    """The check after filelock's first 0.5 s (hold_lock; its wait for a held lock: test_concurrent_first_load_compiles_once) passes
+    a lock file that is there, and one that is not without leaving one behind: filelock without flock (some NFS,
+    Lustre and FUSE mounts) reads an empty lock file as held, for ever."""
+    build._check_lock_file(tmp_path / "free.lock")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "held.lock").write_text("")
+    build._check_lock_file(tmp_path / "held.lock")
+    assert [p.name for p in tmp_path.iterdir()] == ["held.lock"]
+
+
+@pytest.mark.parametrize("script, says", [
+    ("echo 'gcc (Ubuntu 13.2.0-23ubuntu4) 13.2.0'",
+     "{nvcc} is not CUDA's nvcc: `nvcc --version` says 'gcc (Ubuntu 13.2.0-23ubuntu4) 13.2.0', with no 'release X.Y'"),
+    ("echo 'nvcc: error while loading shared libraries: libnvvm.so.4: cannot open shared object file' >&2\nexit 127",
+     "{nvcc} does not run as nvcc (`nvcc --version` exited 127: nvcc: error while loading shared libraries: "
+     "libnvvm.so.4: cannot open shared object file)"),
+    ("", "{nvcc} does not run as nvcc (`nvcc --version` printed nothing)"),
+], ids=["gcc", "broken", "silent"])
+def test_a_program_that_is_not_a_working_nvcc_is_refused_before_the_build(script, says, tmp_path, monkeypatch):
+    """FLASHINFER_CAKE_NVCC=/usr/bin/gcc (or any program whose --version names no CUDA release), or an nvcc that does
+    not run, would fail mid-build: refused first, saying what it printed."""
+    nvcc = tmp_path / "bin" / "nvcc"
+    nvcc.parent.mkdir()
+    nvcc.write_text(f"#!/bin/sh\n{script}\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("FLASHINFER_CAKE_NVCC", str(nvcc))
+    with pytest.raises(RuntimeError, match=re.escape(says.format(nvcc=nvcc))):
         jit.load(SPEC)
     assert published(tmp_path / "cache") == []
 
