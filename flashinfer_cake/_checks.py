@@ -24,13 +24,28 @@ SILU_GRAD_POLICIES = ("bf16", "fp32")
 
 
 def check_types(fn: str, required, optional) -> None:
-    """``required`` / ``optional``: (name, value) pairs; optional ones may be None."""
+    """``required`` / ``optional``: (name, value) pairs; optional ones may be None. Then
+    check_not_transformed: the first rule on each tensor (of a meta one too, which the later rules pass)."""
     for name, t in required:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     for name, t in optional:
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
+    check_not_transformed(fn, (*required, *optional))
+
+
+def check_not_transformed(fn: str, named_tensors) -> None:
+    """No (name, tensor or None) of ``named_tensors`` is a tensor of a torch.func transform (a functorch
+    wrapper, without storage): NotImplementedError naming it, not a later rule's error nor torch's about
+    the Function's setup_context. (Not while torch.compile traces: dynamo handles torch.func itself.)"""
+    if torch.compiler.is_compiling():
+        return
+    for name, t in named_tensors:
+        if isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
+            raise NotImplementedError(f"{fn}: {name} is a tensor of a torch.func transform (grad, vmap, jvp), which "
+                                      f"this library does not support: call it outside torch.func (for gradients, "
+                                      f"torch.autograd: loss.backward() or torch.autograd.grad)")
 
 
 def shown(v):
@@ -220,14 +235,10 @@ def check_memory(fn: str, name: str, t: torch.Tensor) -> None:
     its storage (a view keeps its shape when its storage is resized, e.g. by
     untyped_storage().resize_(0), and the kernels would address the bytes past it). (Not while
     torch.compile traces nor for tensors without memory (without_memory), which have none to
-    check: the op's eager call checks them when it runs.) A tensor of a torch.func transform (a
-    functorch wrapper: no storage) is a NotImplementedError naming it."""
+    check: the op's eager call checks them when it runs. A tensor of a torch.func transform, which
+    has no storage, is check_types' error before.)"""
     if torch.compiler.is_compiling() or without_memory(t):
         return
-    if torch._C._functorch.is_functorch_wrapped_tensor(t):  # (before its storage, which it does not have)
-        raise NotImplementedError(f"{fn}: {name} is a tensor of a torch.func transform (grad, vmap, jvp), which this "
-                                  f"library does not support: call it outside torch.func (for gradients, "
-                                  f"torch.autograd: loss.backward() or torch.autograd.grad)")
     if t.is_neg() or t.is_conj():
         raise ValueError(f"{fn}: {name} must not be a lazily negated or conjugated view; pass t.resolve_neg() / "
                          f"t.resolve_conj()")
@@ -327,7 +338,8 @@ def check_cuda_device(fn: str, x: torch.Tensor) -> int:
     """x on a CUDA device of a supported index and arch. Returns the device index."""
     device = x.get_device()
     if device < 0 or not x.is_cuda:
-        raise ValueError(f"{fn}: x must be a CUDA tensor, got device {x.device}")
+        raise ValueError(f"{fn}: x must be a CUDA tensor, got device {x.device} (the kernels run on CUDA GPUs; "
+                         f"flashinfer_cake.reference's FP64 functions compute the same on any device)")
     if device >= MAX_DEVICES:
         raise RuntimeError(f"{fn}: device cuda:{device} is not supported: device indices must be below {MAX_DEVICES}")
     if arch_of(device) is None:
@@ -362,7 +374,10 @@ def check_no_overlap(fn: str, tensors, written) -> None:
             continue
         for other, optr, osize in spans[:i]:
             if osize and ptr < optr + osize and optr < ptr + size:
-                raise ValueError(f"{fn}: {name} must not overlap {other}")
+                raise ValueError(f"{fn}: {name} must not overlap {other}, got spans (first to last element, row "
+                                 f"gaps included) sharing bytes: {name} [{ptr:#x}, {ptr + size:#x}), {other} "
+                                 f"[{optr:#x}, {optr + osize:#x}) (column slices of one buffer overlap so): pass "
+                                 f"{name} as a tensor of its own")
 
 
 def as_int(v, tensors: bool = True) -> int | None:
@@ -418,13 +433,16 @@ def _aligned(t: torch.Tensor) -> bool:
     return not (t.numel() and t.data_ptr() & 15)
 
 
+ROW_TENSORS = ("x", "out", "dy", "dx")  # the tensors that may be row-strided views (the others are contiguous)
+
+
 def _check_aligned(fn: str, named_tensors) -> None:
     """Each non-empty (name, tensor or None) starts at a 16-byte aligned address (the kernels'
     vectors)."""
     for name, t in named_tensors:
         if t is not None and not _aligned(t):
-            rows = (": a column slice of rows must start at a multiple of 8 columns" if t.dim() >= 2 and
-                    t.dtype == torch.bfloat16 else "")
+            rows = (": a column slice of rows must start at a multiple of 8 columns" if name in ROW_TENSORS
+                    else ": pass a tensor of its own, e.g. its .clone()")
             raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address, got {t.data_ptr():#x} (storage "
                              f"offset {t.storage_offset()} elements of {t.element_size()} bytes{rows})")
 

@@ -60,6 +60,7 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation):
+        """y, or (y, final_states), as :func:`cake_causal_conv1d` returns them."""
         # cake_causal_conv1d's rules whoever calls apply, before anything is made: on the custom ops' path
         # those that need no memory (the op's eager call checks the rest when it runs; while dynamo
         # traces, the size rules run in the op's fake implementation)
@@ -85,6 +86,7 @@ class CakeCausalConv1dFunction(torch.autograd.Function):
     @staticmethod
     @_not_differentiable
     def backward(ctx, dy, dfinal_states=None):
+        """The gradients of x, weight, bias and initial_states (None for the arguments without one)."""
         x, weight, bias, cu_seqlens, initial_states = ctx.saved_tensors
         policy = ctx.silu_grad_preactivation
         if dy is None:
@@ -161,6 +163,8 @@ def cake_causal_conv1d(
     if y is None:  # a bad argument (raised here, before anything is built), a first call, or no memory
         args = (x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation)
         if _through_custom_ops(x, weight, cu_seqlens, bias, initial_states):  # (declined by the binding)
+            _checks.check_not_transformed(_AUTOGRAD, zip(("x", "weight", "cu_seqlens", "bias", "initial_states"),
+                                                         args))  # (a meta tensor of one: torch's setup_context error)
             return CakeCausalConv1dFunction.apply(*args)
         device = _checks.check_autograd_args(_AUTOGRAD, *args)
         y = _dispatch.binding_for(device, weight, bias).try_autograd_forward(*args)

@@ -173,6 +173,7 @@ def cmd_env(args) -> int:
     _line("cuda wheels", lambda: _wheel_trees(nvcc), problems)
     _line("c++", _cxx_line, problems)
     _line("arch list", lambda: f"{' '.join(env.arch_list())}  (FLASHINFER_CAKE_CUDA_ARCH_LIST)", problems)
+    _line("compile jobs", lambda: f"{env.max_jobs()}  (MAX_JOBS)", problems)
     _line("cache dir", _cache_line, problems)
     _line("aot dirs", _aot_line, problems)
     _line("jit", lambda: f"{'disabled' if env.jit_disabled() else 'enabled'}  (FLASHINFER_CAKE_DISABLE_JIT)", problems)

@@ -74,11 +74,13 @@ def jit_disabled() -> bool:
 
 
 def max_jobs() -> int:
+    """Parallel compile jobs: MAX_JOBS, else every core. A bad value is a RuntimeError (as a bad
+    FLASHINFER_CAKE_DISABLE_JIT: the calls' error for a module that cannot be loaded)."""
     value = os.environ.get("MAX_JOBS", "")
     if not value:
         return max(1, os.cpu_count() or 1)
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"MAX_JOBS must be a positive integer, got {value!r}")
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
+        raise RuntimeError(f"MAX_JOBS must be a positive integer (or unset: every core), got {value!r}")
     return int(value)
 
 

@@ -442,8 +442,8 @@ def test_console_script(tmp_path):
     (["build"], {"FLASHINFER_CAKE_NVCC": "/nonexistent/nvcc"}, "FLASHINFER_CAKE_NVCC='/nonexistent/nvcc'"),
     *(([command], {"FLASHINFER_CAKE_NVCC": sys.executable}, f"{sys.executable} is not CUDA's nvcc: `"
        f"{Path(sys.executable).name} --version` says 'Python ") for command in ("build", "env")),
-    (["build"], {"MAX_JOBS": "zero"}, "MAX_JOBS must be a positive integer"),
-], ids=["bad-arch-list", "no-nvcc", "not-nvcc-build", "not-nvcc-env", "bad-max-jobs"])
+    *(([command], {"MAX_JOBS": "zero"}, "MAX_JOBS must be a positive integer") for command in ("build", "env")),
+], ids=["bad-arch-list", "no-nvcc", "not-nvcc-build", "not-nvcc-env", "bad-max-jobs-build", "bad-max-jobs-env"])
 def test_errors_exit_1_with_message(argv, env, message, tmp_path, monkeypatch, capsys):
     for var in ISOLATED_VARS:
         monkeypatch.delenv(var, raising=False)

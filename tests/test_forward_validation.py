@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import re
 import subprocess
 import sys
 
@@ -399,14 +400,35 @@ def test_a_channels_first_x_gets_the_fix_in_the_weights_message():
 
 def test_a_misaligned_start_names_its_offset_and_for_rows_the_column_rule():
     """The alignment rule (checked after the device's, so called directly here): the address, the storage
-    offset, and for BF16 rows that a column slice starts at a multiple of 8 columns."""
+    offset, and for the tensors that may be row-strided views that a column slice starts at a multiple of 8
+    columns; for the others (contiguous by rule: states, the workspace), a tensor of their own."""
     from flashinfer_cake import _checks
     with pytest.raises(ValueError, match=r"^f: x must start at a 16-byte aligned address, got 0x[0-9a-f]+ \(storage "
                                          r"offset 4 elements of 2 bytes: a column slice of rows must start at a "
                                          r"multiple of 8 columns\)$"):
         _checks._check_aligned("f", (("x", torch.randn(16, 72).to(BF16)[:, 4:68]),))
-    with pytest.raises(ValueError, match=r"^f: workspace must start .*\(storage offset 1 elements of 4 bytes\)$"):
+    with pytest.raises(ValueError, match=r"^f: workspace must start .*\(storage offset 1 elements of 4 bytes: pass a "
+                                         r"tensor of its own, e\.g\. its \.clone\(\)\)$"):
         _checks._check_aligned("f", (("workspace", torch.zeros(9)[1:]),))
+    with pytest.raises(ValueError, match=r"^f: initial_states must start .*\(storage offset 1 elements of 2 bytes: pass "
+                                         r"a tensor of its own, e\.g\. its \.clone\(\)\)$"):
+        _checks._check_aligned("f", (("initial_states", torch.zeros(2 * 3 * 8 + 1).to(BF16)[1:].view(2, 3, 8)),))
+
+
+def test_an_overlap_names_both_spans_and_the_fix():
+    """Two column slices of one buffer share no element but their spans (first to last element) interleave: the
+    overlap rule (checked after the device's, so called directly here) names both spans and says what to pass."""
+    from flashinfer_cake import _checks
+    buffer = torch.zeros(16, 32).to(BF16)
+    x, out = buffer[:, :8], buffer[:, 8:16]
+    x0, o0 = x.data_ptr(), out.data_ptr()
+    span = (15 * 32 + 8) * 2
+    with pytest.raises(ValueError, match=re.escape(
+            f"f: out must not overlap x, got spans (first to last element, row gaps included) sharing bytes: out "
+            f"[{o0:#x}, {o0 + span:#x}), x [{x0:#x}, {x0 + span:#x}) (column slices of one buffer overlap so): pass "
+            f"out as a tensor of its own")):
+        _checks.check_no_overlap("f", (("x", x), ("out", out)), ("out",))
+    _checks.check_no_overlap("f", (("x", x), ("out", torch.empty_like(x))), ("out",))
 
 
 def test_a_channels_first_x_of_a_length_not_a_multiple_of_8_gets_the_fix_in_the_channel_rule():
@@ -576,7 +598,7 @@ def raw_backward(x, w, cu):
     return cake_causal_conv1d_train_backward(x, w, cu, torch.ones_like(x))[0]
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", ["cpu", "meta", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("transform, argname", [("grad", "x"), ("vmap", "x"), ("jvp", "x"), ("vmap", "weight"),
                                                 ("vmap-empty", "x")])
 @pytest.mark.parametrize("fn", [cake_causal_conv1d_train_forward, raw_backward, cake_causal_conv1d],
@@ -584,7 +606,8 @@ def raw_backward(x, w, cu):
 def test_torch_func_transforms_are_refused_naming_the_argument(transform, argname, fn, device, request):
     """torch.func's transforms wrap their tensors (no storage of their own): refused by name as not
     supported, not torch's "Cannot access storage" from a later rule; on the GPU after a valid call
-    (the binding declines the wrappers itself, empty ones too)."""
+    (the binding declines the wrappers itself, empty ones too); of meta tensors too (cake_causal_conv1d
+    takes those through its Function: torch's error about setup_context, before)."""
     n = 0 if transform == "vmap-empty" else S
     x, w = torch.randn(n, C, device=device).to(BF16), torch.randn(C, 4, device=device)
     cu = torch.tensor([0, 5, 5, S] if n else [0, 0], dtype=I32, device=device)

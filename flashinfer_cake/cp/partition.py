@@ -558,6 +558,7 @@ def check_tables(fn: str, ctx: CPContext) -> None:
                    else type(t).__name__)
             raise ValueError(f"{fn}: ctx.{name} must be {want} (the context's tables), got {got}: build contexts "
                              f"with build_cp_context")
+        _checks.check_not_transformed(fn, ((f"ctx.{name}", t),))
         _checks.check_memory(fn, f"ctx.{name}", t)
 
 
