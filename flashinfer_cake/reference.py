@@ -78,9 +78,31 @@ def _final_rows(cu_seqlens: torch.Tensor, S: int, device: torch.device):
     return from_token, (end.unsqueeze(1) - 3 + r).clamp(0, max(S - 1, 0)), (length + r).clamp(max=2)
 
 
-def _check_states(name: str, states, num_docs: int, C: int) -> None:
+def _check_inputs(fn: str, x, weight=None, cu_seqlens=None, bias=None) -> None:
+    """The library's layouts (those given): a reference that flattened a batch [B, S, C] or broadcast a bias [1, C]
+    would compute another op, silently."""
+    if not isinstance(x, torch.Tensor) or not (x.dim() == 2 or (x.dim() == 3 and x.shape[0] == 1)):
+        raise ValueError(f"{fn}: x must be a [S, C] or [1, S, C] tensor, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    C = x.shape[-1]
+    if weight is not None and (not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (C, 4)):
+        raise ValueError(f"{fn}: weight must be a [C, 4] = [{C}, 4] tensor, got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if cu_seqlens is not None and (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1
+                                   or not cu_seqlens.numel() or cu_seqlens.is_floating_point()
+                                   or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool):
+        raise ValueError(f"{fn}: cu_seqlens must be a 1-D integer tensor [num_docs + 1], got "
+                         + (f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor)
+                            else type(cu_seqlens).__name__))
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (C,)):
+        raise ValueError(f"{fn}: bias must be None or a [C] = [{C}] tensor, got "
+                         f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
+
+
+def _check_states(fn: str, name: str, states, num_docs: int, C: int) -> None:
     if states is not None and tuple(states.shape) != (num_docs, 3, C):
-        raise ValueError(f"{name} must have shape [num_docs, 3, C] = [{num_docs}, 3, {C}], got {tuple(states.shape)}")
+        raise ValueError(f"{fn}: {name} must have shape [num_docs, 3, C] = [{num_docs}, 3, {C}], got "
+                         f"{tuple(states.shape)}")
 
 
 def causal_conv1d_preactivation_reference(
@@ -96,10 +118,12 @@ def causal_conv1d_preactivation_reference(
     :func:`causal_conv1d_reference` (the value SiLU is applied to), in ``dtype``, x's shape;
     arguments as there. A tap before the first token of the token's document reads the
     document's initial state when given, else nothing."""
+    fn = "causal_conv1d_preactivation_reference"
+    _check_inputs(fn, x, weight, cu_seqlens, bias)
     x2 = x.reshape(-1, x.shape[-1]).to(dtype)
     w = weight.to(device=x2.device, dtype=dtype)
     doc, pos = _documents(cu_seqlens, x2.shape[0], x2.device)
-    _check_states("initial_states", initial_states, cu_seqlens.shape[0] - 1, x2.shape[1])
+    _check_states(fn, "initial_states", initial_states, cu_seqlens.shape[0] - 1, x2.shape[1])
     init = None if initial_states is None else initial_states.to(device=x2.device, dtype=dtype)
     return _preactivation(x2, w, doc, pos, bias, init, dtype).reshape(x.shape)
 
@@ -115,10 +139,12 @@ def causal_conv1d_final_states_reference(
     last 3 tokens; for a shorter or empty document, the tail of its initial rows, zeros without
     them, followed by its tokens), in ``dtype``. Fed as the next chunk's ``initial_states``, the
     document continues as if uncut."""
+    fn = "causal_conv1d_final_states_reference"
+    _check_inputs(fn, x, cu_seqlens=cu_seqlens)
     x2 = x.reshape(-1, x.shape[-1]).to(dtype)
     S, C = x2.shape
     num_docs = cu_seqlens.shape[0] - 1
-    _check_states("initial_states", initial_states, num_docs, C)
+    _check_states(fn, "initial_states", initial_states, num_docs, C)
     from_token, token, row = _final_rows(cu_seqlens, S, x2.device)
     init = torch.zeros(num_docs, 3, C, dtype=dtype, device=x2.device) if initial_states is None else \
         initial_states.to(device=x2.device, dtype=dtype)
@@ -158,6 +184,7 @@ def causal_conv1d_reference(
         to BF16, with the taps before a document's first token reading its initial state (none
         without them); and the final states ``[num_docs, 3, C]`` when asked for.
     """
+    _check_inputs("causal_conv1d_reference", x, weight, cu_seqlens, bias)
     a = causal_conv1d_preactivation_reference(x, weight, cu_seqlens, bias, initial_states=initial_states, dtype=dtype)
     y = torch.nn.functional.silu(a)
     if not return_final_states:
@@ -207,16 +234,19 @@ def causal_conv1d_backward_reference(
         when ``initial_states`` is given. On x's device. (dbias keeps its slot: the kernels'
         backward leaves it out when ``bias`` is None, so its ``dinitial_states`` comes third.)
     """
-    check_policy("causal_conv1d_backward_reference", silu_grad_preactivation)
-    if dy.shape != x.shape:
-        raise ValueError(f"dy must have x's shape {tuple(x.shape)}, got {tuple(dy.shape)}")
+    fn = "causal_conv1d_backward_reference"
+    check_policy(fn, silu_grad_preactivation)
+    _check_inputs(fn, x, weight, cu_seqlens, bias)
+    if not isinstance(dy, torch.Tensor) or dy.shape != x.shape:
+        raise ValueError(f"{fn}: dy must have x's shape {tuple(x.shape)}, got "
+                         f"{tuple(dy.shape) if isinstance(dy, torch.Tensor) else type(dy).__name__}")
     C = x.shape[-1]
     x2 = x.reshape(-1, C).to(dtype)
     dy2 = dy.reshape(-1, C).to(device=x2.device, dtype=dtype)
     w = weight.to(device=x2.device, dtype=dtype)
     S, num_docs = x2.shape[0], cu_seqlens.shape[0] - 1
-    _check_states("initial_states", initial_states, num_docs, C)
-    _check_states("dfinal_states", dfinal_states, num_docs, C)
+    _check_states(fn, "initial_states", initial_states, num_docs, C)
+    _check_states(fn, "dfinal_states", dfinal_states, num_docs, C)
     init = None if initial_states is None else initial_states.to(device=x2.device, dtype=dtype)
     doc, pos = _documents(cu_seqlens, S, x2.device)
 

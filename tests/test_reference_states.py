@@ -4,6 +4,7 @@ semantics the kernels' states follow (issue 15). All in FP64 on fresh random inp
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from doclengths import make_cu
 from flashinfer_cake.reference import (
     causal_conv1d_backward_reference,
     causal_conv1d_final_states_reference,
+    causal_conv1d_preactivation_reference,
     causal_conv1d_reference,
 )
 
@@ -162,3 +164,29 @@ def test_states_are_the_stateless_conv_of_the_extended_sequence(seed, policy):
     for name, got, want in (("dx", dx_ext[tokens], dx), ("dinitial_states", dx_ext[~tokens].view(-1, 3, C), dinit),
                             ("dweight", dw_ext, dw), ("dbias", db_ext, db)):
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), name
+
+
+_REFERENCES = {
+    "causal_conv1d_reference": lambda x, w, cu, b: causal_conv1d_reference(x, w, cu, b),
+    "causal_conv1d_preactivation_reference": lambda x, w, cu, b: causal_conv1d_preactivation_reference(x, w, cu, b),
+    "causal_conv1d_backward_reference": lambda x, w, cu, b: causal_conv1d_backward_reference(
+        x, w, cu, torch.ones_like(x) if isinstance(x, torch.Tensor) else x, b),
+}
+
+
+@pytest.mark.parametrize("fn", sorted(_REFERENCES))
+@pytest.mark.parametrize("argname, value, says", [
+    ("x", torch.zeros(2, 8, 4), "x must be a [S, C] or [1, S, C] tensor, got (2, 8, 4)"),
+    ("weight", torch.zeros(4, 1, 4), "weight must be a [C, 4] = [4, 4] tensor, got (4, 1, 4)"),
+    ("cu_seqlens", torch.tensor([0.0, 8.0]), "cu_seqlens must be a 1-D integer tensor [num_docs + 1], got "
+                                             "torch.float32 (2,)"),
+    ("cu_seqlens", [0, 8], "cu_seqlens must be a 1-D integer tensor [num_docs + 1], got list"),
+    ("bias", torch.zeros(1, 4), "bias must be None or a [C] = [4] tensor, got (1, 4)"),
+], ids=["batched-x", "conv1d-weight", "float-cu", "list-cu", "broadcast-bias"])
+def test_the_references_refuse_what_would_compute_another_op(fn, argname, value, says):
+    """A batch flattened into one sequence, a bias broadcast, float offsets: the references compute the library's
+    op on its layouts only; anything else is an error naming the function, the argument and what it got."""
+    args = {"x": torch.randn(8, 4), "w": torch.randn(4, 4), "cu": torch.tensor([0, 3, 8]), "b": torch.randn(4)}
+    args[{"weight": "w", "cu_seqlens": "cu", "bias": "b"}.get(argname, argname)] = value
+    with pytest.raises(ValueError, match=f"^{fn}: " + re.escape(says) + "$"):
+        _REFERENCES[fn](args["x"], args["w"], args["cu"], args["b"])
