@@ -240,8 +240,8 @@ def check_memory(fn: str, name: str, t: torch.Tensor) -> None:
     if torch.compiler.is_compiling() or without_memory(t):
         return
     if t.is_neg() or t.is_conj():
-        raise ValueError(f"{fn}: {name} must not be a lazily negated or conjugated view; pass t.resolve_neg() / "
-                         f"t.resolve_conj()")
+        raise ValueError(f"{fn}: {name} must not be a lazily negated or conjugated view, got one (is_neg "
+                         f"{t.is_neg()}, is_conj {t.is_conj()}): pass {name}.resolve_neg() / {name}.resolve_conj()")
     if t.numel():
         start = t.storage_offset() * t.element_size()
         have = t.untyped_storage().nbytes()

@@ -415,6 +415,14 @@ def test_a_misaligned_start_names_its_offset_and_for_rows_the_column_rule():
         _checks._check_aligned("f", (("initial_states", torch.zeros(2 * 3 * 8 + 1).to(BF16)[1:].view(2, 3, 8)),))
 
 
+def test_a_lazily_negated_view_is_named_with_its_fix():
+    from flashinfer_cake import _checks
+    with pytest.raises(ValueError, match=re.escape("f: bias must not be a lazily negated or conjugated view, got one "
+                                                   "(is_neg True, is_conj False): pass bias.resolve_neg() / "
+                                                   "bias.resolve_conj()")):
+        _checks.check_memory("f", "bias", torch._neg_view(torch.randn(4)))
+
+
 def test_an_overlap_names_both_spans_and_the_fix():
     """Two column slices of one buffer share no element but their spans (first to last element) interleave: the
     overlap rule (checked after the device's, so called directly here) names both spans and says what to pass."""
