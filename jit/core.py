@@ -71,6 +71,9 @@ class JitSpec:
     # What each entry of ``identity`` is ("torch", ...), for the messages about a build of the same uri for another
     # identity (not part of the digest or of the spec's equality).
     identity_names: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    # The `flashinfer-cake build` options that prebuild this artifact alone (with the torch binding, which every
+    # prebuild makes), for the advice of a call that finds it missing (not part of the digest or of the equality).
+    build_options: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
         if self.language not in ("cuda", "c++"):
@@ -212,11 +215,12 @@ def _disabled_error(spec: JitSpec, cache: Path) -> RuntimeError:
     searched = [str(d) for d in env.aot_dirs()] + [str(cache)]
     skipped = env.package_aot_problem()
     other = lookup(spec).other_builds if cache.is_dir() else []  # (a cache that is not there holds nothing)
+    command = " ".join(("flashinfer-cake build", *spec.build_options))
     return RuntimeError(
         f"flashinfer_cake: {spec.uri} is not prebuilt (searched {searched}{f'; {skipped}' if skipped else ''}"
         f"{f'; {other[0]} is {built_for(spec, other[0])}' if other else ''}) "
-        f"and FLASHINFER_CAKE_DISABLE_JIT is set. Prebuild it with `flashinfer-cake build` (into the JIT cache) or `flashinfer-cake build --aot` "
-        f"(into the installed package), or unset FLASHINFER_CAKE_DISABLE_JIT."
+        f"and FLASHINFER_CAKE_DISABLE_JIT is set. Prebuild it with `{command}` (into the JIT cache) or "
+        f"`{command} --aot` (into the installed package), or unset FLASHINFER_CAKE_DISABLE_JIT."
     )
 
 

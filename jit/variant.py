@@ -119,6 +119,7 @@ def variant_spec(weight: str, bias: str, arch: str, *, split: bool = True) -> Ji
         language="cuda",
         cflags=(*_FLAGS, f"-gencode=arch=compute_{digits},code=sm_{digits}"),
         ldflags=_LDFLAGS,
+        build_options=("--weight", weight, "--bias", bias, "--arch", arch) if split else (),
     )
 
 

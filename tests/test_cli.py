@@ -388,9 +388,12 @@ def test_bad_option_values_are_usage_errors(argv, message, tmp_path):
     (["--weight", "bf16", "--bias", "none"], ["causal_conv1d_w_bf16_b_none_sm_90a", "torch_binding"]),
     (["--bias", "fp32", "--bias", "none", "--bias", "fp32"],
      [f"causal_conv1d_w_{w}_b_{b}_sm_90a" for w in ("fp32", "bf16") for b in ("fp32", "none")] + ["torch_binding"]),
-], ids=["arch-twice", "one-variant", "two-biases"])
+    (list(jit.variant_spec("bf16", "fp32", "sm_90a").build_options), ["causal_conv1d_w_bf16_b_fp32_sm_90a",
+                                                                       "torch_binding"]),
+], ids=["arch-twice", "one-variant", "two-biases", "a-variants-advice"])
 def test_build_selects_archs_and_variants(argv, uris, tmp_path, monkeypatch, capsys):
-    """`build` prebuilds the variants its options select (each once), and always the torch binding (every call's)."""
+    """`build` prebuilds the variants its options select (each once), and always the torch binding (every call's);
+    a variant's build_options (the advice of a call that finds it missing) select it alone."""
     for var in ISOLATED_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(tmp_path / "cache"))
