@@ -43,7 +43,8 @@ def check_not_transformed(fn: str, named_tensors) -> None:
         return
     for name, t in named_tensors:
         if isinstance(t, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
-            raise NotImplementedError(f"{fn}: {name} is a tensor of a torch.func transform (grad, vmap, jvp), which "
+            raise NotImplementedError(f"{fn}: {name} is a tensor of a torch.func transform (grad, vmap, jvp, "
+                                      f"functionalize), which "
                                       f"this library does not support: call it outside torch.func (for gradients, "
                                       f"torch.autograd: loss.backward() or torch.autograd.grad)")
 
@@ -183,6 +184,7 @@ def check_rows_like(fn: str, name: str, t: torch.Tensor, x: torch.Tensor, op: st
 
 
 STATE_INPUTS = ("initial_states", "dfinal_states")  # the states the kernels read (the others they write)
+ROW_TENSORS = ("x", "out", "dy", "dx")  # the tensors that may be row-strided views (the others are contiguous)
 
 
 def check_states(fn: str, name: str, t: torch.Tensor, num_docs: int, C: int) -> None:
@@ -339,7 +341,7 @@ def check_cuda_device(fn: str, x: torch.Tensor) -> int:
     device = x.get_device()
     if device < 0 or not x.is_cuda:
         raise ValueError(f"{fn}: x must be a CUDA tensor, got device {x.device} (the kernels run on CUDA GPUs; "
-                         f"flashinfer_cake.reference's FP64 functions compute the same on any device)")
+                         f"flashinfer_cake.reference's functions compute the same op in FP64 on any device)")
     if device >= MAX_DEVICES:
         raise RuntimeError(f"{fn}: device cuda:{device} is not supported: device indices must be below {MAX_DEVICES}")
     if arch_of(device) is None:
@@ -374,10 +376,10 @@ def check_no_overlap(fn: str, tensors, written) -> None:
             continue
         for other, optr, osize in spans[:i]:
             if osize and ptr < optr + osize and optr < ptr + size:
+                slices = " (column slices of one buffer overlap so)" if {name, other} <= set(ROW_TENSORS) else ""
                 raise ValueError(f"{fn}: {name} must not overlap {other}, got spans (first to last element, row "
                                  f"gaps included) sharing bytes: {name} [{ptr:#x}, {ptr + size:#x}), {other} "
-                                 f"[{optr:#x}, {optr + osize:#x}) (column slices of one buffer overlap so): pass "
-                                 f"{name} as a tensor of its own")
+                                 f"[{optr:#x}, {optr + osize:#x}){slices}: pass {name} as a tensor of its own")
 
 
 def as_int(v, tensors: bool = True) -> int | None:
@@ -433,16 +435,14 @@ def _aligned(t: torch.Tensor) -> bool:
     return not (t.numel() and t.data_ptr() & 15)
 
 
-ROW_TENSORS = ("x", "out", "dy", "dx")  # the tensors that may be row-strided views (the others are contiguous)
-
-
 def _check_aligned(fn: str, named_tensors) -> None:
     """Each non-empty (name, tensor or None) starts at a 16-byte aligned address (the kernels'
     vectors)."""
     for name, t in named_tensors:
         if t is not None and not _aligned(t):
             rows = (": a column slice of rows must start at a multiple of 8 columns" if name in ROW_TENSORS
-                    else ": pass a tensor of its own, e.g. its .clone()")
+                    else f": pass a tensor of its own, e.g. {name}.clone()" if name in STATE_INPUTS
+                    else ": pass one allocated on its own (torch.empty's storage starts aligned), which is written")
             raise ValueError(f"{fn}: {name} must start at a 16-byte aligned address, got {t.data_ptr():#x} (storage "
                              f"offset {t.storage_offset()} elements of {t.element_size()} bytes{rows})")
 

@@ -100,9 +100,9 @@ def _check_inputs(fn: str, x, weight=None, cu_seqlens=None, bias=None) -> None:
 
 
 def _check_states(fn: str, name: str, states, num_docs: int, C: int) -> None:
-    if states is not None and tuple(states.shape) != (num_docs, 3, C):
-        raise ValueError(f"{fn}: {name} must have shape [num_docs, 3, C] = [{num_docs}, 3, {C}], got "
-                         f"{tuple(states.shape)}")
+    if states is not None and (not isinstance(states, torch.Tensor) or tuple(states.shape) != (num_docs, 3, C)):
+        raise ValueError(f"{fn}: {name} must be None or have shape [num_docs, 3, C] = [{num_docs}, 3, {C}], got "
+                         f"{tuple(states.shape) if isinstance(states, torch.Tensor) else type(states).__name__}")
 
 
 def causal_conv1d_preactivation_reference(
@@ -184,7 +184,9 @@ def causal_conv1d_reference(
         to BF16, with the taps before a document's first token reading its initial state (none
         without them); and the final states ``[num_docs, 3, C]`` when asked for.
     """
-    _check_inputs("causal_conv1d_reference", x, weight, cu_seqlens, bias)
+    fn = "causal_conv1d_reference"  # (its rules here, so that its errors name it, not the functions it calls)
+    _check_inputs(fn, x, weight, cu_seqlens, bias)
+    _check_states(fn, "initial_states", initial_states, cu_seqlens.shape[0] - 1, x.shape[-1])
     a = causal_conv1d_preactivation_reference(x, weight, cu_seqlens, bias, initial_states=initial_states, dtype=dtype)
     y = torch.nn.functional.silu(a)
     if not return_final_states:

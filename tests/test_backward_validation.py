@@ -355,7 +355,7 @@ def test_autograd_entry_with_cpu_x_is_a_value_error():
 AUTOGRAD = "cake_causal_conv1d"
 # x on the CPU: the first device rule's message (the calls' eager error there)
 CPU_X = (r"x must be a CUDA tensor, got device cpu \(the kernels run on CUDA GPUs; "
-         r"flashinfer_cake\.reference's FP64 functions compute the same on any device\)$")
+         r"flashinfer_cake\.reference's functions compute the same op in FP64 on any device\)$")
 
 
 def autograd_valid_args(**override):

@@ -401,17 +401,19 @@ def test_a_channels_first_x_gets_the_fix_in_the_weights_message():
 def test_a_misaligned_start_names_its_offset_and_for_rows_the_column_rule():
     """The alignment rule (checked after the device's, so called directly here): the address, the storage
     offset, and for the tensors that may be row-strided views that a column slice starts at a multiple of 8
-    columns; for the others (contiguous by rule: states, the workspace), a tensor of their own."""
+    columns; for the others (contiguous by rule), a tensor of their own: a copy of a state the kernels read, a new
+    allocation of what they write (a copy of it would take the results, not the caller's tensor)."""
     from flashinfer_cake import _checks
     with pytest.raises(ValueError, match=r"^f: x must start at a 16-byte aligned address, got 0x[0-9a-f]+ \(storage "
                                          r"offset 4 elements of 2 bytes: a column slice of rows must start at a "
                                          r"multiple of 8 columns\)$"):
         _checks._check_aligned("f", (("x", torch.randn(16, 72).to(BF16)[:, 4:68]),))
-    with pytest.raises(ValueError, match=r"^f: workspace must start .*\(storage offset 1 elements of 4 bytes: pass a "
-                                         r"tensor of its own, e\.g\. its \.clone\(\)\)$"):
+    with pytest.raises(ValueError, match=r"^f: workspace must start .*\(storage offset 1 elements of 4 bytes: pass one "
+                                         r"allocated on its own \(torch\.empty's storage starts aligned\), which is "
+                                         r"written\)$"):
         _checks._check_aligned("f", (("workspace", torch.zeros(9)[1:]),))
     with pytest.raises(ValueError, match=r"^f: initial_states must start .*\(storage offset 1 elements of 2 bytes: pass "
-                                         r"a tensor of its own, e\.g\. its \.clone\(\)\)$"):
+                                         r"a tensor of its own, e\.g\. initial_states\.clone\(\)\)$"):
         _checks._check_aligned("f", (("initial_states", torch.zeros(2 * 3 * 8 + 1).to(BF16)[1:].view(2, 3, 8)),))
 
 

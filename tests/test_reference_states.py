@@ -116,9 +116,10 @@ def test_backward_with_states_is_autograd_of_the_forward(bias, with_states):
 def test_states_of_the_wrong_shape_are_refused():
     x, w, b, init = inputs(10, 8, 2, seed=3)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"initial_states must have shape \[num_docs, 3, C\] = \[2, 3, 8\]"):
+    with pytest.raises(ValueError, match=r"^causal_conv1d_reference: initial_states must be None or have shape "
+                                         r"\[num_docs, 3, C\] = \[2, 3, 8\], got \(1, 3, 8\)$"):
         causal_conv1d_reference(x, w, cu, b, initial_states=init[:1])
-    with pytest.raises(ValueError, match="dfinal_states must have shape"):
+    with pytest.raises(ValueError, match="^causal_conv1d_backward_reference: dfinal_states must be None or have shape"):
         causal_conv1d_backward_reference(x, w, cu, x, b, dfinal_states=init.transpose(1, 2))
 
 
@@ -190,3 +191,13 @@ def test_the_references_refuse_what_would_compute_another_op(fn, argname, value,
     args[{"weight": "w", "cu_seqlens": "cu", "bias": "b"}.get(argname, argname)] = value
     with pytest.raises(ValueError, match=f"^{fn}: " + re.escape(says) + "$"):
         _REFERENCES[fn](args["x"], args["w"], args["cu"], args["b"])
+
+
+def test_the_forward_reference_names_itself_for_bad_states():
+    """causal_conv1d_reference checks its states itself: its error names it, not the functions it calls."""
+    x, w, cu = torch.randn(8, 4), torch.randn(4, 4), torch.tensor([0, 3, 8])
+    for states, got in ((torch.zeros(2, 4, 3), "(2, 4, 3)"), ([[0.0]], "list")):
+        with pytest.raises(ValueError, match=re.escape(
+                f"causal_conv1d_reference: initial_states must be None or have shape [num_docs, 3, C] = [2, 3, 4], "
+                f"got {got}")):
+            causal_conv1d_reference(x, w, cu, initial_states=states)
