@@ -37,10 +37,10 @@ and status 2; Ctrl-C is status 130.
 
 ENV_DESCRIPTION = """\
 Print the versions (flashinfer_cake, python, torch), the GPUs, the nvcc and C++
-compiler a build would use, NVIDIA's CUDA wheels, the arch list, the cache and
-prebuilt directories, and for every module the build a first call opens. Always
-finishes: a problem is reported on its line, then exit status 1 with the first
-one on stderr.
+compiler a build would use, NVIDIA's CUDA wheels, the arch list, the compile
+jobs, the cache and prebuilt directories, and for every module the build a
+first call opens. Always finishes: a problem is reported on its line, then exit
+status 1 with the first one on stderr.
 """
 
 BUILD_DESCRIPTION = """\
