@@ -395,13 +395,13 @@ def as_int(v, tensors: bool = True) -> int | None:
 
 def check_sizes(fn: str, S, C, op: str) -> tuple[int, int]:
     """S and C of ``fn``, a *_workspace_bytes / *_workspace function of ``op`` ("forward" or
-    "backward"): integers (as_int; not tensors, whose read may be a device sync) within op's range.
-    Returns them as ints."""
+    "backward"): integers (as_int; not tensors, whose read may be a device sync: TypeError) within
+    op's range (ValueError). Returns them as ints."""
     values = []
     for name, v in (("S", S), ("C", C)):
         values.append(as_int(v, tensors=False))
-        if values[-1] is None:  # a ValueError, as for a negative S (the rule is on the value)
-            raise ValueError(f"{fn}: {name} must be an int, got {type(v).__name__} {v!r}")
+        if values[-1] is None:  # the wrong type: a TypeError, as torch.empty(16.0) raises
+            raise TypeError(f"{fn}: {name} must be an int, got {type(v).__name__} {v!r}")
     S, C = values
     if S < 0:
         raise ValueError(f"{fn}: S must be a non-negative int, got {S}")

@@ -540,10 +540,10 @@ def test_workspace_functions_take_integers_and_name_a_bad_argument():
     ws = cake_causal_conv1d_train_backward_workspace(_Index(4096), 4096, "cpu")
     assert ws.dtype == torch.float32 and ws.numel() * 4 >= want and ws.numel() * 4 < want + 4
     for fn, args, exc, words in [
-        (cake_causal_conv1d_train_forward_workspace_bytes, (16.0, 32), ValueError, "S must be an int, got float"),
-        (cake_causal_conv1d_train_backward_workspace_bytes, (16, True), ValueError, "C must be an int, got bool"),
+        (cake_causal_conv1d_train_forward_workspace_bytes, (16.0, 32), TypeError, "S must be an int, got float"),
+        (cake_causal_conv1d_train_backward_workspace_bytes, (16, True), TypeError, "C must be an int, got bool"),
         (cake_causal_conv1d_train_backward_workspace, (16, 32, None), TypeError, "device must be a torch.device"),
-        (cake_causal_conv1d_train_backward_workspace_bytes, (torch.tensor(16), 32), ValueError,
+        (cake_causal_conv1d_train_backward_workspace_bytes, (torch.tensor(16), 32), TypeError,
          "S must be an int, got Tensor"),
     ]:
         with pytest.raises(exc, match=rf"^{fn.__name__}: {words}"):
