@@ -1145,15 +1145,17 @@ CORRUPT_CU = {
 @pytest.mark.parametrize("S, C", [(3000, 264), (3000, 48), (3000, 16)])  # strip kernel, 32 and 8 lanes; token lanes
 @pytest.mark.parametrize("pattern", list(CORRUPT_CU))
 def test_corrupt_cu_seqlens_with_states_do_not_fault_and_are_deterministic(pattern, S, C):
-    """Any cu_seqlens content with states: no fault, and the same bits on every run (each state
-    row has at most one writer; rows no document writes keep the caller's content)."""
+    """Any cu_seqlens content with states: no fault, every row of y written (into NaN), and the same
+    bits on every run (each state row has at most one writer; rows no document writes keep the
+    caller's content)."""
     cu = torch.tensor(CORRUPT_CU[pattern](S), dtype=I32, device=DEV)
     n = cu.numel() - 1
     x, w, b, dy, h, dh = make_inputs(S, C, n, seed=903)
     runs = []
     for _ in range(2):
         f, dinit = torch.zeros(n, 3, C, dtype=BF16, device=DEV), torch.zeros(n, 3, C, dtype=BF16, device=DEV)
-        y = fwd(x, w, cu, bias=b, initial_states=h, final_states_out=f)
+        y = fwd(x, w, cu, bias=b, initial_states=h, final_states_out=f, out=poisoned(x.shape))
+        assert torch.isfinite(y).all(), "a row of y was not written"
         grads = bwd(x, w, cu, dy, bias=b, initial_states=h, dfinal_states=dh, dinitial_states=dinit)
         sync()  # raises if a kernel faulted
         runs.append((y, f, *grads))
