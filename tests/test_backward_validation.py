@@ -680,26 +680,26 @@ def test_workspace_tensor_matches_bytes(s, c):
 
 
 @pytest.mark.parametrize(
-    "s, c, argname",
+    "s, c, argname, exc",  # a value out of range is a ValueError; not an integer, a TypeError (as torch's sizes)
     [
-        pytest.param(-1, 32, "S", id="S-negative"),
-        pytest.param(16.0, 32, "S", id="S-float"),
-        pytest.param(True, 32, "S", id="S-bool"),
-        pytest.param("16", 32, "S", id="S-str"),
-        pytest.param(16, 12, "C", id="C-not-mult-8"),
-        pytest.param(16, 0, "C", id="C-0"),
-        pytest.param(16, -8, "C", id="C-negative"),
-        pytest.param(16, 32.0, "C", id="C-float"),
-        pytest.param(16, 2**28, "C", id="C-2^28"),
-        pytest.param(2**30, 8, "S", id="S-2^30"),
-        pytest.param(2**26, 256, "S", id="SC-2^34"),
-        pytest.param(2**63 - 1, 8, "S", id="S-huge"),
+        pytest.param(-1, 32, "S", ValueError, id="S-negative"),
+        pytest.param(16.0, 32, "S", TypeError, id="S-float"),
+        pytest.param(True, 32, "S", TypeError, id="S-bool"),
+        pytest.param("16", 32, "S", TypeError, id="S-str"),
+        pytest.param(16, 12, "C", ValueError, id="C-not-mult-8"),
+        pytest.param(16, 0, "C", ValueError, id="C-0"),
+        pytest.param(16, -8, "C", ValueError, id="C-negative"),
+        pytest.param(16, 32.0, "C", TypeError, id="C-float"),
+        pytest.param(16, 2**28, "C", ValueError, id="C-2^28"),
+        pytest.param(2**30, 8, "S", ValueError, id="S-2^30"),
+        pytest.param(2**26, 256, "S", ValueError, id="SC-2^34"),
+        pytest.param(2**63 - 1, 8, "S", ValueError, id="S-huge"),
     ],
 )
-def test_workspace_functions_reject_bad_sizes(s, c, argname):
-    with pytest.raises(ValueError, match=rf"\b{argname}\b"):
+def test_workspace_functions_reject_bad_sizes(s, c, argname, exc):
+    with pytest.raises(exc, match=rf"\b{argname}\b"):
         workspace_bytes(s, c, torch.device("cpu"))
-    with pytest.raises(ValueError, match=rf"\b{argname}\b"):
+    with pytest.raises(exc, match=rf"\b{argname}\b"):
         cake_causal_conv1d_train_backward_workspace(s, c, torch.device("cpu"))
 
 
