@@ -403,6 +403,17 @@ __device__ __forceinline__ size_t state_row_offset(int d, int i, uint32_t vecs_p
   return (static_cast<size_t>(d) * 3 + i) * vecs_per_row;
 }
 
+// An empty document's state row i, vector column v, passed through (scan_documents' on_empty): the
+// forward's final row is its initial row, the backward's dinitial row its dfinal row; zeros without
+// src, nothing without dst or past C.
+template <class RowT>
+__device__ __forceinline__ void empty_document_state_row(const RowT* src, RowT* dst, int d, int i, int v,
+                                                         uint32_t vecs_per_row) {
+  if (dst && static_cast<uint32_t>(v) < vecs_per_row) {
+    dst[state_row_offset(d, i, vecs_per_row) + v] = src ? __ldg(src + state_row_offset(d, i, vecs_per_row) + v) : RowT{};
+  }
+}
+
 // Document d's initial rows (vector column vec) prefetched into L2, so the load of them at the
 // document's first token waits on L2, not DRAM; nothing for a d outside [0, num_docs).
 template <class RowT>

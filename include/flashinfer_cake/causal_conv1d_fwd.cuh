@@ -113,17 +113,6 @@ __device__ __forceinline__ void load_scaled_params(const uint8_t* s_w, const uin
   }
 }
 
-// Row i of empty document d's final state, vector column v (scan_documents' on_empty, with the tile's
-// first column added): its initial state's row, zeros without one; nothing without final states or
-// past C.
-template <class RowT>
-__device__ __forceinline__ void empty_document_final_row(const RowT* init_v, RowT* final_v, int d, int i, int v,
-                                                         uint32_t vecs_per_row) {
-  if (final_v && static_cast<uint32_t>(v) < vecs_per_row) {
-    final_v[state_row_offset(d, i, vecs_per_row) + v] = init_v ? __ldg(init_v + state_row_offset(d, i, vecs_per_row) + v) : RowT{};
-  }
-}
-
 }  // namespace detail
 
 // kStates: initial_states or final_states may be given (either may still be null).
@@ -208,7 +197,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
     detail::scan_documents<T, L, Traits::kLanesC>(
         p.cu_seqlens, p.num_docs, p.S, tile_t0, tile_len, tile_t0 + tile_len, s_first_idx, s_last_idx, s_pos, s_doc,
         s_strip_events, nullptr, [&](int d, int i, int v) {
-          detail::empty_document_final_row(init_v, final_v, d, i, v + tile_c * Traits::kLanesC, vecs_per_row);
+          detail::empty_document_state_row(init_v, final_v, d, i, v + tile_c * Traits::kLanesC, vecs_per_row);
         });
   } else {
     detail::scan_positions<T>(p.cu_seqlens, p.num_docs, tile_t0, tile_len, s_flags, s_pos, first_round, s_entries);
@@ -486,7 +475,7 @@ causal_conv1d_fwd_token_lane_kernel(const CausalConv1dFwdParams p) {
     entries = detail::scan_documents<T, 1, Traits::kMaxLanesC>(
         p.cu_seqlens, p.num_docs, p.S, tile_t0, tile_len, tile_t0 + tile_len, s_first_idx, s_last_idx, s_pos, s_doc,
         nullptr, nullptr, [&](int d, int i, int v) {
-          if (v < lanes) detail::empty_document_final_row(init_v, final_v, d, i, v + tile_c * lanes, vecs_per_row);
+          if (v < lanes) detail::empty_document_state_row(init_v, final_v, d, i, v + tile_c * lanes, vecs_per_row);
         });
   } else {
     detail::scan_positions<T>(p.cu_seqlens, p.num_docs, tile_t0, tile_len, s_flags, s_pos, first_round, s_entries);
