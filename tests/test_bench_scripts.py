@@ -319,3 +319,31 @@ def test_bench_cp_main_two_passes_and_deadline(monkeypatch, tmp_path):
     assert bench_cp.main(["--shapes", shapes, "--json", str(out), "--deadline-s", "35"]) == 0
     by = {(r["docs"], r["rank"]): r for r in json.loads(out.read_text())["rows"]}
     assert len(by) == 9 and "fla_fwd_ms" in by[1, 0] and not any("fla_fwd_ms" in by[d, 0] for d in (16, 1024))
+
+
+def test_sass_loops_counts_the_innermost_loops(monkeypatch):
+    # cuobjdump's layout: a nested pair of loops and a forward branch; only the inner loop is innermost.
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    sass_loops = importlib.import_module("sass_loops")
+    listing = "\n".join([
+        "\t\tFunction : _Z6kernelv",
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;      /* 0x00000a0000017a02 */",
+        "        /*0010*/                   FFMA R2, R2, R3, R4 ;      /* 0x0 */",
+        "        /*0020*/              @!P0 FFMA.FTZ R2, R2, R3, R4 ;      /* 0x0 */",
+        "        /*0030*/                   MUFU.EX2 R5, R2 ;      /* 0x0 */",
+        "        /*0040*/               @P1 BRA 0x10 ;      /* 0x0 */",
+        "        /*0050*/                   IADD3 R6, R6, 0x1, RZ ;      /* 0x0 */",
+        "        /*0060*/               @P2 BRA 0x80 ;      /* 0x0 */",
+        "        /*0070*/               @P3 BRA 0x0 ;      /* 0x0 */",
+        "        /*0080*/                   EXIT ;      /* 0x0 */",
+        "\t\tFunction : _Z5otherv",
+        "        /*0000*/                   EXIT ;      /* 0x0 */",
+    ])
+    functions = sass_loops.functions(listing)
+    assert list(functions) == ["_Z6kernelv", "_Z5otherv"] and len(functions["_Z6kernelv"]) == 9
+    [loop] = sass_loops.innermost_loops(functions["_Z6kernelv"])
+    assert (loop.start, loop.end, loop.count) == (0x10, 0x40, 4)
+    assert loop.opcodes == {"FFMA": 2, "MUFU": 1, "BRA": 1}
+    # a shorter inner loop does not hide the loop around it
+    [outer] = sass_loops.innermost_loops(functions["_Z6kernelv"], min_size=5)
+    assert (outer.start, outer.end, outer.count) == (0x0, 0x70, 8)
