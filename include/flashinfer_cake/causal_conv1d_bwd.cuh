@@ -401,7 +401,7 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     // An empty document passes its final state's gradient to its initial state, for this tile's
     // channels.
     const auto on_empty = [&](int d, int i, int v) {
-      detail::empty_document_state_row(dfinal_v, dinit_v, d, i, v + tile_c * Traits::kLanesC, vecs_per_row);
+      detail::empty_document_state_row(init_v != nullptr, dfinal_v, dinit_v, d, i, v + tile_c * Traits::kLanesC, vecs_per_row);
     };
     const auto scan = [&](auto blocks) {
       detail::scan_documents<T, Traits::kPosTokens, Traits::kLanesC>(p.cu_seqlens, p.num_docs, p.S, item_t0,

@@ -197,7 +197,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
     detail::scan_documents<T, L, Traits::kLanesC>(
         p.cu_seqlens, p.num_docs, p.S, tile_t0, tile_len, tile_t0 + tile_len, s_first_idx, s_last_idx, s_pos, s_doc,
         s_strip_events, nullptr, [&](int d, int i, int v) {
-          detail::empty_document_state_row(init_v, final_v, d, i, v + tile_c * Traits::kLanesC, vecs_per_row);
+          detail::empty_document_state_row(final_v != nullptr, init_v, final_v, d, i, v + tile_c * Traits::kLanesC, vecs_per_row);
         });
   } else {
     detail::scan_positions<T>(p.cu_seqlens, p.num_docs, tile_t0, tile_len, s_flags, s_pos, first_round, s_entries);
@@ -475,7 +475,7 @@ causal_conv1d_fwd_token_lane_kernel(const CausalConv1dFwdParams p) {
     entries = detail::scan_documents<T, 1, Traits::kMaxLanesC>(
         p.cu_seqlens, p.num_docs, p.S, tile_t0, tile_len, tile_t0 + tile_len, s_first_idx, s_last_idx, s_pos, s_doc,
         nullptr, nullptr, [&](int d, int i, int v) {
-          if (v < lanes) detail::empty_document_state_row(init_v, final_v, d, i, v + tile_c * lanes, vecs_per_row);
+          if (v < lanes) detail::empty_document_state_row(final_v != nullptr, init_v, final_v, d, i, v + tile_c * lanes, vecs_per_row);
         });
   } else {
     detail::scan_positions<T>(p.cu_seqlens, p.num_docs, tile_t0, tile_len, s_flags, s_pos, first_round, s_entries);
