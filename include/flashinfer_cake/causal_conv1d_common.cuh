@@ -464,11 +464,12 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // or written for it (its halo rows may hold anything; an empty fragment's dinit rows are still
 // zeroed, on_empty).
 //
-// first_round / entries (both or neither): as scan_positions', this thread's load_first_round and kThreads
-// ints of shared memory (a pointer, not a value: a value's address put 8 bytes of stack into every stateful
-// kernel); the search's first round then takes its entries from that early load, and
+// first_round / entries (both or neither; every caller passes both: dropping the null paths spilled 4 bytes in
+// 16 stateful backward kernels, ptxas, nvcc 13.0): as scan_positions', this thread's load_first_round and
+// kThreads ints of shared memory (a pointer, not a value: a value's address put 8 bytes of stack into every
+// stateful kernel); the search's first round then takes its entries from that early load, and
 // with num_docs < kThreads the passes read every entry (and empty documents' ends) from shared memory, so a
-// few-document scan's only load of cu_seqlens is the one issued before the rows (the backward's).
+// few-document scan's only load of cu_seqlens is the one issued before the rows (every caller's).
 //
 // Returns whether the passes recorded an entry in [first_token - 2, first_token + count + 2] (for
 // content in order: whether one lies there): when none did, no token has kInDoc or an end

@@ -138,7 +138,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   __shared__ __align__(detail::kRingAlign) Row s_ring[R * T];
   __shared__ uint8_t s_pos[TT];  // min(position in document, 3) per tile token; with kStates its code
   __shared__ uint8_t s_flags[kStates ? 1 : TT + 2];  // document starts (scan_positions)
-  __shared__ int32_t s_entries[kStates ? 1 : T];  // scan_positions' first round
+  __shared__ int32_t s_entries[T];  // the position scan's first round (scan_positions, scan_documents)
   // kStates: the tokens' documents, and scan_documents' scratch.
   __shared__ int32_t s_doc[kStates ? TT : 1];
   __shared__ int32_t s_first_idx[kStates ? TT + 5 : 1], s_last_idx[kStates ? TT + 5 : 1];
@@ -171,7 +171,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   // Ring row j (token t0 - 3 + j) is inside [0, S) iff t0 - 3 + j >= 0 and j < lim.
   const uint32_t lim = active ? static_cast<uint32_t>(p.S - t0) + 3u : 0u;
 
-  // The position scan's first load, ahead of the rows (stateless; unused, so not loaded, with states).
+  // The position scan's first load, ahead of the rows.
   const int32_t first_round = detail::load_first_round<T>(p.cu_seqlens, p.num_docs);
   // cp.async groups, in order: the taps and bias, then ring rows 0 .. R - 2 of the strip (row i
   // is token t0 - 3 + i, in slot i + 1; rows outside [0, S) and lanes past C read zeros), all
@@ -196,9 +196,11 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   if constexpr (kStates) {
     detail::scan_documents<T, L, Traits::kLanesC>(
         p.cu_seqlens, p.num_docs, p.S, tile_t0, tile_len, tile_t0 + tile_len, s_first_idx, s_last_idx, s_pos, s_doc,
-        s_strip_events, nullptr, [&](int d, int i, int v) {
+        s_strip_events, nullptr,
+        [&](int d, int i, int v) {
           detail::empty_document_state_row(final_v != nullptr, init_v, final_v, d, i, v + tile_c * Traits::kLanesC, vecs_per_row);
-        });
+        },
+        &first_round, s_entries);
   } else {
     detail::scan_positions<T>(p.cu_seqlens, p.num_docs, tile_t0, tile_len, s_flags, s_pos, first_round, s_entries);
   }
@@ -412,7 +414,7 @@ causal_conv1d_fwd_token_lane_kernel(const CausalConv1dFwdParams p) {
   __shared__ __align__(16) uint8_t s_w[Traits::kMaxLanesC * WBlocks::kStride * 16];
   constexpr int kBiasSmem = detail::kHasBias<BiasT> ? Traits::kMaxLanesC * BBlocks::kStride * 16 : 16;
   __shared__ __align__(16) uint8_t s_b[kBiasSmem];
-  __shared__ int32_t s_entries[kStates ? 1 : T];  // scan_positions' first round
+  __shared__ int32_t s_entries[T];  // the position scan's first round (scan_positions, scan_documents)
 
   const int lg = p.lanes_log2;  // Traits::lanes_log2_for(C): up to kMaxLanesC lanes (s_w, s_b)
   const int lanes = 1 << lg;
@@ -453,7 +455,7 @@ causal_conv1d_fwd_token_lane_kernel(const CausalConv1dFwdParams p) {
     const uint32_t off = valid ? static_cast<uint32_t>(seg0 + u_off) * xs + vec : 0u;
     detail::cp_async_row(ring + ((b + 1) & (RB - 1)) * 32 + lane, xv + off, valid);
   };
-  // The position scan's first load, ahead of the rows (stateless; unused, so not loaded, with states).
+  // The position scan's first load, ahead of the rows.
   const int32_t first_round = detail::load_first_round<T>(p.cu_seqlens, p.num_docs);
   // cp.async groups: the taps and bias with block -1, then blocks 0 .. RB - 3, one group each,
   // streaming while the positions are found.
@@ -474,9 +476,11 @@ causal_conv1d_fwd_token_lane_kernel(const CausalConv1dFwdParams p) {
   if constexpr (kStates) {
     entries = detail::scan_documents<T, 1, Traits::kMaxLanesC>(
         p.cu_seqlens, p.num_docs, p.S, tile_t0, tile_len, tile_t0 + tile_len, s_first_idx, s_last_idx, s_pos, s_doc,
-        nullptr, nullptr, [&](int d, int i, int v) {
+        nullptr, nullptr,
+        [&](int d, int i, int v) {
           if (v < lanes) detail::empty_document_state_row(final_v != nullptr, init_v, final_v, d, i, v + tile_c * lanes, vecs_per_row);
-        });
+        },
+        &first_round, s_entries);
   } else {
     detail::scan_positions<T>(p.cu_seqlens, p.num_docs, tile_t0, tile_len, s_flags, s_pos, first_round, s_entries);
   }
