@@ -321,29 +321,34 @@ def test_bench_cp_main_two_passes_and_deadline(monkeypatch, tmp_path):
     assert len(by) == 9 and "fla_fwd_ms" in by[1, 0] and not any("fla_fwd_ms" in by[d, 0] for d in (16, 1024))
 
 
-def test_sass_loops_counts_the_innermost_loops(monkeypatch):
-    # cuobjdump's layout: a nested pair of loops and a forward branch; only the inner loop is innermost.
+def test_sass_loops_finds_the_loops(monkeypatch):
+    # cuobjdump's layout: nested loops, a forward branch, a self-branch after EXIT, a divergence fallback
+    # (after EXIT, jumping back), and a kernel that two translation units built identically.
     monkeypatch.syspath_prepend(str(SCRIPTS))
     sass_loops = importlib.import_module("sass_loops")
-    listing = "\n".join([
-        "\t\tFunction : _Z6kernelv",
+    body = [
         "        /*0000*/                   MOV R1, c[0x0][0x28] ;      /* 0x00000a0000017a02 */",
         "        /*0010*/                   FFMA R2, R2, R3, R4 ;      /* 0x0 */",
         "        /*0020*/              @!P0 FFMA.FTZ R2, R2, R3, R4 ;      /* 0x0 */",
         "        /*0030*/                   MUFU.EX2 R5, R2 ;      /* 0x0 */",
         "        /*0040*/               @P1 BRA 0x10 ;      /* 0x0 */",
         "        /*0050*/                   IADD3 R6, R6, 0x1, RZ ;      /* 0x0 */",
-        "        /*0060*/               @P2 BRA 0x80 ;      /* 0x0 */",
+        "        /*0060*/              @!P2 BRA P1, 0x80 ;      /* 0x0 */",
         "        /*0070*/               @P3 BRA 0x0 ;      /* 0x0 */",
-        "        /*0080*/                   EXIT ;      /* 0x0 */",
-        "\t\tFunction : _Z5otherv",
-        "        /*0000*/                   EXIT ;      /* 0x0 */",
-    ])
+        "        /*0080*/              @!P4 EXIT ;      /* 0x0 */",
+        "        /*0090*/                   EXIT ;      /* 0x0 */",
+        "        /*00a0*/                   BRA 0xa0 ;      /* 0x0 */",
+        "        /*00b0*/                   WARPSYNC.ALL ;      /* 0x0 */",
+        "        /*00c0*/                   BRA 0x50 ;      /* 0x0 */",
+    ]
+    listing = "\n".join(["\t\tFunction : _Z6kernelv", *body, "\t\tFunction : _Z5otherv",
+                         "        /*0000*/                   EXIT ;      /* 0x0 */", "\t\tFunction : _Z6kernelv", *body])
     functions = sass_loops.functions(listing)
-    assert list(functions) == ["_Z6kernelv", "_Z5otherv"] and len(functions["_Z6kernelv"]) == 9
-    [loop] = sass_loops.innermost_loops(functions["_Z6kernelv"])
-    assert (loop.start, loop.end, loop.count) == (0x10, 0x40, 4)
-    assert loop.opcodes == {"FFMA": 2, "MUFU": 1, "BRA": 1}
-    # a shorter inner loop does not hide the loop around it
-    [outer] = sass_loops.innermost_loops(functions["_Z6kernelv"], min_size=5)
-    assert (outer.start, outer.end, outer.count) == (0x0, 0x70, 8)
+    assert [(name, copies, len(i)) for name, copies, i in functions] == [("_Z6kernelv", 2, 13), ("_Z5otherv", 1, 1)]
+    instructions = functions[0][2]
+    outer, inner = sass_loops.loops(instructions)
+    assert (outer.start, outer.end, outer.count, outer.depth) == (0x0, 0x70, 8, 0)
+    assert (inner.start, inner.end, inner.count, inner.depth) == (0x10, 0x40, 4, 1)
+    assert inner.opcodes == {"FFMA": 2, "MUFU": 1, "BRA": 1}
+    [outer_only] = sass_loops.loops(instructions, min_size=5)
+    assert (outer_only.start, outer_only.count, outer_only.depth) == (0x0, 8, 0)
