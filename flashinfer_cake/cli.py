@@ -36,11 +36,12 @@ and status 2; Ctrl-C is status 130.
 """
 
 ENV_DESCRIPTION = """\
-Print the versions (flashinfer_cake, python, torch), the GPUs, the nvcc and C++
-compiler a build would use, NVIDIA's CUDA wheels, the arch list, the compile
-jobs, the cache and prebuilt directories, and for every module the build a
-first call opens. Always finishes: a problem is reported on its line, then exit
-status 1 with the first one on stderr.
+Print the versions (flashinfer_cake with the directory it runs from, python,
+torch), the GPUs, the nvcc, C++ compiler and ninja a build would use, NVIDIA's
+CUDA wheels, the arch list, the compile jobs, the cache and prebuilt
+directories, and for every module the build a first call opens. Always
+finishes: a problem is reported on its line, then exit status 1 with the first
+one on stderr.
 """
 
 BUILD_DESCRIPTION = """\
@@ -94,6 +95,14 @@ def _nvcc_line(nvcc) -> str:
     version = compiler_version(nvcc)
     check_nvcc_release(nvcc, version)
     return f"{nvcc} ({version})"
+
+
+def _ninja_line() -> str:
+    """ninja, or that builds would miss it: not a problem by itself (prebuilt modules need none), as no nvcc is not."""
+    try:
+        return env.ninja_path()
+    except RuntimeError:
+        return "not found (a build needs it: `pip install ninja`)"
 
 
 def _no_nvcc_line() -> str:
@@ -165,13 +174,14 @@ def _module_state(spec) -> str:
 def cmd_env(args) -> int:
     """Every line, whatever fails; exit status 1 (and the first problem on stderr) if any did."""
     nvcc, problems = env.nvcc_path(), []
-    _line("flashinfer_cake", __version__, problems)
+    _line("flashinfer_cake", f"{__version__} ({env.PACKAGE_DIR})", problems)  # which copy runs (a checkout, an install)
     _line("python", platform.python_version(), problems)
     _line("torch", f"{torch.__version__} (CUDA {torch.version.cuda})", problems)
     _line("gpus", _cuda_devices, problems)
     _line("nvcc", lambda: _no_nvcc_line() if nvcc is None else _nvcc_line(nvcc), problems)
     _line("cuda wheels", lambda: _wheel_trees(nvcc), problems)
     _line("c++", _cxx_line, problems)
+    _line("ninja", _ninja_line, problems)
     _line("arch list", lambda: f"{' '.join(env.arch_list())}  (FLASHINFER_CAKE_CUDA_ARCH_LIST)", problems)
     _line("compile jobs", lambda: f"{env.max_jobs()}  (MAX_JOBS)", problems)
     _line("cache dir", _cache_line, problems)

@@ -9,7 +9,7 @@ Environment variables:
     FLASHINFER_CAKE_AOT_DIR        a directory of prebuilt modules, searched before the package's aot/
                                    (one that is not a directory, that others can write to, or that this
                                    process cannot read, is an error).
-    FLASHINFER_CAKE_CUDA_ARCH_LIST archs that ``flashinfer-cake build`` prebuilds (default ``9.0a``).
+    FLASHINFER_CAKE_CUDA_ARCH_LIST archs that ``flashinfer-cake build`` prebuilds (default ``9.0a``, unset or empty).
     FLASHINFER_CAKE_NVCC           the nvcc to build with (else $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc,
                                    NVIDIA's CUDA wheels in this Python environment, PATH, /usr/local/cuda).
     CXX                            the C++ compiler of the torch binding, one executable (else c++ / g++ on PATH).
@@ -93,7 +93,7 @@ def normalize_arch(token: str, source: str = "arch") -> str:
 
 def arch_list() -> list[str]:
     """Archs named by FLASHINFER_CAKE_CUDA_ARCH_LIST (space, comma or semicolon separated)."""
-    value = os.environ.get("FLASHINFER_CAKE_CUDA_ARCH_LIST", "9.0a")
+    value = os.environ.get("FLASHINFER_CAKE_CUDA_ARCH_LIST") or "9.0a"  # empty is unset, as for every variable
     archs = []
     for token in value.replace(",", " ").replace(";", " ").split():
         arch = normalize_arch(token, "FLASHINFER_CAKE_CUDA_ARCH_LIST")
@@ -564,6 +564,8 @@ def toolchain_digest(nvcc: Path) -> str:
 
 
 def ninja_path() -> str:
+    """ninja on PATH, else the binary of the PyPI package: where its module says (ninja.BIN_DIR, which is empty in a
+    venv made with --system-site-packages over the install), else where its distribution's record puts it."""
     found = shutil.which("ninja")
     if found:
         return found
@@ -571,8 +573,14 @@ def ninja_path() -> str:
         import ninja  # the PyPI package ships the binary
     except ImportError:  # (e.g. installed with --no-deps)
         ninja = None
-    for candidate in (() if ninja is None else
-                      (Path(ninja.BIN_DIR) / "ninja", Path(ninja.__file__).parent / "data" / "bin" / "ninja")):
-        if candidate.is_file():
+    candidates = [Path(ninja.__file__).parent / "data" / "bin" / "ninja"] if getattr(ninja, "__file__", None) else []
+    if ninja is not None and getattr(ninja, "BIN_DIR", ""):
+        candidates.insert(0, Path(ninja.BIN_DIR) / "ninja")
+    try:
+        candidates += [Path(f.locate()) for f in importlib.metadata.files("ninja") or () if f.name == "ninja"]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
     raise RuntimeError("ninja not found: `pip install ninja` (a dependency of flashinfer_cake)")

@@ -128,6 +128,9 @@ def test_env(built, tmp_path, state, monkeypatch):
     assert re.search(rf"^cache dir\s+{re.escape(str(cache))}\s", r.stdout, re.M), r.stdout
     assert re.search(r"^arch list\s+sm_90a\s", r.stdout, re.M), r.stdout
     assert re.search(r"^nvcc\s+/\S*nvcc \(.*\d+\.\d", r.stdout, re.M), r.stdout  # path (version)
+    assert re.search(r"^ninja\s+/\S*ninja$", r.stdout, re.M), r.stdout
+    # which copy of the package runs (an install, a checkout)
+    assert re.search(rf"^flashinfer_cake\s+\S+ \({re.escape(str(jit_env.PACKAGE_DIR))}\)$", r.stdout, re.M), r.stdout
     if not torch.cuda.is_available():
         assert re.search(r"^gpus\s+none", r.stdout, re.M)
     # A module prebuilt into the package's own aot/ (scripts/ci_gpu.sh makes them) is found first.
