@@ -415,11 +415,17 @@ def check_sizes(fn: str, S, C, op: str) -> tuple[int, int]:
 
 def check_workspace_device(fn: str, device) -> torch.device:
     """The device a *_workspace function allocates on: what torch.device takes (a torch.device, a
-    string, an index), not None."""
+    string, an index), not None; a CUDA device only where torch has one (torch's own error there,
+    on a CPU-only torch, is an AssertionError that names no argument)."""
     if device is None or isinstance(device, bool):
         raise TypeError(f"{fn}: device must be a torch.device, a device string or an index, e.g. x.device, "
                         f"got {device!r}")
-    return torch.device(device)
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = f"torch {torch.__version__} was built without CUDA" if torch.version.cuda is None else \
+            f"torch {torch.__version__} sees no CUDA GPU"
+        raise RuntimeError(f"{fn}: device must be an available CUDA device, got {device} ({why})")
+    return device
 
 
 def check_policy(fn: str, silu_grad_preactivation) -> None:

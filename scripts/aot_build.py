@@ -19,5 +19,7 @@ from flashinfer_cake.cli import main
 
 if __name__ == "__main__":
     args = sys.argv[1:]
+    if "-h" in args or "--help" in args:  # this script's own use first: the options are the build command's
+        print(__doc__.strip(), end="\n\n", flush=True)
     out_given = any(a == "--out" or a.startswith("--out=") for a in args)
     sys.exit(main(["build", *([] if out_given else ["--aot"]), *args]))

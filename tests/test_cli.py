@@ -667,6 +667,15 @@ def test_aot_build_script_is_build_aot(monkeypatch):
         assert calls == [["build", *out]], out
 
 
+def test_aot_build_script_help_says_what_it_is():
+    """--help: the script's own use (its default --aot), then the build command's options."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "aot_build.py"
+    run = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("Prebuild every variant") and "python scripts/aot_build.py" in run.stdout
+    assert run.stdout.index("flashinfer-cake build --aot") < run.stdout.index("usage: flashinfer-cake build")
+
+
 def test_module_state_lists_each_directory_once(tmp_path, monkeypatch):
     """`env`'s line of a module reads each directory once: the AOT directories and the cache are listed a single time
     per module, whatever it finds (here nothing: every question is asked)."""

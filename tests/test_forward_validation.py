@@ -550,6 +550,18 @@ def test_workspace_functions_take_integers_and_name_a_bad_argument():
             fn(*args)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available here")
+def test_workspace_on_a_missing_cuda_device_is_named():
+    """Without a CUDA device, the allocating workspace functions name the device argument and why
+    (torch's own error on a CPU-only build is an AssertionError naming neither)."""
+    from flashinfer_cake import (cake_causal_conv1d_train_backward_workspace,
+                                 cake_causal_conv1d_train_forward_workspace)
+    for fn in (cake_causal_conv1d_train_forward_workspace, cake_causal_conv1d_train_backward_workspace):
+        for device in ("cuda", torch.device("cuda", 0)):
+            with pytest.raises(RuntimeError, match=rf"^{fn.__name__}: device must be an available CUDA device, "
+                                                   rf"got cuda(:0)? \(torch .* (built without CUDA|sees no CUDA GPU)\)"):
+                fn(16, 32, device)
+
 @pytest.mark.parametrize("shape", [(2**31, 8), (2**28, 128), (1, 2**30, 32)], ids=["S=2^31", "SC=2^35", "3d"])
 def test_too_large_is_rejected_before_anything(shape):
     """Sizes past the kernel's index range are a ValueError naming x (meta tensors: no memory)."""
