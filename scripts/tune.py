@@ -32,7 +32,9 @@ its repeat read within 0.25 % at 32 M elements and more, r127 and r128), and opt
     python scripts/tune.py --op fwd --states --configs 128/16/8/4,128/16/8/4/TL_MAX_C=32 --shapes 1048576x64x1
         (TL_MAX_C: the widest C of the token-lane route; TL_BLOCKS, TL_RING, TL_MIN_CTAS its geometry
          (TL_MIN_CTAS_STATELESS: the stateless kernel's, when it should differ);
-         STATES_NARROW_ABOVE_C: with states, C above it up to 64 takes the 8-lane strip kernel, 64 = never)
+         STATES_NARROW_ABOVE_C: with states, C above it up to 64 takes the 8-lane strip kernel, 64 = never;
+         RING_SHORT_DOCS, SHORT_DOC_TOKENS: with states at C > 128, the ring of documents of at most that many
+         tokens on average, whatever the config's ring field, which sets every other route's)
     python scripts/tune.py --op bwd --configs 128/64/8/4/4,128/64/8/4/8
         (the route at C % 256 == 0 has 8 channels per thread whatever VEC says (WideVec8: stateless,
          or with states and documents of STATES_VEC8_MIN_DOC_TOKENS tokens or more on average; only

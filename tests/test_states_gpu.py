@@ -271,6 +271,8 @@ FWD_CASES = [
     pytest.param(1000, 64, docs_16_to_64, F32, F32, id="S1000-C64-docs16-64"),
     pytest.param(1023, 1024, empty_at_ends, BF16, BF16, id="S1023-C1024-empty-ends"),
     pytest.param(2049, 136, tiny_docs, F32, BF16, id="S2049-C136-tiny"),
+    # short documents at C > 128: the deeper ring (the launcher's CAKE_FWD_SHORT_DOC_TOKENS), a partial channel tile
+    pytest.param(4100, 1032, tiny_docs, BF16, None, id="S4100-C1032-tiny"),
     pytest.param(3001, 4096, docs_16_to_64, BF16, F32, id="S3001-C4096-docs16-64"),
     pytest.param(4097, 8, chunky_mix, F32, None, id="S4097-C8-chunky"),
     pytest.param(777, 4096, one_doc, BF16, None, id="S777-C4096-one"),

@@ -194,7 +194,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   Row* __restrict__ final_v = reinterpret_cast<Row*>(p.final_states);
   const auto state_off = [&](int d, int i) { return detail::state_row_offset(d, i, vecs_per_row); };
   if constexpr (kStates) {
-    detail::scan_documents<T, L, Traits::kLanesC>(
+    detail::scan_documents<T, L, Traits::kLanesC, /*kShortScan=*/true>(
         p.cu_seqlens, p.num_docs, p.S, tile_t0, tile_len, tile_t0 + tile_len, s_first_idx, s_last_idx, s_pos, s_doc,
         s_strip_events, nullptr,
         [&](int d, int i, int v) {

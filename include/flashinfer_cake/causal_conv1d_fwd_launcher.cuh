@@ -61,6 +61,14 @@ cudaError_t launch_causal_conv1d_fwd_token_lanes(CausalConv1dFwdParams p, cudaSt
 #ifndef CAKE_FWD_MIN_CTAS
 #define CAKE_FWD_MIN_CTAS 4
 #endif
+// With states, rows of more than 128 channels and documents of at most CAKE_FWD_SHORT_DOC_TOKENS
+// tokens on average (S <= that * num_docs): a ring of CAKE_FWD_RING_SHORT_DOCS rows (see the rule).
+#ifndef CAKE_FWD_RING_SHORT_DOCS
+#define CAKE_FWD_RING_SHORT_DOCS 16
+#endif
+#ifndef CAKE_FWD_SHORT_DOC_TOKENS
+#define CAKE_FWD_SHORT_DOC_TOKENS 8
+#endif
 #ifndef CAKE_FWD_VEC
 #define CAKE_FWD_VEC 8  // channels per thread
 #endif
@@ -97,6 +105,11 @@ cudaError_t launch_causal_conv1d_fwd_token_lanes(CausalConv1dFwdParams p, cudaSt
 // with states the strip kernel with 8 lanes is faster at 1048576 x 40..64 (70-79 against 91-92 us),
 // though not with 64-token documents (127.1 against 104.8 us at C = 64), and token lanes stay ahead
 // at C <= 32 and at C = 128 (tune.py, H200, 2026-12-02: README and NOTES_fwd sessions 25 and 26).
+// With states and short documents the wide strip kernel's ring is deeper (probably more rows in flight
+// while a strip waits on its documents' initial rows, several per strip there; tune.py --states, H200, r274,
+// with the short scan, ring 8 -> 16 in us: 65536x1024 with 1-8-token documents 126.6 -> 123.4, 8192x8192
+// with 8-token ones 104.5 -> 103.3; with 16-token ones 94.2 -> 94.7 (4096 documents) and 94.0 -> 94.9
+// (32768x2048, 2048): hence the rule's 8 tokens; one document 71.9 -> 71.7).
 template <class WeightT, class BiasT, bool kStates>
 cudaError_t launch_causal_conv1d_fwd_routes(const CausalConv1dFwdParams& p, cudaStream_t stream) {
   constexpr int kVec = CAKE_FWD_VEC, kThreads = CAKE_FWD_THREADS, kStrip = CAKE_FWD_STRIP_LEN,
@@ -112,6 +125,12 @@ cudaError_t launch_causal_conv1d_fwd_routes(const CausalConv1dFwdParams& p, cuda
     if (p.C > kNarrowAbove && p.C <= 8 * kVec) return launch_causal_conv1d_fwd_route<Narrow, WeightT, BiasT, kStates>(p, stream);
   }
   if (p.C <= CAKE_FWD_TL_MAX_C) return launch_causal_conv1d_fwd_token_lanes<TokenLanes, WeightT, BiasT, kStates>(p, stream);
+  if constexpr (kStates && CAKE_FWD_RING_SHORT_DOCS != kRing) {
+    using WideShortDocs = FwdTraits<kVec, 32, kThreads, kStrip, CAKE_FWD_RING_SHORT_DOCS, kMinCtas>;
+    if (int64_t(p.S) <= int64_t(CAKE_FWD_SHORT_DOC_TOKENS) * p.num_docs) {
+      return launch_causal_conv1d_fwd_route<WideShortDocs, WeightT, BiasT, kStates>(p, stream);
+    }
+  }
   return launch_causal_conv1d_fwd_route<Wide, WeightT, BiasT, kStates>(p, stream);
 }
 
