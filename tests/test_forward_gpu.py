@@ -609,6 +609,15 @@ for S, C in [(70001, 8), (20001, 16), (9001, 24), (5001, 64), (3001, 72)]:
     h = torch.randn(len(cu) - 1, 3, C, device="cuda", dtype=torch.bfloat16)
     fwd(x, w, cu)
     fwd(x, w, cu, initial_states=h, final_states_out=torch.empty_like(h))
+# the strip kernel with states (C > 128): a few documents (the scan's entries in shared memory), then 1-3-token
+# ones (more entries than threads: the short scan's coarse search and its next entries by shuffle; the 16-row ring)
+for S, C, longest in [(3001, 264, 1500), (2049, 136, 4)]:
+    lengths = torch.randint(1, longest, (S,), generator=g).cumsum(0)
+    cu = torch.tensor([0, *lengths[lengths < S].tolist(), S], dtype=torch.int32, device="cuda")
+    x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(C, 4, device="cuda")
+    h = torch.randn(len(cu) - 1, 3, C, device="cuda", dtype=torch.bfloat16)
+    fwd(x, w, cu, initial_states=h, final_states_out=torch.empty_like(h))
 torch.cuda.synchronize()
 print("sanitizer-script-done")
 """
@@ -619,6 +628,7 @@ def test_racecheck_clean(tmp_path):
     """compute-sanitizer's racecheck sees no unordered shared-memory access on the token-lane route
     (C <= 128: a lane reads the rows other lanes copied into the warp's ring, and refills a slot
     others read the block before), stateless and with states, with a last tile that ends inside a
-    warp's segment."""
+    warp's segment; and in the strip kernel's document scan with states (its scratch written before
+    the search's barriers and read after them), with few documents and with more than a CTA's threads."""
     assert_sanitizer_clean(_RACECHECK_SCRIPT, tmp_path, tool="racecheck")
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from doclengths import empty_at_ends, docs_16_to_64, fill, make_cu, one_doc, split, tiny_docs
-from launched import launched_bwd_kernel, launched_route
+from launched import launched_bwd_kernel, launched_kernels, launched_route
 from sanitizer import assert_sanitizer_clean, needs_sanitizer
 from flashinfer_cake import cake_causal_conv1d, cake_causal_conv1d_train_backward, cake_causal_conv1d_train_forward
 from flashinfer_cake.reference import (
@@ -273,6 +273,8 @@ FWD_CASES = [
     pytest.param(2049, 136, tiny_docs, F32, BF16, id="S2049-C136-tiny"),
     # short documents at C > 128: the deeper ring (the launcher's CAKE_FWD_SHORT_DOC_TOKENS), a partial channel tile
     pytest.param(4100, 1032, tiny_docs, BF16, None, id="S4100-C1032-tiny"),
+    # ~23 000 documents: the short scan's coarse search takes two rounds (more than 128 * 129 entries)
+    pytest.param(40000, 136, tiny_docs, F32, F32, id="S40000-C136-tiny"),
     pytest.param(3001, 4096, docs_16_to_64, BF16, F32, id="S3001-C4096-docs16-64"),
     pytest.param(4097, 8, chunky_mix, F32, None, id="S4097-C8-chunky"),
     pytest.param(777, 4096, one_doc, BF16, None, id="S777-C4096-one"),
@@ -449,6 +451,29 @@ def test_backward_states_route_rule(docs, vec, item_choice):
     call = lambda: backward(x, w, cu, dy, b, "bf16", init, dfinal)  # noqa: E731
     assert launched_route(call) == (vec, 32, 128, 64)
     assert launched_item_choice(call) == item_choice
+
+
+@pytest.mark.parametrize("S, docs, states, ring", [
+    (800, 100, True, 16),  # 8 tokens per document: the short documents' ring
+    (801, 100, True, 8),
+    (800, 100, False, 8),  # never without states
+])
+def test_forward_states_ring_rule(S, docs, states, ring):
+    """With states at C > 128 the strip kernel takes its 16-row ring when the documents average at most 8
+    tokens (S <= 8 * num_docs, the launcher's CAKE_FWD_SHORT_DOC_TOKENS), else the 8-row one; y is the
+    reference's either way."""
+    C = 264
+    x, w, b, _, init, _ = make_inputs(S, C, docs, seed=S)
+    cu = make_cu(S, split(S, docs, random.Random(S)), device=DEV)
+    kw = dict(initial_states=init, final_states_out=poisoned((docs, 3, C))) if states else {}
+    out = poisoned((S, C))
+    names = [n for n in launched_kernels(lambda: fwd(x, w, cu, bias=b, out=out, **kw)) if "causal_conv1d_fwd_kernel" in n]
+    assert len(names) == 1, names
+    m = re.search(r"FwdTraits<\s*8,\s*32,\s*128,\s*16,\s*(\d+),", names[0])
+    assert m and int(m[1]) == ring, names[0]
+    assert_y_matches_reference(out, x, w, cu, b, init if states else None)
+    if states:
+        assert same_bits(kw["final_states_out"], final_states_reference(x, cu, init))
 
 
 @pytest.mark.parametrize("S, C, docs, groups, route, item_choice", [
@@ -1140,6 +1165,8 @@ CORRUPT_CU = {
     "first-nonzero": lambda S: [7, 100, S],
     "start-then-far-end": lambda S: [4, S, 5],
     "garbage": lambda S: [r.randint(-(2**31), 2**31 - 1) for r in [random.Random(S)] for _ in range(64)],
+    # more entries than a CTA's threads: the scans search and read them in global memory
+    "garbage-300": lambda S: [r.randint(-(2**31), 2**31 - 1) for r in [random.Random(S + 1)] for _ in range(300)],
     "sorted-out-of-range": lambda S: [-9, -1, 2, 2, 40, S - 200, S + 3, S + 3],
 }
 

@@ -313,12 +313,13 @@ __device__ __forceinline__ void walk_rows_n(int full, RowFn&& row, int& cur, int
 }
 
 // The first entry >= first among cu_seqlens[0 .. num_docs], num_docs + 1 when none (for sorted
-// content; for any content a value in [0, num_docs + 1]), by the whole CTA: kThreads pivots per
-// round, every thread must call it (it contains barriers).
+// content; for any content a value in [0, num_docs + 1]; kCoarse: an entry at most kThreads before
+// it), by the whole CTA: kThreads pivots per round, every thread must call it (it contains barriers).
 // first_round: this thread's entry of the first round (load_first_round), or null to load it here.
-// kCoarse: stops once at most kThreads candidates are left, a dependent load and a barrier fewer (lo is
-// then an entry index with every entry before it below first, not necessarily the first entry >= first:
-// a pass over the entries from there, as scan_documents', covers them).
+// kCoarse: stops once at most kThreads candidates are left, a dependent load and a barrier fewer from
+// kThreads entries on (lo is then an entry index with every entry before it below first, for sorted
+// content, not necessarily the first entry >= first: a pass over the entries from there, as
+// scan_documents', covers them).
 template <int kThreads, bool kCoarse = false>
 __device__ __forceinline__ int64_t search_first_entry(const int32_t* __restrict__ cu, int num_docs, int first,
                                                       const int32_t* first_round = nullptr) {
@@ -489,9 +490,10 @@ __device__ __forceinline__ void strip_start_state_rows(int code, bool given, con
 // and write stays in cu_seqlens[0 .. num_docs], entries[0 .. kThreads) and the scratch: first_idx / last_idx, int32 [count
 // + 5] each (the least / greatest entry index of each value first_token - 2 .. first_token + count
 // + 2).
-// kShortScan: two dependent loads of cu_seqlens fewer for a few registers: the search stops coarse
-// (search_first_entry's kCoarse) and an entry's successor, for the empty-document test, comes from the
-// next lane. The forward strip kernel takes it (with 1 024 to 14 564 documents 0.4-1.2 % faster at 64 M, H200, r274); in
+// kShortScan: with kThreads documents or more, two dependent loads of cu_seqlens fewer for a few
+// registers: the search stops coarse (search_first_entry's kCoarse) and an entry's successor, for the
+// empty-document test, comes from the next lane (with fewer documents the entries are in shared memory
+// and the search takes one round either way). The forward strip kernel takes it (with 1 024 to 14 564 documents 0.4-1.2 % faster at 64 M, H200, r274); in
 // the backward's stateful kernels it spilled.
 template <int kThreads, int kBlock, int kTileVecs, bool kShortScan = false, class Blocks, class OnEmpty>
 __device__ __forceinline__ bool scan_documents(const int32_t* __restrict__ cu, int num_docs, int S, int first_token,
@@ -531,14 +533,14 @@ __device__ __forceinline__ bool scan_documents(const int32_t* __restrict__ cu, i
     // a warp's last lane. Every thread runs every pass (the loop's exit is a barrier's flag).
     [[maybe_unused]] int v_next = 0;
     if constexpr (kShortScan) v_next = __shfl_down_sync(0xffffffffu, v, 1);
-    const bool last_lane = !kShortScan || (threadIdx.x & 31) == 31;
+    const bool loads_next = !kShortScan || (threadIdx.x & 31) == 31;  // reads cu[d + 1] itself
     bool empty = false;
     if (in && v >= first && v <= last) {
       s_hit = true;  // every write the same true, read after the passes' barriers
       atomicMin(first_idx + (v - first), static_cast<int32_t>(d));
       atomicMax(last_idx + (v - first), static_cast<int32_t>(d));
       const bool owned = (v >= first_token && v < own_end) || (v == S && own_end == S);
-      empty = owned && d < num_docs && (!last_lane ? v_next : all_read ? entries[d + 1] : __ldg(cu + d + 1)) == v;
+      empty = owned && d < num_docs && (!loads_next ? v_next : all_read ? entries[d + 1] : __ldg(cu + d + 1)) == v;
     }
     s_empty[threadIdx.x] = empty ? static_cast<int32_t>(d) : -1;
     if (threadIdx.x == kThreads - 1) s_more[pass & 1] = in && v <= last;

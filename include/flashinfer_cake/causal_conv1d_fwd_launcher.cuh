@@ -125,8 +125,12 @@ cudaError_t launch_causal_conv1d_fwd_routes(const CausalConv1dFwdParams& p, cuda
     if (p.C > kNarrowAbove && p.C <= 8 * kVec) return launch_causal_conv1d_fwd_route<Narrow, WeightT, BiasT, kStates>(p, stream);
   }
   if (p.C <= CAKE_FWD_TL_MAX_C) return launch_causal_conv1d_fwd_token_lanes<TokenLanes, WeightT, BiasT, kStates>(p, stream);
-  if constexpr (kStates && CAKE_FWD_RING_SHORT_DOCS != kRing) {
-    using WideShortDocs = FwdTraits<kVec, 32, kThreads, kStrip, CAKE_FWD_RING_SHORT_DOCS, kMinCtas>;
+  // (where the geometry takes that ring: a strip's rows hold it, and its shared memory stays within the default
+  // ring's 32 KB, beside the rest of the kernel's 48 KB of static shared memory; tune.py's strip lengths of 8 and
+  // 256-thread CTAs keep one ring)
+  constexpr int kRingShort = CAKE_FWD_RING_SHORT_DOCS;
+  if constexpr (kStates && kRingShort != kRing && kRingShort <= kStrip + 4 && kRingShort * kThreads * 16 <= 32 * 1024) {
+    using WideShortDocs = FwdTraits<kVec, 32, kThreads, kStrip, kRingShort, kMinCtas>;
     if (int64_t(p.S) <= int64_t(CAKE_FWD_SHORT_DOC_TOKENS) * p.num_docs) {
       return launch_causal_conv1d_fwd_route<WideShortDocs, WeightT, BiasT, kStates>(p, stream);
     }
