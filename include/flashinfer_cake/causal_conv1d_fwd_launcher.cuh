@@ -125,9 +125,9 @@ cudaError_t launch_causal_conv1d_fwd_routes(const CausalConv1dFwdParams& p, cuda
     if (p.C > kNarrowAbove && p.C <= 8 * kVec) return launch_causal_conv1d_fwd_route<Narrow, WeightT, BiasT, kStates>(p, stream);
   }
   if (p.C <= CAKE_FWD_TL_MAX_C) return launch_causal_conv1d_fwd_token_lanes<TokenLanes, WeightT, BiasT, kStates>(p, stream);
-  // (where the geometry takes that ring: a strip's rows hold it, and its shared memory stays within the default
-  // ring's 32 KB, beside the rest of the kernel's 48 KB of static shared memory; tune.py's strip lengths of 8 and
-  // 256-thread CTAs keep one ring)
+  // (where the geometry takes that ring: a strip's rows hold it, and it takes at most 32 KB of shared memory, so
+  // that the kernel's static shared memory stays under 48 KB: 40.9 KB at 16 rows of 128 threads; tune.py's
+  // strip lengths of 8 and 256-thread CTAs keep one ring)
   constexpr int kRingShort = CAKE_FWD_RING_SHORT_DOCS;
   if constexpr (kStates && kRingShort != kRing && kRingShort <= kStrip + 4 && kRingShort * kThreads * 16 <= 32 * 1024) {
     using WideShortDocs = FwdTraits<kVec, 32, kThreads, kStrip, kRingShort, kMinCtas>;
