@@ -562,6 +562,7 @@ def test_workspace_on_a_missing_cuda_device_is_named():
                                                    rf"got cuda(:0)? \(torch .* (built without CUDA|sees no CUDA GPU)\)"):
                 fn(16, 32, device)
 
+
 @pytest.mark.parametrize("shape", [(2**31, 8), (2**28, 128), (1, 2**30, 32)], ids=["S=2^31", "SC=2^35", "3d"])
 def test_too_large_is_rejected_before_anything(shape):
     """Sizes past the kernel's index range are a ValueError naming x (meta tensors: no memory)."""
