@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -47,14 +48,23 @@ def first_global_access(body: str) -> tuple[int, str] | None:
 
 @pytest.fixture(scope="module")
 def ptx(tmp_path_factory) -> str:
+    """The PTX of a whole variant module: its main source and every route unit, compiled at once
+    (MAX_JOBS at a time: one unit holding every kernel took 53 s on the 2-core CI machine)."""
     d = tmp_path_factory.mktemp("ptx")
-    spec = jit.variant_spec("fp32", "fp32", "sm_90a", split=False)  # every kernel in one unit
-    (d / "variant.cu").write_text(spec.source)
-    cmd = [str(env.require_nvcc()), "-ptx", "-O3", "-std=c++17", "-arch=sm_90a", f"-I{env.include_dir()}",
-           str(d / "variant.cu"), "-o", str(d / "variant.ptx")]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return (d / "variant.ptx").read_text()
+    spec = jit.variant_spec("fp32", "fp32", "sm_90a")
+    sources = []
+    for k, text in enumerate((spec.source, *spec.units)):
+        sources.append(d / f"unit{k}.cu")
+        sources[-1].write_text(text)
+
+    def compile_ptx(cu):
+        cmd = [str(env.require_nvcc()), "-ptx", "-O3", "-std=c++17", "-arch=sm_90a", f"-I{env.include_dir()}",
+               str(cu), "-o", str(cu.with_suffix(".ptx"))]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-4000:]
+        return cu.with_suffix(".ptx").read_text()
+    with ThreadPoolExecutor(env.max_jobs()) as pool:
+        return "\n".join(pool.map(compile_ptx, sources))
 
 
 def test_first_global_access_parser():
