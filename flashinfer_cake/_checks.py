@@ -413,10 +413,11 @@ def check_sizes(fn: str, S, C, op: str) -> tuple[int, int]:
     return S, C
 
 
-def check_workspace_device(fn: str, device) -> torch.device:
-    """The device a *_workspace function allocates on: what torch.device takes (a torch.device, a
-    string, an index), not None; a CUDA device only where torch has one (torch's own error there,
-    on a CPU-only torch, is an AssertionError that names no argument)."""
+def check_allocation_device(fn: str, device) -> torch.device:
+    """The device a function allocates on (the *_workspace functions, build_cp_context): what
+    torch.device takes (a torch.device, a string, an index), not None; a CUDA device only where
+    torch has one (torch's own error there, on a CPU-only torch, is an AssertionError or a
+    RuntimeError that names no argument)."""
     if device is None or isinstance(device, bool):
         raise TypeError(f"{fn}: device must be a torch.device, a device string or an index, e.g. x.device, "
                         f"got {device!r}")

@@ -40,7 +40,7 @@ def cake_causal_conv1d_train_forward_workspace(S: int, C: int, device) -> torch.
     included); launches that may run at once need one each."""
     fn = "cake_causal_conv1d_train_forward_workspace"
     S, C = _checks.check_sizes(fn, S, C, "forward")
-    device = _checks.check_workspace_device(fn, device)
+    device = _checks.check_allocation_device(fn, device)
     nbytes = cake_causal_conv1d_train_forward_workspace_bytes(S, C)
     return torch.zeros(math.ceil(nbytes / 4), dtype=torch.int32, device=device)
 
@@ -65,7 +65,7 @@ def cake_causal_conv1d_train_backward_workspace(S: int, C: int, device) -> torch
     may run at once need one each."""
     fn = "cake_causal_conv1d_train_backward_workspace"
     S, C = _checks.check_sizes(fn, S, C, "backward")
-    device = _checks.check_workspace_device(fn, device)
+    device = _checks.check_allocation_device(fn, device)
     nbytes = cake_causal_conv1d_train_backward_workspace_bytes(S, C)
     return torch.empty(math.ceil(nbytes / 4), dtype=torch.float32, device=device)
 

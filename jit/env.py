@@ -60,17 +60,22 @@ def include_dir() -> Path:
                        f"and {PACKAGE_DIR.parent}/include): reinstall the package")
 
 
-def jit_disabled() -> bool:
-    """FLASHINFER_CAKE_DISABLE_JIT: 1, true, yes or on disable the JIT; unset, empty, 0, false, no or off do not (any
-    case, spaces around ignored); any other value is an error, not a guess (`false` disabled it until 2026-12-06)."""
-    value = os.environ.get("FLASHINFER_CAKE_DISABLE_JIT", "")
+def env_flag(name: str, on: str, off: str) -> bool:
+    """A boolean environment variable: 1, true, yes or on set it; unset, empty, 0, false, no or off do not (any case,
+    spaces around ignored); any other value is a RuntimeError naming the variable, the value and what each word
+    means (``on`` / ``off``), not a guess."""
+    value = os.environ.get(name, "")
     word = value.strip().lower()
     if word in ("1", "true", "yes", "on"):
         return True
     if word in ("", "0", "false", "no", "off"):
         return False
-    raise RuntimeError(f"FLASHINFER_CAKE_DISABLE_JIT must be 1, true, yes or on (calls never compile) or 0, false, "
-                       f"no, off or empty (they build what is missing), got {value!r}")
+    raise RuntimeError(f"{name} must be 1, true, yes or on ({on}) or 0, false, no, off or empty ({off}), got {value!r}")
+
+
+def jit_disabled() -> bool:
+    """FLASHINFER_CAKE_DISABLE_JIT (env_flag; `false` disabled the JIT until 2026-12-06)."""
+    return env_flag("FLASHINFER_CAKE_DISABLE_JIT", "calls never compile", "they build what is missing")
 
 
 def max_jobs() -> int:

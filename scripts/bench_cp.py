@@ -208,7 +208,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.update(NO_MULTICAST)
     rank, P = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= torch.cuda.device_count():  # torch.cuda.set_device's own error names neither
+        print(f"bench_cp.py: rank {rank} is LOCAL_RANK {local}, but {torch.cuda.device_count()} CUDA device(s) are "
+              "visible to torch (one GPU per rank: torchrun --nproc-per-node at most the GPUs of the machine)",
+              file=sys.stderr, flush=True)
+        return 2
+    torch.cuda.set_device(local)
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120),
                             device_id=torch.device("cuda", torch.cuda.current_device()))
     dev, group = Dev(False), dist.group.WORLD

@@ -1,7 +1,8 @@
 """Shared test plumbing: the GPU marker and the FLASHINFER_CAKE_REQUIRE_GPU switch.
 
 GPU tests are marked ``@pytest.mark.gpu``. Without a usable sm_90 GPU they are skipped, unless
-``FLASHINFER_CAKE_REQUIRE_GPU=1`` (the GPU CI runner), where a missing GPU fails them instead.
+``FLASHINFER_CAKE_REQUIRE_GPU`` is set (1, true, yes or on: the GPU CI runner), where a missing GPU
+fails them instead; a value that is neither on nor off stops the run before any test.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashinfer_cake.jit.env import ARCH_OF_CAPABILITY
+from flashinfer_cake.jit.env import ARCH_OF_CAPABILITY, env_flag
 
 
 @functools.cache
@@ -28,8 +29,16 @@ def _gpu_problem() -> str | None:
     return None
 
 
+def _gpu_required() -> bool:
+    return env_flag("FLASHINFER_CAKE_REQUIRE_GPU", "GPU tests fail without a usable GPU", "they skip")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an sm_90 GPU (skipped without one)")
+    try:
+        _gpu_required()  # a misspelt value must not let a GPU runner pass on skips
+    except RuntimeError as e:
+        raise pytest.UsageError(str(e)) from None
 
 
 def pytest_runtest_setup(item):
@@ -38,8 +47,9 @@ def pytest_runtest_setup(item):
     problem = _gpu_problem()
     if problem is None:
         return
-    if os.environ.get("FLASHINFER_CAKE_REQUIRE_GPU", "") == "1":
-        pytest.fail(f"FLASHINFER_CAKE_REQUIRE_GPU=1 but {problem}", pytrace=False)
+    if _gpu_required():
+        pytest.fail(f"FLASHINFER_CAKE_REQUIRE_GPU={os.environ['FLASHINFER_CAKE_REQUIRE_GPU']} but {problem}",
+                    pytrace=False)
     pytest.skip(problem)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -47,6 +48,16 @@ def test_help_lists_the_ci_options(script):
     assert proc.returncode == 0, proc.stderr
     for option in ("--quick", "--no-peers", "--json", "--md", "--shapes", "--mixes", "--variants", "--peers"):
         assert option in proc.stdout
+
+
+@pytest.mark.parametrize("script", ["bench_fwd.py", "bench_bwd.py", "bench_states.py", "bench_cp.py"])
+def test_without_a_gpu_a_benchmark_says_so(script):
+    """Exit 2 with one line that says what is missing, not torch's traceback (bench_cp.py: from
+    torch.cuda.set_device until 2026-12-07)."""
+    proc = subprocess.run([sys.executable, str(SCRIPTS / script), "--quick"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"no CUDA device visible to torch|0 CUDA device\(s\) are visible to torch", proc.stderr), proc.stderr
 
 
 def _tune(monkeypatch):

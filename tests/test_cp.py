@@ -744,6 +744,7 @@ def test_exchange_and_context_argument_errors():
         (lambda: build_cp_context(part, [0, 1], 0, "cpu"), TypeError,
          r"group must be a torch.distributed ProcessGroup or None .*got list .*dist.new_group\(ranks\)"),
         (lambda: build_cp_context(part, "cp", 0, "cpu"), TypeError, r"group must be .*got str"),
+        (lambda: build_cp_context(part, None, 0, None), TypeError, r"^build_cp_context: device must be a torch.device"),
         (lambda: part.global_tokens(-1), ValueError, r"^CPPartition.global_tokens: rank must be an int in \[0, 1\)"),
         (lambda: part.local_cu_seqlens(1), ValueError, r"^CPPartition.local_cu_seqlens: rank .* got 1"),
         (lambda: part.local_tokens(True), ValueError, r"^CPPartition.local_tokens: rank .* got True"),
@@ -755,6 +756,15 @@ def test_exchange_and_context_argument_errors():
     assert type(build_cp_context(part, None, torch.tensor(0), "cpu").rank) is int
     with pytest.raises(ValueError, match=r"xs\[1\]"):
         halo_exchange_multi(iter([x, x[1:]]), ctx)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is available here")
+def test_context_on_a_missing_cuda_device_is_named():
+    """Without a CUDA device, build_cp_context names its device argument and why (torch's own error
+    names neither)."""
+    with pytest.raises(RuntimeError, match=r"^build_cp_context: device must be an available CUDA device, got cuda "
+                                           r"\(torch .* (built without CUDA|sees no CUDA GPU)\)"):
+        build_cp_context(cp_partition([0, 10, 20], 2), None, 0, "cuda")
 
 
 _VERIFY_CALL_WORKER = textwrap.dedent("""

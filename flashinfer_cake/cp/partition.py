@@ -343,6 +343,7 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
         _verify_same_partition(partition, group, problem)
     if problem is not None:
         raise problem
+    device = _checks.check_allocation_device("build_cp_context", device)
     rank = _checks.as_int(rank)
     P, lengths = partition.world_size, partition.doc_lengths
     frags = partition.fragments
