@@ -49,6 +49,18 @@ def check_not_transformed(fn: str, named_tensors) -> None:
                                       f"torch.autograd: loss.backward() or torch.autograd.grad)")
 
 
+def check_not_dual(fn: str, named_tensors) -> None:
+    """The autograd entry point's forward-mode AD rule where its Function runs (tensors without
+    memory): NotImplementedError naming a dual input, as the binding's node says for tensors with
+    memory (torch's own, from the Function's missing jvp, names none). Not while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return
+    for name, t in named_tensors:
+        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(f"{fn}: forward-mode AD (dual tensors, torch.func.jvp) is not supported: {name} "
+                                      f"is a dual tensor (for y without a tangent pass forward_ad.unpack_dual({name}).primal)")
+
+
 def shown(v):
     """A size, shape or strides as a message shows it: while torch.compile traces with dynamic sizes
     they are SymInts, which print as symbols (s42 - 1); shown as the values this call has (their
@@ -71,9 +83,11 @@ MAX_DEVICES = 64
 FWD_WORKSPACE_COUNTERS = 2
 
 
-def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
+def check_x(fn: str, x: torch.Tensor, op: str = "forward", weight=None) -> tuple[int, int]:
     """x: BF16 [S, C] or [1, S, C] of rows (check_rows), C a multiple of 8, within the index range
-    of ``op``'s kernel ("forward", or "backward": both kernels of a training step). Returns (S, C)."""
+    of ``op``'s kernel ("forward", or "backward": both kernels of a training step). Returns (S, C).
+    ``weight`` (unchecked yet): its channel count tells whether a channels-first reading of a bad x
+    fits (_channels_first_hint)."""
     shape = x.shape
     if x.dtype != torch.bfloat16:
         raise ValueError(f"{fn}: x must have dtype torch.bfloat16, got {x.dtype}")
@@ -89,7 +103,7 @@ def check_x(fn: str, x: torch.Tensor, op: str = "forward") -> tuple[int, int]:
         raise ValueError(f"{fn}: x must have shape [S, C] or [1, S, C], got {shown(shape)}{hint}")
     if C <= 0 or C % 8 or C >= MAX_C:
         raise ValueError(f"{fn}: x's channel count C must be a positive multiple of 8 below 2^28, got C={shown(C)}"
-                         f"{_unit_stride_rows_hint('x', x) or _channels_first_hint(S, C)}")
+                         f"{_unit_stride_rows_hint('x', x) or _channels_first_hint(S, weight)}")
     max_s, max_elements = MAX_S[op], MAX_ELEMENTS[op]
     if S >= max_s or S * C >= max_elements:
         whose = "" if op == "forward" else " (the backward's range)"
@@ -147,11 +161,13 @@ def _unit_stride_rows_hint(name: str, t: torch.Tensor) -> str:
 _CHANNELS_FIRST_FIX = "pass x.transpose(-1, -2).contiguous(), token-major"
 
 
-def _channels_first_hint(S, C) -> str:
+def _channels_first_hint(S, weight) -> str:
     """For an x whose last dimension is no channel count but whose dimension -2 could be one (a
-    positive multiple of 8 below 2^28): the channels-first reading and its fix; "" otherwise.
-    (check_params says it when the weight tells, which it cannot here: C is checked first.)"""
-    if 0 < S < MAX_C and S % 8 == 0:
+    positive multiple of 8 below 2^28, and the weight's C where the weight is a [C, 4] tensor): the
+    channels-first reading and its fix; "" otherwise (check_params says it for a good C the weight
+    contradicts; here C is checked first)."""
+    weight_c = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+    if 0 < S < MAX_C and S % 8 == 0 and weight_c in (None, S):
         return f"; if x is channels-first [C, T] or [1, C, T] with C={shown(S)}, {_CHANNELS_FIRST_FIX}"
     return ""
 
@@ -493,7 +509,7 @@ def check_forward_args(fn: str, x, weight, cu_seqlens, bias, initial_states, fin
     check_types(fn, (("x", x), ("weight", weight), ("cu_seqlens", cu_seqlens)),
                 (("bias", bias), ("initial_states", initial_states), ("final_states_out", final_states_out),
                  ("out", out), ("workspace", workspace)))
-    S, C = check_x(fn, x, op)
+    S, C = check_x(fn, x, op, weight)
     check_params(fn, weight, cu_seqlens, bias, x)
     for name, t in (("initial_states", initial_states), ("final_states_out", final_states_out)):
         if t is not None:
@@ -530,7 +546,7 @@ def check_backward_args(fn: str, x, weight, cu_seqlens, dy, bias, initial_states
                  ("workspace", workspace), ("dx", dx), ("dweight", dweight), ("dbias", dbias),
                  ("dinitial_states", dinitial_states)))
     check_policy(fn, silu_grad_preactivation)
-    S, C = check_x(fn, x, "backward")
+    S, C = check_x(fn, x, "backward", weight)
     check_params(fn, weight, cu_seqlens, bias, x)
     check_rows_like(fn, "dy", dy, x, "backward")
     if dinitial_states is not None and initial_states is None:
@@ -593,7 +609,7 @@ def check_autograd_sizes(fn: str, x, weight, cu_seqlens, bias, initial_states) -
     also run on fake tensors): x within the backward's range (an error now, not in the backward),
     the parameters, the initial states; then, for an x with memory of its own outside a fake mode,
     its CUDA device (check_cuda_device, whose index it returns; else None); all on x's device."""
-    C = check_x(fn, x, "backward")[1]
+    C = check_x(fn, x, "backward", weight)[1]
     check_params(fn, weight, cu_seqlens, bias, x)
     if initial_states is not None:
         check_states(fn, "initial_states", initial_states, cu_seqlens.shape[0] - 1, C)

@@ -163,8 +163,9 @@ def cake_causal_conv1d(
     if y is None:  # a bad argument (raised here, before anything is built), a first call, or no memory
         args = (x, weight, cu_seqlens, bias, initial_states, return_final_states, silu_grad_preactivation)
         if _through_custom_ops(x, weight, cu_seqlens, bias, initial_states):  # (declined by the binding)
-            _checks.check_not_transformed(_AUTOGRAD, zip(("x", "weight", "cu_seqlens", "bias", "initial_states"),
-                                                         args))  # (a meta tensor of one: torch's setup_context error)
+            named = tuple(zip(("x", "weight", "cu_seqlens", "bias", "initial_states"), args))
+            _checks.check_not_transformed(_AUTOGRAD, named)  # (a meta tensor of one: torch's setup_context error)
+            _checks.check_not_dual(_AUTOGRAD, named)
             return CakeCausalConv1dFunction.apply(*args)
         device = _checks.check_autograd_args(_AUTOGRAD, *args)
         y = _dispatch.binding_for(device, weight, bias).try_autograd_forward(*args)

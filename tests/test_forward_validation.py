@@ -443,7 +443,7 @@ def test_an_overlap_names_both_spans_and_the_fix():
 
 def test_a_channels_first_x_of_a_length_not_a_multiple_of_8_gets_the_fix_in_the_channel_rule():
     """The same x with T % 8 != 0: x's channel rule (checked before the weight's) breaks first, and its
-    message names the channels-first reading (C from x.shape[-2]) and the fix."""
+    message names the channels-first reading (C from x.shape[-2], where the weight's C agrees) and the fix."""
     for x in (torch.randn(1, C, S + 1).to(BF16), torch.randn(C, S + 1).to(BF16)):
         with pytest.raises(ValueError, match=rf"^{FN}: x's channel count C must be .*got C={S + 1}; if x is "
                                              rf"channels-first \[C, T\] or \[1, C, T\] with C={C}, pass "
@@ -452,6 +452,9 @@ def test_a_channels_first_x_of_a_length_not_a_multiple_of_8_gets_the_fix_in_the_
     # no such reading when dimension -2 cannot be a channel count
     with pytest.raises(ValueError, match=rf"^{FN}: x's channel count C must be .*got C=12$"):
         call(valid_args(x=torch.randn(S + 1, 12).to(BF16)))
+    # nor when the weight's C is another (x [C_w * 2, 12] with a [C_w, 4] weight: a bad x, not a transposed one)
+    with pytest.raises(ValueError, match=rf"^{FN}: x's channel count C must be .*got C=12$"):
+        call(valid_args(x=torch.randn(2 * C, 12).to(BF16)))
 
 
 _BAD_CALLS = """
@@ -614,6 +617,22 @@ def test_dual_tensors_are_refused_naming_the_argument(argname, grad_mode, device
             args = valid_args(**{argname: dual(DUAL_CASES[argname]())})
         with pytest.raises(RuntimeError, match=dual_message(FN, argname)):
             call(args)
+
+
+@pytest.mark.parametrize("argname", ["x", "weight", "bias", "initial_states"])
+def test_autograd_names_a_dual_tensor_without_memory(argname):
+    """cake_causal_conv1d on meta tensors (its Function's path): a dual input is the library's
+    NotImplementedError naming it, as the binding's node says on the GPU (test_backward_gpu), not
+    torch's about a missing jvp."""
+    from flashinfer_cake import cake_causal_conv1d
+    args = {"x": torch.empty(S, C, dtype=BF16, device="meta"), "weight": torch.empty(C, 4, device="meta"),
+            "bias": torch.empty(C, device="meta"), "initial_states": torch.empty(2, 3, C, dtype=BF16, device="meta")}
+    cu = torch.tensor([0, 5, S], dtype=torch.int32, device="meta")
+    with torch.autograd.forward_ad.dual_level():
+        args[argname] = dual(args[argname])
+        with pytest.raises(NotImplementedError, match=rf"^cake_causal_conv1d: forward-mode AD .* not supported: "
+                                                      rf"{argname} is a dual tensor"):
+            cake_causal_conv1d(args["x"], args["weight"], cu, args["bias"], initial_states=args["initial_states"])
 
 
 def raw_backward(x, w, cu):
