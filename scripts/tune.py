@@ -394,8 +394,8 @@ def row_text(row: dict, configs: list, op: str) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--op", choices=("fwd", "bwd"), default="fwd")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--op", choices=("fwd", "bwd"), default="fwd", help="the forward or the backward's kernels")
     parser.add_argument("--configs", required=True, help="threads/strip/ring/min_ctas[/vec][/NAME=VALUE...],...")
     parser.add_argument("--variant", default="fp32/fp32", help="weight/bias dtypes, e.g. bf16/none")
     parser.add_argument("--states", action="store_true", help="also time each config with per-document states")
@@ -414,7 +414,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="run each call this long before timing it, after the rest: sustained figures (default 0; "
                         "see settle; after a 500 ms rest, 300 ms did not slow the backward on an H200, 2000 ms did: "
                         "r129, r130)")
-    parser.add_argument("--json")
+    parser.add_argument("--json", help="write every shape's figures here (a list of rows)")
     parser.add_argument("--build-only", action="store_true", help="build the configs' modules, time nothing")
     parser.add_argument("--build-dir", help="build the configs' modules here, reusing those already built there "
                         "(default: a new temporary directory), e.g. to time one build in bursts and settled")
@@ -426,7 +426,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    mods = build(args)
+    try:
+        mods = build(args)
+    except RuntimeError as e:  # a geometry the headers refuse is their static_assert, in the compiler's words
+        raise SystemExit(f"tune.py: the configs' build failed:\n{e}") from None
     if args.build_only:
         return
     results, differs = [], []
