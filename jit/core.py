@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from . import env
-from .build import BuildItem, build_once, build_specs, find_published, hold_lock, listing, read_record, verified_module
+from .build import (BuildItem, build_once, build_specs, find_published, hold_lock, listing, publish, read_record,
+                    verified_module)
 from .module import KernelModule
 
 logger = logging.getLogger("flashinfer_cake.jit")
@@ -353,6 +354,24 @@ def published(spec: JitSpec) -> list[Path]:
     return lookup(spec).published
 
 
+def _copied_from_cache(item: BuildItem, out_dir: Path, progress: Callable[[str], None] | None) -> bool:
+    """Publish into ``out_dir`` (a prebuild's other than the JIT cache: --out, --aot) the JIT cache's
+    verified module of the same name, so of the same sources, flags and compiler, instead of
+    compiling it again. Its record is the cache's (the sha256 recomputed from the bytes copied)."""
+    try:
+        cache = env.cache_dir(create=False)  # the cache's own checks: code is taken from it
+    except RuntimeError:  # no usable cache: compile
+        return False
+    cached = cache / f"{item.name}.so"
+    if cache.resolve() == out_dir.resolve() or not verified_module(cached):
+        return False
+    record = {k: v for k, v in read_record(cached).items() if k != "sha256"}
+    publish(cached, out_dir, item.name, record)
+    if progress:
+        progress(f"copied {item.spec.uri} from the JIT cache ({cached})")
+    return True
+
+
 def prebuild(specs: list[JitSpec], out_dir: Path | str | None = None, *, jobs: int | None = None,
              progress: Callable[[str], None] | None = None) -> dict[JitSpec, Path]:
     """Build every spec of ``specs`` not yet published in ``out_dir`` (default: the JIT cache) in
@@ -386,6 +405,7 @@ def prebuild(specs: list[JitSpec], out_dir: Path | str | None = None, *, jobs: i
         for item in sorted(items, key=lambda i: i.name):
             locks.enter_context(hold_lock(out_dir, item.name, item.spec.uri))
         todo = [item for item in items if not verified_module(done[item.spec])]
+        todo = [item for item in todo if not _copied_from_cache(item, out_dir, progress)]
         if todo:
             start = time.perf_counter()
             build_specs(todo, out_dir, out_dir / "build" / "prebuild", jobs=jobs, progress=progress)
