@@ -49,16 +49,23 @@ def check_not_transformed(fn: str, named_tensors) -> None:
                                       f"torch.autograd: loss.backward() or torch.autograd.grad)")
 
 
+def has_tangent(t) -> bool:
+    """Whether ``t`` is a dual tensor of forward-mode AD (a tensor with a tangent)."""
+    return isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
+
+
+# The autograd entry point's words for forward-mode AD (the binding's node says the same).
+FORWARD_AD_UNSUPPORTED = "forward-mode AD (dual tensors, torch.func.jvp) is not supported"
+
+
 def check_not_dual(fn: str, named_tensors) -> None:
     """The autograd entry point's forward-mode AD rule where its Function runs (tensors without
-    memory): NotImplementedError naming a dual input, as the binding's node says for tensors with
-    memory (torch's own, from the Function's missing jvp, names none). Not while torch.compile traces."""
-    if torch.compiler.is_compiling():
-        return
+    memory): NotImplementedError naming a dual input (the binding's node refuses them for tensors
+    with memory; torch's own error, from the Function's missing jvp, names none)."""
     for name, t in named_tensors:
-        if isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None:
-            raise NotImplementedError(f"{fn}: forward-mode AD (dual tensors, torch.func.jvp) is not supported: {name} "
-                                      f"is a dual tensor (for y without a tangent pass forward_ad.unpack_dual({name}).primal)")
+        if has_tangent(t):
+            raise NotImplementedError(f"{fn}: {FORWARD_AD_UNSUPPORTED}: {name} is a dual tensor (for y without a "
+                                      f"tangent pass forward_ad.unpack_dual({name}).primal)")
 
 
 def shown(v):
@@ -432,16 +439,21 @@ def check_sizes(fn: str, S, C, op: str) -> tuple[int, int]:
 def check_allocation_device(fn: str, device) -> torch.device:
     """The device a function allocates on (the *_workspace functions, build_cp_context): what
     torch.device takes (a torch.device, a string, an index), not None; a CUDA device only where
-    torch has one (torch's own error there, on a CPU-only torch, is an AssertionError or a
-    RuntimeError that names no argument)."""
+    torch has one, by an index below its device count (torch's own errors there, an AssertionError
+    or a RuntimeError, name no argument)."""
     if device is None or isinstance(device, bool):
         raise TypeError(f"{fn}: device must be a torch.device, a device string or an index, e.g. x.device, "
                         f"got {device!r}")
     device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         why = f"torch {torch.__version__} was built without CUDA" if torch.version.cuda is None else \
             f"torch {torch.__version__} sees no CUDA GPU"
         raise RuntimeError(f"{fn}: device must be an available CUDA device, got {device} ({why})")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise RuntimeError(f"{fn}: device must be an available CUDA device, got {device} (torch sees "
+                           f"{torch.cuda.device_count()} CUDA device(s): cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
     return device
 
 
@@ -490,12 +502,12 @@ def check_no_grad(fn: str, inputs, outputs, why: str) -> None:
     if torch.compiler.is_compiling():  # (dynamo traces forward AD itself)
         return
     for name, t in inputs:
-        if t is not None and forward_ad.unpack_dual(t).tangent is not None:
+        if has_tangent(t):
             raise RuntimeError(f"{fn}: {name} is a dual tensor of forward-mode AD (torch.autograd.forward_ad), but "
                                f"this function propagates no tangent, so its results would have none, silently: "
                                f"pass forward_ad.unpack_dual({name}).primal")
     for name, t in outputs:
-        if t is not None and forward_ad.unpack_dual(t).tangent is not None:
+        if has_tangent(t):
             raise RuntimeError(f"{fn}: {name} is a dual tensor of forward-mode AD (torch.autograd.forward_ad), but "
                                f"this function writes it in place without a tangent (its tangent would be stale): "
                                f"pass a tensor that is not a dual tensor")

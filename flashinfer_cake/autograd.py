@@ -37,10 +37,9 @@ def _not_differentiable(backward):
     constants, silently. (The binding's C++ node does the same.)"""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
-        if not _is_dynamo_compiling() and any(
-                g is not None and torch.autograd.forward_ad.unpack_dual(g).tangent is not None for g in grads):
+        if not _is_dynamo_compiling() and any(_checks.has_tangent(g) for g in grads):
             # forward-over-reverse (a dual incoming gradient): its tangent would be dropped, silently
-            raise NotImplementedError(f"{_AUTOGRAD}: forward-mode AD (dual tensors, torch.func.jvp) is not supported")
+            raise NotImplementedError(f"{_AUTOGRAD}: {_checks.FORWARD_AD_UNSUPPORTED}")
         with torch.no_grad():
             out = backward(ctx, *grads)
         if not torch.is_grad_enabled():

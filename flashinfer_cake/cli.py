@@ -51,9 +51,11 @@ torch binding in one parallel ninja run: into the JIT cache
 FLASHINFER_CAKE_AOT_DIR=DIR), or --aot (the installed package's own aot/, found
 with no variable). A call whose weight is W (fp32 or bf16) and whose bias is B
 (fp32, bf16, or none without a bias) loads causal_conv1d_w_W_b_B_<arch>:
---weight W --bias B prebuilds only that one. One line per module as it links,
-and how far the build is each minute between them; a failed build prints the
-compiler's errors (the whole log is in build.log).
+--weight W --bias B prebuilds only that one. Into --out or --aot, a module the
+JIT cache holds (the same sources, flags and compiler) is copied, not compiled.
+One line per module as it links or is copied, and how far the build is each
+minute between them; a failed build prints the compiler's errors (the whole log
+is in build.log).
 """
 
 CLEAR_CACHE_DESCRIPTION = """\

@@ -187,11 +187,11 @@ def check_python_headers(spec: "JitSpec") -> None:
         )
 
 
-def publish(built: Path, out_dir: Path, name: str, record: dict) -> Path:
-    """Copy the artifact into ``out_dir`` under its final name, then write its record: each with
-    a temporary name (``.<name>.*``) and ``os.replace``, so readers see the old state or the new,
-    never a part."""
-    data = built.read_bytes()
+def publish(built: Path | bytes, out_dir: Path, name: str, record: dict) -> Path:
+    """Copy the artifact (a file, or its bytes) into ``out_dir`` under its final name, then write
+    its record: each with a temporary name (``.<name>.*``) and ``os.replace``, so readers see the
+    old state or the new, never a part."""
+    data = built if isinstance(built, bytes) else built.read_bytes()
     target = out_dir / f"{name}.so"
     with tempfile.NamedTemporaryFile(dir=out_dir, prefix=f".{name}.", suffix=".so", delete=False) as f:
         f.write(data)

@@ -20,7 +20,8 @@ imported binding module), trying in order
 Steps 1-3 start no process. Step 4 holds the artifact's file lock and checks the cache again
 under it, so concurrent first calls from many processes compile once. A file is loaded only when
 its bytes match the record written after it. :func:`prebuild` builds many specs in one ninja run
-(the CLI's ``build``; it compiles even under ``FLASHINFER_CAKE_DISABLE_JIT``: that is its job).
+(the CLI's ``build``; it compiles even under ``FLASHINFER_CAKE_DISABLE_JIT``: that is its job),
+copying into another directory what the JIT cache holds of them.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import NamedTuple
 
 from . import env
 from .build import (BuildItem, build_once, build_specs, find_published, hold_lock, listing, publish, read_record,
-                    verified_module)
+                    remove_stale_temporaries, verified_module)
 from .module import KernelModule
 
 logger = logging.getLogger("flashinfer_cake.jit")
@@ -354,19 +355,36 @@ def published(spec: JitSpec) -> list[Path]:
     return lookup(spec).published
 
 
-def _copied_from_cache(item: BuildItem, out_dir: Path, progress: Callable[[str], None] | None) -> bool:
-    """Publish into ``out_dir`` (a prebuild's other than the JIT cache: --out, --aot) the JIT cache's
-    verified module of the same name, so of the same sources, flags and compiler, instead of
-    compiling it again. Its record is the cache's (the sha256 recomputed from the bytes copied)."""
+def _cache_to_copy_from(out_dir: Path, progress: Callable[[str], None] | None) -> Path | None:
+    """The JIT cache, whose verified modules a prebuild into another directory (--out, --aot)
+    copies instead of compiling them again; None where it is ``out_dir`` or cannot be used (the
+    loader's own checks: code is taken from it; said through ``progress``)."""
     try:
-        cache = env.cache_dir(create=False)  # the cache's own checks: code is taken from it
-    except RuntimeError:  # no usable cache: compile
-        return False
+        cache = env.cache_dir(create=False)
+    except RuntimeError as e:
+        if progress:
+            progress(f"note: nothing is copied from the JIT cache: {e}")
+        return None
+    return None if cache.resolve() == out_dir.resolve() else cache
+
+
+def _copied_from_cache(item: BuildItem, cache: Path, out_dir: Path, progress: Callable[[str], None] | None) -> bool:
+    """Publish into ``out_dir`` the cache's module of the item's name (so of the same sources,
+    flags and compiler) when its bytes, read once, match its record; False (compile it) otherwise,
+    a file a concurrent clear-cache removes included. The caller holds out_dir's locks; the cache's
+    are not taken (two prebuilds, each into the other's cache, must not wait on each other), so
+    the bytes checked are the bytes written."""
     cached = cache / f"{item.name}.so"
-    if cache.resolve() == out_dir.resolve() or not verified_module(cached):
+    record = read_record(cached)
+    try:
+        data = cached.read_bytes() if record else b""
+    except OSError:
         return False
-    record = {k: v for k, v in read_record(cached).items() if k != "sha256"}
-    publish(cached, out_dir, item.name, record)
+    if not data or record.get("sha256") != hashlib.sha256(data).hexdigest():
+        return False
+    remove_stale_temporaries(out_dir, item.name)
+    record = {k: v for k, v in record.items() if k != "sha256"}
+    publish(data, out_dir, item.name, {**record, "copied_from": str(cached)})
     if progress:
         progress(f"copied {item.spec.uri} from the JIT cache ({cached})")
     return True
@@ -375,7 +393,9 @@ def _copied_from_cache(item: BuildItem, out_dir: Path, progress: Callable[[str],
 def prebuild(specs: list[JitSpec], out_dir: Path | str | None = None, *, jobs: int | None = None,
              progress: Callable[[str], None] | None = None) -> dict[JitSpec, Path]:
     """Build every spec of ``specs`` not yet published in ``out_dir`` (default: the JIT cache) in
-    one parallel ninja run, and return where each is. ``progress`` gets one line per artifact
+    one parallel ninja run, and return where each is. Into another directory than the JIT cache,
+    the cache's verified build of a spec under the same name (same sources, flags and compiler) is
+    copied instead of compiled. ``progress`` gets one line per artifact
     built. A directory that already holds everything is only read (it may be read-only); where
     nothing can be compiled (no compiler, a directory this process cannot write), any compiler's
     build serves, as load takes it, and one that none has built is an error before any compiling."""
@@ -405,7 +425,8 @@ def prebuild(specs: list[JitSpec], out_dir: Path | str | None = None, *, jobs: i
         for item in sorted(items, key=lambda i: i.name):
             locks.enter_context(hold_lock(out_dir, item.name, item.spec.uri))
         todo = [item for item in items if not verified_module(done[item.spec])]
-        todo = [item for item in todo if not _copied_from_cache(item, out_dir, progress)]
+        cache = _cache_to_copy_from(out_dir, progress) if todo else None
+        todo = [item for item in todo if cache is None or not _copied_from_cache(item, cache, out_dir, progress)]
         if todo:
             start = time.perf_counter()
             build_specs(todo, out_dir, out_dir / "build" / "prebuild", jobs=jobs, progress=progress)

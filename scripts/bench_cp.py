@@ -210,9 +210,10 @@ def main(argv=None) -> int:
     rank, P = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if local >= torch.cuda.device_count():  # torch.cuda.set_device's own error names neither
-        print(f"bench_cp.py: rank {rank} is LOCAL_RANK {local}, but {torch.cuda.device_count()} CUDA device(s) are "
-              "visible to torch (one GPU per rank: torchrun --nproc-per-node at most the GPUs of the machine)",
-              file=sys.stderr, flush=True)
+        why = ("no CUDA device visible to torch (this benchmark needs a GPU per rank)" if not torch.cuda.device_count()
+               else f"rank {rank} is LOCAL_RANK {local}, but torch sees {torch.cuda.device_count()} CUDA device(s) "
+               "(one GPU per rank: torchrun --nproc-per-node at most the GPUs of the machine)")
+        print(f"bench_cp.py: {why}", file=sys.stderr, flush=True)
         return 2
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=120),

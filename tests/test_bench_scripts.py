@@ -71,7 +71,7 @@ def test_without_a_gpu_a_benchmark_says_so(script):
     proc = subprocess.run([sys.executable, str(SCRIPTS / script), "--quick"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert re.search(r"no CUDA device visible to torch|0 CUDA device\(s\) are visible to torch", proc.stderr), proc.stderr
+    assert "no CUDA device visible to torch" in proc.stderr, proc.stderr
 
 
 def _tune(monkeypatch):

@@ -566,6 +566,20 @@ def test_workspace_on_a_missing_cuda_device_is_named():
                 fn(16, 32, device)
 
 
+@pytest.mark.gpu
+def test_workspace_on_a_cuda_index_past_the_device_count_is_named():
+    """cuda:N with N past torch's device count: the allocating functions name the device and the count (torch's
+    own error names no argument)."""
+    from flashinfer_cake import cake_causal_conv1d_train_backward_workspace
+    from flashinfer_cake.cp import build_cp_context, cp_partition
+    n = torch.cuda.device_count()
+    with pytest.raises(RuntimeError, match=rf"^cake_causal_conv1d_train_backward_workspace: device must be an available "
+                                           rf"CUDA device, got cuda:{n} \(torch sees {n} CUDA device"):
+        cake_causal_conv1d_train_backward_workspace(16, 32, f"cuda:{n}")
+    with pytest.raises(RuntimeError, match=rf"^build_cp_context: device must be an available CUDA device, got cuda:{n}"):
+        build_cp_context(cp_partition([0, 10, 20], 1), None, 0, torch.device("cuda", n))
+
+
 @pytest.mark.parametrize("shape", [(2**31, 8), (2**28, 128), (1, 2**30, 32)], ids=["S=2^31", "SC=2^35", "3d"])
 def test_too_large_is_rejected_before_anything(shape):
     """Sizes past the kernel's index range are a ValueError naming x (meta tensors: no memory)."""

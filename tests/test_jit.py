@@ -1521,3 +1521,36 @@ def test_compile_error_carries_compiler_output(tmp_path, monkeypatch):
         jit.load(dataclasses.replace(SPEC, source=broken))
     assert re.search(r'error: identifier "cake_undefined_symbol" is undefined', str(e.value)), str(e.value)
     assert published(tmp_path / "cache") == []
+
+
+def test_a_prebuild_elsewhere_copies_only_what_the_cache_verifies(tmp_path, monkeypatch):
+    """prebuild into another directory (--out, --aot) takes the JIT cache's module of the same name when its
+    bytes, read once, match its record (they are what is written, with the record and where it came from); a
+    module whose bytes differ, or that is gone (a concurrent clear-cache), is compiled instead (False), and
+    the cache is never its own source."""
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    cache.mkdir(mode=0o700)
+    out.mkdir()
+    monkeypatch.setenv("FLASHINFER_CAKE_CACHE_DIR", str(cache))
+    item = build.BuildItem(SPEC, "fake_module", Path("/nowhere/nvcc"))
+    build.publish(b"module bytes", cache, item.name, {"uri": SPEC.uri, "compiler": "/nowhere/nvcc"})
+    assert core._cache_to_copy_from(cache, None) is None and core._cache_to_copy_from(out, None) == cache
+    (out / f".{item.name}.dead.so").write_bytes(b"a killed publish's temporary")
+    lines = []
+    assert core._copied_from_cache(item, cache, out, lines.append)
+    assert (out / "fake_module.so").read_bytes() == b"module bytes" and build.verified_module(out / "fake_module.so")
+    record = build.read_record(out / "fake_module.so")
+    assert record["copied_from"] == str(cache / "fake_module.so") and record["compiler"] == "/nowhere/nvcc"
+    assert lines == [f"copied {SPEC.uri} from the JIT cache ({cache / 'fake_module.so'})"]
+    assert not list(out.glob(f".{item.name}.*"))
+    (cache / "fake_module.so").write_bytes(b"other bytes")
+    assert not core._copied_from_cache(item, cache, tmp_path / "out2", None)
+    (cache / "fake_module.so").unlink()
+    assert not core._copied_from_cache(item, cache, tmp_path / "out2", None)
+    cache.chmod(0o777)  # a cache others can write to: the loader refuses it, so nothing is copied from it
+    try:
+        lines = []
+        assert core._cache_to_copy_from(out, lines.append) is None
+        assert lines and lines[0].startswith("note: nothing is copied from the JIT cache: ") and "FLASHINFER_CAKE_CACHE_DIR" in lines[0]
+    finally:
+        cache.chmod(0o700)

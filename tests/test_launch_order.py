@@ -47,9 +47,10 @@ def first_global_access(body: str) -> tuple[int, str] | None:
 
 
 @pytest.fixture(scope="module")
-def ptx(tmp_path_factory) -> str:
-    """The PTX of a whole variant module: its main source and every route unit, compiled at once
-    (MAX_JOBS at a time: one unit holding every kernel took 53 s on the 2-core CI machine)."""
+def ptx(tmp_path_factory) -> list[str]:
+    """The PTX of each translation unit of a whole variant module (its main source and every route
+    unit), compiled in parallel, MAX_JOBS at a time (one unit holding every kernel took 53 s on the
+    2-core CI machine). A kernel several units instantiate is checked in each."""
     d = tmp_path_factory.mktemp("ptx")
     spec = jit.variant_spec("fp32", "fp32", "sm_90a")
     sources = []
@@ -64,7 +65,7 @@ def ptx(tmp_path_factory) -> str:
         assert r.returncode == 0, r.stderr[-4000:]
         return cu.with_suffix(".ptx").read_text()
     with ThreadPoolExecutor(env.max_jobs()) as pool:
-        return "\n".join(pool.map(compile_ptx, sources))
+        return list(pool.map(compile_ptx, sources))
 
 
 def test_first_global_access_parser():
@@ -77,10 +78,11 @@ def test_first_global_access_parser():
 
 
 def test_every_pdl_launched_kernel_waits_before_its_first_global_access(ptx):
-    found = kernels(ptx)
-    pdl = {name: body for name, body in found.items() if not any(p in name for p in PLAIN)}
-    assert len(pdl) >= 40 and len(found) > len(pdl), sorted(found)  # every route and pass; CP kernels seen
-    for name, body in pdl.items():
+    found = [(name, body) for unit in ptx for name, body in kernels(unit).items()]
+    pdl = [(name, body) for name, body in found if not any(p in name for p in PLAIN)]
+    names = {name for name, _ in found}
+    assert len({name for name, _ in pdl}) >= 40 and len(names) > len({name for name, _ in pdl}), sorted(names)
+    for name, body in pdl:  # every route and pass (CP kernels seen), in every unit that has it
         wait = body.find("griddepcontrol.wait;")
         assert wait >= 0, f"{name} is launched after the previous grid but never waits for it"
         first = first_global_access(body)
