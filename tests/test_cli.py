@@ -75,8 +75,9 @@ def test_build(built):
 
 def test_build_out_copies_what_the_cache_holds(built, tmp_path):
     """`build --out DIR` takes the JIT cache's verified modules of the same names (same sources, flags and
-    compiler) instead of compiling them again (it compiled everything until 2026-12-07: 4.5 minutes on 2 cores);
-    a cached module that fails its record is compiled."""
+    compiler) instead of compiling them again (it compiled everything until 2026-12-07: 4.5 minutes on 2 cores).
+    (What is not copied, a module whose bytes fail its record or that is gone: test_jit's
+    test_a_prebuild_elsewhere_copies_only_what_the_cache_verifies.)"""
     cache, _ = built
     out = tmp_path / "out"
     r = flashinfer_cake("build", "--out", str(out), cache=cache, cwd=tmp_path)
@@ -88,15 +89,6 @@ def test_build_out_copies_what_the_cache_holds(built, tmp_path):
     for uri, path in modules.items():
         assert build.verified_module(path) == path and path.read_bytes() == (cache / path.name).read_bytes()
         assert build.read_record(path)["compiler"] == build.read_record(cache / path.name)["compiler"]
-    # a corrupt cached module is not copied: the torch binding (the cheapest) is compiled instead
-    bad_cache = tmp_path / "bad_cache"
-    shutil.copytree(cache, bad_cache, ignore=shutil.ignore_patterns("build", "*.lock"))
-    [binding] = bad_cache.glob("torch_binding_*.so")
-    binding.write_bytes(binding.read_bytes()[:100])
-    r = flashinfer_cake("build", "--out", str(tmp_path / "out2"), cache=bad_cache, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert re.search(r"^compiled torch_binding \(1/1, ", r.stdout, re.M), r.stdout
-    assert len(re.findall(r"^copied ", r.stdout, re.M)) == len(URIS) - 1, r.stdout
 
 
 # The kernels with local memory under nvcc 13.0 (CI's and the H200's), each with its (stack frame, spill stores, spill
