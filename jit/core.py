@@ -376,11 +376,13 @@ def _copied_from_cache(item: BuildItem, cache: Path, out_dir: Path, progress: Ca
     the bytes checked are the bytes written."""
     cached = cache / f"{item.name}.so"
     record = read_record(cached)
+    if not record:
+        return False
     try:
-        data = cached.read_bytes() if record else b""
+        data = cached.read_bytes()
     except OSError:
         return False
-    if not data or record.get("sha256") != hashlib.sha256(data).hexdigest():
+    if record.get("sha256") != hashlib.sha256(data).hexdigest():
         return False
     remove_stale_temporaries(out_dir, item.name)
     record = {k: v for k, v in record.items() if k != "sha256"}

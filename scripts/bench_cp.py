@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bench_harness import NO_MULTICAST, Dev, environment, fmt_err, log
+from bench_harness import NO_GPU, NO_MULTICAST, Dev, environment, fmt_err, log
 
 import flashinfer_cake as cake
 from flashinfer_cake import cp
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     rank, P = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if local >= torch.cuda.device_count():  # torch.cuda.set_device's own error names neither
-        why = ("no CUDA device visible to torch (this benchmark needs a GPU per rank)" if not torch.cuda.device_count()
+        why = (f"{NO_GPU} (this benchmark needs a GPU per rank)" if not torch.cuda.device_count()
                else f"rank {rank} is LOCAL_RANK {local}, but torch sees {torch.cuda.device_count()} CUDA device(s) "
                "(one GPU per rank: torchrun --nproc-per-node at most the GPUs of the machine)")
         print(f"bench_cp.py: {why}", file=sys.stderr, flush=True)

@@ -1260,16 +1260,21 @@ class Bench:
             L.append(f"ERRORS: {len(self.res['errors'])} (see detailed table / JSON)")
         return L + [f"total {elapsed():.0f}s" + (f"; JSON: {self.args.json}" if self.args.json else "")]
 
+# A benchmark's line when torch sees no GPU (then it exits 2).
+NO_GPU = "no CUDA device visible to torch"
+
+
 def main(bench_cls, argv=None):
     args = parse_args(bench_cls, argv)
     if not args.smoke_cpu and not torch.cuda.is_available():
-        print(f"{bench_cls.NAME}: no CUDA device visible to torch (this benchmark needs a GPU; use --smoke-cpu to "
+        print(f"{bench_cls.NAME}: {NO_GPU} (this benchmark needs a GPU; use --smoke-cpu to "
               "test the script's plumbing on a CPU)", file=sys.stderr, flush=True)
         sys.exit(2)
     bench_cls(args).run()
 
 
 if __name__ == "__main__":  # a module the benchmarks import, not one of them
+    asked = sys.argv[1:] in ([], ["-h"], ["--help"])
     print(__doc__.strip() + "\n\nRun a benchmark: scripts/bench_fwd.py, bench_bwd.py or bench_states.py (--help: its "
-          "options).", file=sys.stdout if sys.argv[1:] in ([], ["-h"], ["--help"]) else sys.stderr)
-    sys.exit(0 if sys.argv[1:] in ([], ["-h"], ["--help"]) else 2)
+          "options).", file=sys.stdout if asked else sys.stderr)
+    sys.exit(0 if asked else 2)
