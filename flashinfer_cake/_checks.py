@@ -288,8 +288,9 @@ def check_params(fn: str, weight: torch.Tensor, cu_seqlens: torch.Tensor, bias, 
     if weight.dtype not in PARAM_DTYPES:
         raise ValueError(f"{fn}: weight must have dtype torch.float32 or torch.bfloat16, got {weight.dtype}")
     if weight.shape != (C, 4):
+        layout = "[1, C, S]" if x.dim() == 3 else "[C, S]"
         hint = ("; an nn.Conv1d weight [C, 1, 4] is weight.squeeze(1)" if weight.shape == (C, 1, 4) else
-                f"; x looks channels-first [1, C, S] (the weight's C is x.shape[-2]): {_CHANNELS_FIRST_FIX}"
+                f"; x looks channels-first {layout} (the weight's C is x.shape[-2]): {_CHANNELS_FIRST_FIX}"
                 if weight.shape in ((S, 4), (S, 1, 4)) else "")
         raise ValueError(f"{fn}: weight must have shape [C, 4] = [{shown(C)}, 4] (C from x), "
                          f"got {shown(weight.shape)}{hint}")

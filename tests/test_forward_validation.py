@@ -389,12 +389,13 @@ def test_messages_show_the_fix_for_a_peers_layout(override, words):
         call(args)
 
 
-def test_a_channels_first_x_gets_the_fix_in_the_weights_message():
-    """A contiguous [1, C, S] x (Dao's layout made contiguous): its S is read as C, so the weight's
-    shape is the first rule it breaks, and that message says how to pass x."""
-    args = valid_args(x=torch.randn(1, C, S).to(BF16))
+@pytest.mark.parametrize("shape,layout", [((1, C, S), r"\[1, C, S\]"), ((C, S), r"\[C, S\]")], ids=["3d", "2d"])
+def test_a_channels_first_x_gets_the_fix_in_the_weights_message(shape, layout):
+    """A contiguous [1, C, S] or [C, S] x (Dao's layout made contiguous): its S is read as C, so the
+    weight's shape is the first rule it breaks, and that message names x's layout and how to pass x."""
+    args = valid_args(x=torch.randn(*shape).to(BF16))
     with pytest.raises(ValueError, match=rf"^{FN}: weight must have shape \[C, 4\] = \[{S}, 4\] .*x looks "
-                                         rf"channels-first .*x\.transpose\(-1, -2\)\.contiguous\(\)"):
+                                         rf"channels-first {layout} .*x\.transpose\(-1, -2\)\.contiguous\(\)"):
         call(args)
 
 
