@@ -324,9 +324,9 @@ def run_ninja(build_dir: Path, what: str, *, jobs: int | None = None,
     return time.perf_counter() - start
 
 
-def verified_module(path: Path) -> Path | None:
-    """``path`` if it is a published artifact whose bytes match its record, else None (missing,
-    truncated, corrupt, or interrupted before its record was written)."""
+def verified_artifact(path: Path) -> tuple[dict, bytes] | None:
+    """The record and bytes of a published artifact, the bytes read once and matching the record;
+    None when missing, truncated, corrupt, or interrupted before its record was written."""
     record = read_record(path)
     if not record:
         return None
@@ -337,7 +337,12 @@ def verified_module(path: Path) -> Path | None:
     if record.get("sha256") != hashlib.sha256(data).hexdigest():
         logger.warning("flashinfer_cake: ignoring corrupt module %s (does not match %s)", path, path.with_suffix(".json"))
         return None
-    return path
+    return record, data
+
+
+def verified_module(path: Path) -> Path | None:
+    """``path`` if it is a published artifact whose bytes match its record (verified_artifact), else None."""
+    return path if verified_artifact(path) else None
 
 
 def listing(directory: Path) -> list[str]:

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 from . import env
 from .build import (BuildItem, build_once, build_specs, find_published, hold_lock, listing, publish, read_record,
-                    remove_stale_temporaries, verified_module)
+                    remove_stale_temporaries, verified_artifact, verified_module)
 from .module import KernelModule
 
 logger = logging.getLogger("flashinfer_cake.jit")
@@ -375,15 +375,10 @@ def _copied_from_cache(item: BuildItem, cache: Path, out_dir: Path, progress: Ca
     are not taken (two prebuilds, each into the other's cache, must not wait on each other), so
     the bytes checked are the bytes written."""
     cached = cache / f"{item.name}.so"
-    record = read_record(cached)
-    if not record:
+    artifact = verified_artifact(cached)
+    if artifact is None:
         return False
-    try:
-        data = cached.read_bytes()
-    except OSError:
-        return False
-    if record.get("sha256") != hashlib.sha256(data).hexdigest():
-        return False
+    record, data = artifact
     remove_stale_temporaries(out_dir, item.name)
     record = {k: v for k, v in record.items() if k != "sha256"}
     publish(data, out_dir, item.name, {**record, "copied_from": str(cached)})
