@@ -434,20 +434,34 @@ __device__ __forceinline__ void prefetch_initial_rows(const RowT* init_v, int d,
   }
 }
 
+// A window slot (a row a few tokens back, kept in registers) as read (BF16: the stateful forward's,
+// half the registers) or as FP32 (the others': fewer instructions); the same values either way.
+template <int V>
+__device__ __forceinline__ void set_window_row(Row<V>& slot, const Row<V>& r) { slot = r; }
+template <int V>
+__device__ __forceinline__ void set_window_row(float (&slot)[V], const Row<V>& r) { row_to_float(r, slot); }
+template <int V>
+__device__ __forceinline__ void window_to_float(const Row<V>& slot, float (&f)[V]) { row_to_float(slot, f); }
+template <int V>
+__device__ __forceinline__ void window_to_float(const float (&slot)[V], float (&f)[V]) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) f[j] = slot[j];
+}
+
 // A strip whose first token (code: its scan_documents code, *doc: its document) is 1 or 2 tokens
 // into a document with an initial state (given when `given`): the window rows before the document
 // (xm[1], xm[2]: 3 and 2 tokens back) are the state's last rows, for vector column vec. The forward
 // and the backward start their strips with it.
-template <int V>
+template <int V, class Slot>
 __device__ __forceinline__ void strip_start_state_rows(int code, bool given, const int32_t* doc,
                                                        const Row<V>* __restrict__ init_v, uint32_t vecs_per_row,
-                                                       int vec, float (&xm)[4][V]) {
+                                                       int vec, Slot (&xm)[4]) {
   const int p0 = code & kPosMask;
   if (given && (code & kInDoc) && (p0 == 1 || p0 == 2)) {
     const size_t off = state_row_offset(*doc, 0, vecs_per_row) + vec;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      if (i < 3 - p0) row_to_float(__ldg(init_v + off + (i + p0) * vecs_per_row), xm[i + 1]);
+      if (i < 3 - p0) set_window_row<V>(xm[i + 1], __ldg(init_v + off + (i + p0) * vecs_per_row));
     }
   }
 }
