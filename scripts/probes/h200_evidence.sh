@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The H200 evidence owed since session 70 (NOTES_fwd session 72), one device call, results under $OUT:
+# E5 (fwd_init_rows_preload.diff) against HEAD, the stateful forward's per-reason stall table (ncu), the backward
+# after an L2 flush (bwd_l2_flush.py), and bench_states' forward-with-states configuration for the README row.
+#   bash scripts/probes/h200_evidence.sh          (refuses on another GPU: these figures are the H200's)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/cake_out}; mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
+export FLASHINFER_CAKE_CACHE_DIR=/tmp/cake_cache MAX_JOBS=${MAX_JOBS:-$(nproc)}
+left() { local l=$((570 - SECONDS)); echo $((l > 10 ? l : 10)); }  # seconds left of a 600-second call
+nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/machine.txt" 2>&1; date >> "$OUT/machine.txt"
+cat "$OUT/machine.txt"
+grep -q H200 "$OUT/machine.txt" || { echo "not an H200: nothing run"; exit 2; }
+python3 -m pip install --no-build-isolation --no-deps -q -e ".[test]" > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+rm -rf /tmp/e5 && mkdir -p /tmp/e5 && cp -r include /tmp/e5/ && patch -d /tmp/e5 -p1 -s < scripts/probes/fwd_init_rows_preload.diff
+timeout -k 5 150 python3 scripts/tune.py --op fwd --states --rounds 2 --rest-ms 200 --build-dir /tmp/tb \
+  --inc E5=/tmp/e5/include --configs 128/16/8/4,128/16/8/4/INC=E5 \
+  --shapes 65536x1024x4096,65536x1024x14564,8192x8192x1024,32768x1024x7282,65536x1024x1 \
+  --json "$OUT/tune_e5.json" > "$OUT/tune_e5.log" 2>&1; echo "tune rc $?"; grep "copy" "$OUT/tune_e5.log"
+timeout -k 5 100 ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:"causal_conv1d_fwd_kernel" \
+  --section SpeedOfLight --section WarpStateStats --section Occupancy \
+  --metrics "dram__bytes_read.sum,dram__bytes_write.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+  --csv --page details python3 scripts/probes/ncu_cases.py fwdst > "$OUT/ncu_fwdst.csv" 2> "$OUT/ncu_fwdst.err"
+echo "ncu rc $?"
+timeout -k 5 90 python3 scripts/probes/bwd_l2_flush.py "$OUT/bwd_l2_flush.json" > "$OUT/bwd_l2_flush.log" 2>&1
+echo "flush rc $?"; tail -4 "$OUT/bwd_l2_flush.log"
+budget=$(( $(left) - 90 )); [ "$budget" -ge 30 ] || budget=30  # past it bench_states skips its second round
+timeout -k 5 "$(left)" python3 scripts/bench_states.py --peers fwd+st --variants fp32+b --no-host \
+  --budget-s "$budget" --json "$OUT/bench_states.json" --md "$OUT/bench_states.md" > "$OUT/bench_states.log" 2>&1
+echo "bench_states rc $?"; tail -25 "$OUT/bench_states.log"
