@@ -227,7 +227,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
   // (q+3) % 4 x[u-1], and row r writes x[u] into slot q. Token u's position p (capped at 3)
   // says which of them are in its document: x[u-k] counts iff k <= p. The taps outside are
   // skipped (predicated FMAs), never multiplied by zero, so nothing leaks across documents.
-  // With states as read (BF16 rows): 16 registers where FP32 takes 32 (r280, H100: 0.2-1.2 % less
+  // With states as read (BF16 rows): 16 registers where FP32 takes 32 (r283, H100: 0.3-0.9 % less
   // time); the stateless kernel keeps FP32 (its loop 421 instructions a step against 470 packed).
   std::conditional_t<kStates, Row, float[V]> xm[4];
   // Rows 0..2 (x before t0), each refilling the ring with row i + R - 1.

@@ -2,6 +2,8 @@
 # The H200 evidence owed since session 70 (NOTES_fwd session 72), one device call, results under $OUT:
 # E5 (fwd_init_rows_preload.diff) against HEAD, the stateful forward's per-reason stall table (ncu), the backward
 # after an L2 flush (bwd_l2_flush.py), and bench_states' forward-with-states configuration for the README row.
+# Seven files come back (the device returns eight at most): run.log (machine, install, build, ncu's and the flush
+# probe's output), tune_e5.log / .json, ncu_fwdst.csv, bwd_l2_flush.json, bench_states.log / .json.
 #   bash scripts/probes/h200_evidence.sh          (refuses on another GPU: these figures are the H200's)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -9,11 +11,14 @@ OUT=${OUT:-/tmp/cake_out}; mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."
 export FLASHINFER_CAKE_CACHE_DIR=/tmp/cake_cache MAX_JOBS=${MAX_JOBS:-$(nproc)}
 left() { local l=$((570 - SECONDS)); echo $((l > 10 ? l : 10)); }  # seconds left of a 600-second call
-nvidia-smi --query-gpu=name,driver_version --format=csv > "$OUT/machine.txt" 2>&1; date >> "$OUT/machine.txt"
-cat "$OUT/machine.txt"
-grep -q H200 "$OUT/machine.txt" || { echo "not an H200: nothing run"; exit 2; }
-python3 -m pip install --no-build-isolation --no-deps -q -e ".[test]" > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
-rm -rf /tmp/e5 && mkdir -p /tmp/e5 && cp -r include /tmp/e5/ && patch -d /tmp/e5 -p1 -s < scripts/probes/fwd_init_rows_preload.diff
+log="$OUT/run.log"
+{ nvidia-smi --query-gpu=name,driver_version --format=csv; date; } > "$log" 2>&1; cat "$log"
+grep -q H200 "$log" || { echo "not an H200: nothing run"; exit 2; }
+python3 -m pip install --no-build-isolation --no-deps -q -e ".[test]" >> "$log" 2>&1 || { tail "$log"; exit 1; }
+# the modules ncu and the flush probe load, built before their timeouts start (about 50 s)
+timeout -k 5 150 python3 -m flashinfer_cake build >> "$log" 2>&1 || { echo "build failed"; tail "$log"; exit 1; }
+rm -rf /tmp/e5 && mkdir -p /tmp/e5 && cp -r include /tmp/e5/ &&
+  patch -d /tmp/e5 -p1 -s < scripts/probes/fwd_init_rows_preload.diff || { echo "E5 patch failed"; exit 1; }
 timeout -k 5 150 python3 scripts/tune.py --op fwd --states --rounds 2 --rest-ms 200 --build-dir /tmp/tb \
   --inc E5=/tmp/e5/include --configs 128/16/8/4,128/16/8/4/INC=E5 \
   --shapes 65536x1024x4096,65536x1024x14564,8192x8192x1024,32768x1024x7282,65536x1024x1 \
@@ -21,11 +26,12 @@ timeout -k 5 150 python3 scripts/tune.py --op fwd --states --rounds 2 --rest-ms 
 timeout -k 5 100 ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:"causal_conv1d_fwd_kernel" \
   --section SpeedOfLight --section WarpStateStats --section Occupancy \
   --metrics "dram__bytes_read.sum,dram__bytes_write.sum,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-  --csv --page details python3 scripts/probes/ncu_cases.py fwdst > "$OUT/ncu_fwdst.csv" 2> "$OUT/ncu_fwdst.err"
+  --csv --page details python3 scripts/probes/ncu_cases.py fwdst > "$OUT/ncu_fwdst.csv" 2>> "$log"
 echo "ncu rc $?"
-timeout -k 5 90 python3 scripts/probes/bwd_l2_flush.py "$OUT/bwd_l2_flush.json" > "$OUT/bwd_l2_flush.log" 2>&1
-echo "flush rc $?"; tail -4 "$OUT/bwd_l2_flush.log"
-budget=$(( $(left) - 90 )); [ "$budget" -ge 30 ] || budget=30  # past it bench_states skips its second round
-timeout -k 5 "$(left)" python3 scripts/bench_states.py --peers fwd+st --variants fp32+b --no-host \
-  --budget-s "$budget" --json "$OUT/bench_states.json" --md "$OUT/bench_states.md" > "$OUT/bench_states.log" 2>&1
+timeout -k 5 90 python3 scripts/probes/bwd_l2_flush.py "$OUT/bwd_l2_flush.json" >> "$log" 2>&1
+echo "flush rc $?"; tail -4 "$log"
+# Past --budget-s the harness skips the peers, and fwd+st is one: the budget is what is left, less a margin.
+budget=$(( $(left) - 60 )); [ "$budget" -ge 30 ] || budget=30
+timeout -k 5 "$(left)" python3 scripts/bench_states.py --peers fwd+st --variants fp32+b --no-host --check shape \
+  --budget-s "$budget" --json "$OUT/bench_states.json" > "$OUT/bench_states.log" 2>&1
 echo "bench_states rc $?"; tail -25 "$OUT/bench_states.log"
