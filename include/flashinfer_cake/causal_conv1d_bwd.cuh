@@ -132,6 +132,10 @@ struct BwdTraits {
                 "a warp's strips stay inside the positions array");
 };
 
+#ifndef CAKE_BWD_DX_STREAMING
+#define CAKE_BWD_DX_STREAMING 1  // dx stored with st.global.cs (store_out_row); 0 for plain stores (tune.py A/B)
+#endif
+
 namespace detail {
 
 // silu'(a) = r + a r (1 - r) with r = sigmoid(a) = 1 / (1 + 2^(-a log2 e)): ex2 and rcp are the
@@ -318,7 +322,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
     const int t = st0 + 4 * m + piece_row;
     const Row v =
         s_dxring[(first_slot + piece_row) * T + (threadIdx.x - lane) + (piece_entry + 8 * q)];
-    if (piece_active && st0 < item_end && t < p.S) dxv[static_cast<uint32_t>(t) * dxs + piece_vec] = v;
+    if (piece_active && st0 < item_end && t < p.S)
+      detail::store_out_row<CAKE_BWD_DX_STREAMING != 0>(dxv + (static_cast<uint32_t>(t) * dxs + piece_vec), v);
   };
   const auto prefetch = [&](int t0) {
     if constexpr (kWarpFill) {  // chunks 0 .. R / 4 - 1, one cp.async group each
@@ -654,7 +659,8 @@ causal_conv1d_bwd_kernel(const CausalConv1dBwdParams p) {
           const int slot = flush_slot + 5 + q >= kDxSlots ? flush_slot + 5 + q - kDxSlots : flush_slot + 5 + q;
           s_dxring[slot * T + threadIdx.x] = detail::pack_row<V>(d);
         } else {
-          if (kInside || dx_t < dx_lim) dxv[dx_off] = detail::pack_row<V>(d);
+          if (kInside || dx_t < dx_lim)
+            detail::store_out_row<CAKE_BWD_DX_STREAMING != 0>(dxv + dx_off, detail::pack_row<V>(d));
         }
       }
       if constexpr (kDxSlots > 0) {

@@ -74,6 +74,10 @@ struct FwdTraits {
   static_assert(kRing <= kStripLen + 4, "the first R - 1 rows are rows of the strip");
 };
 
+#ifndef CAKE_FWD_Y_STREAMING
+#define CAKE_FWD_Y_STREAMING 1  // y stored with st.global.cs (store_out_row); 0 for plain stores (tune.py A/B)
+#endif
+
 namespace detail {
 
 // y of one token from its row xt and the rows 1, 2, 3 tokens back (x1, x2, x3: window slots, BF16
@@ -301,7 +305,7 @@ causal_conv1d_fwd_kernel(const CausalConv1dFwdParams p) {
     float xt[V];
     detail::row_to_float(xrow, xt);
     const Row y = detail::conv_silu_row(w, b, xt, xm[s1], xm[s2], xm[s3], pos);
-    if (static_cast<uint32_t>(r + 3) < lim) yv[y_off] = y;
+    if (static_cast<uint32_t>(r + 3) < lim) detail::store_out_row<CAKE_FWD_Y_STREAMING != 0>(yv + y_off, y);
     y_off += p.y_row_stride;
     // Not set_window_row: the stateless kernel copies xt, where converting xrow again costs 16
     // instructions a step (not merged with xt's conversion).
@@ -570,7 +574,7 @@ causal_conv1d_fwd_token_lane_kernel(const CausalConv1dFwdParams p) {
     float xt[V];
     detail::row_to_float(r0, xt);
     const Row y = detail::conv_silu_row(w, b, xt, r1, r2, r3, pos);
-    if (valid) yv[y_off] = y;
+    if (valid) detail::store_out_row<CAKE_FWD_Y_STREAMING != 0>(yv + y_off, y);
     y_off += y_step;
   };
   if constexpr (kStates) {
