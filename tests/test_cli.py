@@ -92,15 +92,9 @@ def test_build_out_copies_what_the_cache_holds(built, tmp_path):
 
 
 # The kernels with local memory under nvcc 13.0 (CI's and the H200's), each with its (stack frame, spill stores, spill
-# loads) bytes; every other kernel has none:
-# the stateful backward on the warp-filled routes of 2 and 4 channel lanes (C <= 16), bf16 taps + fp32 bias, SiLU' at
-# the rounded pre-activation, at the 128-register cap (BwdTraits::kWarpFill's comment: 4-8 bytes, measured).
-KNOWN_LOCAL_MEMORY = {
-    "_ZN15flashinfer_cake24causal_conv1d_bwd_kernelINS_9BwdTraitsILi4ELi2ELi32ELi64ELi12ELi16EEE13__nv_bfloat16fLb1ELb1E"
-    "Lb0EEEvNS_21CausalConv1dBwdParamsE": (8, 4, 4),
-    "_ZN15flashinfer_cake24causal_conv1d_bwd_kernelINS_9BwdTraitsILi4ELi4ELi64ELi64ELi12ELi8EEE13__nv_bfloat16fLb1ELb1E"
-    "Lb0EEEvNS_21CausalConv1dBwdParamsE": (8, 4, 4),
-}
+# loads) bytes; every other kernel has none. None since dx's streaming stores (f3559a4): the stateful backward's two
+# warp-filled kernels with bf16 taps + fp32 bias at the rounded pre-activation had 8-byte frames (8, 4, 4) before.
+KNOWN_LOCAL_MEMORY: dict[str, tuple[int, int, int]] = {}
 
 
 def test_no_kernel_spills_or_uses_a_stack_frame(built):
