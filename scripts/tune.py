@@ -43,6 +43,8 @@ its repeat read within 0.25 % at 32 M elements and more, r127 and r128), and opt
          12 rows or CTAs of 256 threads need: its kernels would exceed 48 KiB of shared memory)
     python scripts/tune.py --op bwd --states --configs 128/64/8/4 [--shapes 8192x4096x1,8192x4096x1024]
     python scripts/tune.py --op bwd --configs 128/64/8/4,128/64/8/4/ITEM_TOKENS=512 --shapes 8192x4096x1
+    python scripts/tune.py --op bwd --configs 128/64/8/4,128/64/8/4/DX_STREAMING=0
+        (dx stored plainly instead of with st.global.cs; --op fwd: Y_STREAMING=0 for y)
     python scripts/tune.py --op fwd --configs 128/16/8/4 --shapes 524288x64x1,524288x64x1x128
         (a fourth field PAD: x, y / dx, dy as column slices of [S, C + PAD] buffers, row stride C + PAD)
     git archive main include | tar -x -C /tmp/main

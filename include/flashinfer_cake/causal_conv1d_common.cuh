@@ -435,9 +435,10 @@ __device__ __forceinline__ void prefetch_initial_rows(const RowT* init_v, int d,
 }
 
 // An output row (y, dx) this call never reads back, stored with the streaming hint (st.global.cs: evict
-// first from L2, so its dirty lines leave before the inputs' rows and the strips' halo re-reads hit more
-// often) or plainly. On an H100 (r286) the hint took 0.6-1.9 % off both directions at 64 M elements
-// (NOTES_bwd / NOTES_fwd session 73).
+// first from L2) or plainly. H100, NOTES_fwd / NOTES_bwd session 73: in the forward the strips' halo re-reads
+// become L2 hits (ncu) and 0.6-1.2 % comes off; the backward gains 1.1-1.9 % at 64 M elements in consecutive
+// calls but loses 0.35-0.64 % at 512 M, and profiled alone does not change (cause not found). The CP fix-up
+// kernel's rows stay plain stores.
 template <bool kStreaming, class T>
 __device__ __forceinline__ void store_out_row(T* p, const T& v) {
   if constexpr (kStreaming) {

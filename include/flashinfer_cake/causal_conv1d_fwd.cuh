@@ -75,7 +75,7 @@ struct FwdTraits {
 };
 
 #ifndef CAKE_FWD_Y_STREAMING
-#define CAKE_FWD_Y_STREAMING 1  // y stored with st.global.cs (store_out_row); 0 for plain stores (tune.py A/B)
+#define CAKE_FWD_Y_STREAMING 1  // y stored with st.global.cs (store_out_row; tune.py: Y_STREAMING=0)
 #endif
 
 namespace detail {
