@@ -112,7 +112,8 @@ struct BwdTraits {
   // short-scoreboard stalls were 43 % of the samples (ncu, H200). Warp-filled (tune.py, H200,
   // graph-replayed): 1048576x16 47.6 -> 40.9 us, 2097152x8 76.8 -> 74.9 us; with states 2097152x8
   // 129 -> 89 us, 1048576x16 with 4096 documents 66.3 -> 71.0 us (the stateful kernel then spilled 4-8
-  // bytes at 128 registers; none since dx's streaming stores, f3559a4). With 8 lanes (C = 32, 4 strips per warp) 1-2 % slower: not taken.
+  // bytes at 128 registers; none since dx's streaming stores, f3559a4). With 8 lanes (C = 32, 4 strips
+  // per warp) 1-2 % slower: not taken.
   static constexpr bool kWarpFill = kLanesC <= 4;
   // A strip walks one even run of its group's tokens (the kernel says why): not where the warp fills its
   // strips' rings together, nor on the small-grid sub-tiles (under 256 tokens) or where one sub-tile is a
