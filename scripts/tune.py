@@ -182,8 +182,8 @@ def build(args) -> dict:
     return {c: jit.core.open_artifact(spec, built[spec]) for c, spec in specs.items()}
 
 
-def buffers(S: int, C: int, docs: int, pad: int, args) -> argparse.Namespace:
-    """Rotated inputs and outputs of one shape (k sets: 400 MB or more in all), the parameters, a
+def buffers(S: int, C: int, docs: int, pad: int, args, k: int | None = None) -> argparse.Namespace:
+    """Rotated inputs and outputs of one shape (k sets: by default 400 MB or more in all), the parameters, a
     random document mix, states, and a copy of the op's DRAM bytes (4 S C forward, 6 S C backward).
     pad > 0: x, y / dx and dy are column slices at column pad / 2 of [S, C + pad] buffers (row
     stride C + pad); the copy stays contiguous.
@@ -192,7 +192,7 @@ def buffers(S: int, C: int, docs: int, pad: int, args) -> argparse.Namespace:
     r120: 101-104 % of the copy's rate). Forward with pad (a multiple of 16): copy-str, y = x between the
     slices as 16-byte elements (one per row vector; torch's strided copy kernel, where the contiguous
     copy is its plain one)."""
-    k = max(1, int(4e8 // (4 * S * C)) + 1)
+    k = k or max(1, int(4e8 // (4 * S * C)) + 1)
     b = argparse.Namespace(S=S, C=C, docs=docs, pad=pad, k=k, item_tokens=_plan.plan_of(S, C).item_tokens)
 
     def rows(fill):

@@ -1,24 +1,110 @@
-"""Does the backward's time depend on where x, dy and dx lie relative to each other? (session 74)
-bench_states read 16384x4096's contiguous backward bimodal (0.152 / 0.159 ms, H100 r289) between mixes
-that differ only in their buffers. Here x, dy and dx are carved out of one arena at random offsets
-(multiples of 4 KB below 16 MB past their back-to-back places), and each placement times the backward
-(FP32 taps + bias, one document) and torch.add(x, dy, out=dx) over the same three buffers, medians of
-per-call CUDA events back to back; and two Triton stand-ins for the memory pattern (dx = x + dy in
-512-byte tiles of 256 channels, 4 rows a step): "runs" walks it as the backward's long walks do (a
-token group of 1024 rows per channel tile, 4 runs of 256 rows walked at once, so the rows in flight lie
-256 rows apart), "front" walks the same rows in 16-row pieces dealt round robin (the rows in flight
-are one contiguous front).
-    python3 scripts/probes/bwd_placement.py [out.json] [configs per shape]"""
-import json, random, statistics, sys
+"""Does the backward's time depend on where x, dy and dx lie? (NOTES_bwd session 74)
+bench_states read 16384x4096's contiguous backward bimodal (0.152 / 0.159 ms, H100 r289) between mixes that
+differ only in their buffers. Here x, dy and dx are views into one arena, each in its own slot (slots 2 S C + 16 MB
+bytes apart); x sits at its slot's start, dy and dx at random 4 KB-page offsets below 16 MB into theirs (the first
+placement: all at offset 0). These are virtual offsets: the DRAM sees physical addresses, mapped in 2 MB pages.
+Per placement, medians of 15 per-call CUDA events back to back on the same buffers (µs) of:
+- the backward (FP32 taps + bias, one document);
+- torch.add(x, dy, out=dx): the same bytes;
+- two Triton stand-ins of dx = x + dy in the backward's 512-byte tiles (256 channels, 4 rows a step), one warp a
+  program, every program in flight at once: "runs" walks 256-row runs (as each strip of the backward's long walks
+  does), "front" the same rows in 16-row pieces dealt round robin (the rows in flight: one contiguous front).
+    python3 scripts/probes/bwd_placement.py [--configs N] [--json out.json]      (r292 / r293)
+    python3 scripts/probes/bwd_placement.py --move dx --configs 32 --shapes 16384x4096   (r294: dx's offset only,
+        below 2 MB; --move dy likewise; the backward alone)
+    python3 scripts/probes/bwd_placement.py --at 2590 3317 --shapes 16384x4096     (one placement, dy's and dx's
+        offsets in pages, the backward alone: to run under ncu)
+scripts/probes/placement_ab.py times tune.py's configs over such placements."""
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
+
 import flashinfer_cake as fc
 
-dev = "cuda"
-CONFIGS = int(sys.argv[2]) if len(sys.argv) > 2 else 48
-SPAN = 16 << 20  # bytes of room past each buffer
-rng = random.Random(0)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/
+from bench_harness import Dev, measure  # noqa: E402
+
+SPAN = 16 << 20  # bytes of room past each buffer's slot
+PAGE = 4096
+DEV = Dev(smoke_cpu=False)
+
+
+def arena(S: int, C: int) -> torch.Tensor:
+    return torch.empty(3 * (2 * S * C + SPAN), dtype=torch.uint8, device="cuda")
+
+
+def views(buf: torch.Tensor, S: int, C: int, pages: list[int]) -> list[torch.Tensor]:
+    """x, dy, dx as [S, C] BF16 views of buf, each pages[i] 4 KB pages into its slot."""
+    slot = 2 * S * C + SPAN
+    return [buf[i * slot + p * PAGE:i * slot + p * PAGE + 2 * S * C].view(torch.bfloat16).view(S, C)
+            for i, p in enumerate(pages)]
+
+
+def random_pages(rng: random.Random, move: str = "dy,dx", below: int = SPAN) -> list[int]:
+    """Page offsets of x (always 0), dy and dx: random below `below` bytes for the buffers named in move."""
+    return [0] + [rng.randrange(below // PAGE) if name in move.split(",") else 0 for name in ("dy", "dx")]
+
+
+def median_us(fn) -> float:
+    """Median of 15 per-call CUDA events back to back, after 3 warm calls."""
+    return measure(DEV, lambda i: fn(), 1, argparse.Namespace(), warm=3, reps=15)["ms"] * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="16384x4096,65536x1024,8192x8192,32768x2048")
+    p.add_argument("--configs", type=int, default=48, help="placements per shape (the first: all at offset 0)")
+    p.add_argument("--move", help="dy or dx: only that buffer moves, below 2 MB; the backward alone")
+    p.add_argument("--at", type=int, nargs=2, metavar=("DY_PAGES", "DX_PAGES"), help="one placement, the backward alone")
+    p.add_argument("--json")
+    args = p.parse_args()
+    rng = random.Random(0)
+    out = {"device": torch.cuda.get_device_name(), "rows": []}
+    for S, C in (tuple(map(int, s.split("x"))) for s in args.shapes.split(",")):
+        buf = arena(S, C)
+        g = torch.Generator(device="cuda").manual_seed(S)
+        w = torch.randn(C, 4, device="cuda", generator=g) * 0.3
+        b = torch.randn(C, device="cuda", generator=g) * 0.1
+        cu = torch.tensor([0, S], device="cuda", dtype=torch.int32)
+        ws = fc.cake_causal_conv1d_train_backward_workspace(S, C, "cuda")
+        fn = None
+        placements = ([[0, *args.at]] if args.at else
+                      [[0, 0, 0]] + [random_pages(rng, args.move or "dy,dx", 2 << 20 if args.move else SPAN)
+                                     for _ in range(args.configs - 1)])
+        for k, pages in enumerate(placements):
+            x, dy, dx = views(buf, S, C, pages)
+            x.normal_(generator=g)
+            dy.normal_(generator=g)
+            row = {"shape": f"{S}x{C}", "pages": pages,
+                   "bwd_us": median_us(lambda: fc.cake_causal_conv1d_train_backward(x, w, cu, dy, bias=b, dx=dx,
+                                                                                     workspace=ws))}
+            if not (args.move or args.at):
+                row["add_us"] = median_us(lambda: torch.add(x, dy, out=dx))
+                for name, front in (("runs", False), ("front", True)):
+                    fn = stand_in(x, dy, dx, front)
+                    if k == 0:
+                        dx.fill_(float("nan"))
+                        fn()
+                        assert torch.allclose(dx.float(), x.float() + dy.float(), rtol=1e-2, atol=1e-2), name
+                    row[f"{name}_us"] = median_us(fn)
+            out["rows"].append(row)
+            print(f"{S}x{C} dy {pages[1]:4d} dx {pages[2]:4d} pages  " +
+                  "  ".join(f"{key[:-3]} {v:7.1f}" for key, v in row.items() if key.endswith("_us")), flush=True)
+        rs = [r for r in out["rows"] if r["shape"] == f"{S}x{C}"]
+        for key in (k for k in rs[0] if k.endswith("_us")):
+            v = sorted(r[key] for r in rs)
+            print(f"== {S}x{C} {key}: min {v[0]:.1f} median {statistics.median(v):.1f} max {v[-1]:.1f}", flush=True)
+        buf = x = dy = dx = fn = None  # the stand-in's closure holds the views too
+        torch.cuda.empty_cache()
+    if args.json:
+        json.dump(out, open(args.json, "w"), indent=1)
 
 
 @triton.jit
@@ -39,58 +125,8 @@ def stand_in(x, dy, dx, front):
     S, C = x.shape
     run = 256
     return lambda: walk[(S // run, C // 256)](x, dy, dx, C, S // run, RUN=run, PIECE=16, FRONT=front, BC=256, R=4,
-                                                      num_warps=1)
+                                              num_warps=1)
 
 
-def median_us(fn, calls=15, skip=3):
-    ev = []
-    for _ in range(calls + skip):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        ev.append((e0, e1))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(z) * 1e3 for a, z in ev[skip:])
-
-
-out = {"device": torch.cuda.get_device_name(), "rows": []}
-for S, C in ((16384, 4096), (65536, 1024), (8192, 8192), (32768, 2048)):
-    n = S * C
-    arena = torch.empty(3 * (n * 2 + SPAN), dtype=torch.uint8, device=dev)
-    g = torch.Generator(device=dev).manual_seed(S)
-    w = torch.randn(C, 4, device=dev, generator=g) * 0.3
-    b = torch.randn(C, device=dev, generator=g) * 0.1
-    cu = torch.tensor([0, S], device=dev, dtype=torch.int32)
-    ws = fc.cake_causal_conv1d_train_backward_workspace(S, C, dev)
-    for k in range(CONFIGS):
-        offs = [0] + [rng.randrange(0, SPAN, 4096) for _ in range(2)] if k else [0, 0, 0]
-        views = []
-        for i, o in enumerate(offs):
-            start = i * (n * 2 + SPAN) + o
-            views.append(arena[start:start + 2 * n].view(torch.bfloat16).view(S, C))
-        x, dy, dx = views
-        x.normal_(generator=g)
-        dy.normal_(generator=g)
-        bwd = median_us(lambda: fc.cake_causal_conv1d_train_backward(x, w, cu, dy, bias=b, dx=dx, workspace=ws))
-        add = median_us(lambda: torch.add(x, dy, out=dx))
-        row = {"shape": f"{S}x{C}", "va": [v.data_ptr() for v in views], "bwd_us": bwd, "add_us": add}
-        for name, front in (("runs", False), ("front", True)):
-            fn = stand_in(x, dy, dx, front)
-            if k == 0:
-                dx.fill_(float("nan"))
-                fn()
-                assert torch.allclose(dx.float(), x.float() + dy.float(), rtol=1e-2, atol=1e-2), name
-            row[f"{name}_us"] = median_us(fn)
-        out["rows"].append(row)
-        print(f"{S}x{C} dy-x {(row['va'][1] - row['va'][0]) % (64 << 20):>9d} dx-x "
-              f"{(row['va'][2] - row['va'][0]) % (64 << 20):>9d}  bwd {bwd:7.1f}  add {add:7.1f}  "
-              f"runs {row['runs_us']:7.1f}  front {row['front_us']:7.1f}", flush=True)
-    del arena, views, x, dy, dx
-    torch.cuda.empty_cache()
-    rs = [r for r in out["rows"] if r["shape"] == f"{S}x{C}"]
-    for key in ("bwd_us", "add_us", "runs_us", "front_us"):
-        v = sorted(r[key] for r in rs)
-        print(f"== {S}x{C} {key}: min {v[0]:.1f} median {statistics.median(v):.1f} max {v[-1]:.1f}", flush=True)
-if len(sys.argv) > 1:
-    json.dump(out, open(sys.argv[1], "w"), indent=1)
+if __name__ == "__main__":
+    main()
