@@ -12,7 +12,7 @@ Per placement, medians of 15 per-call CUDA events back to back on the same buffe
     python3 scripts/probes/bwd_placement.py [--configs N] [--json out.json]      (r292 / r293)
     python3 scripts/probes/bwd_placement.py --move dx --configs 32 --shapes 16384x4096   (r294: dx's offset only,
         below 2 MB; --move dy likewise; the backward alone)
-    python3 scripts/probes/bwd_placement.py --at 2590 3317 --shapes 16384x4096     (one placement, dy's and dx's
+    python3 scripts/probes/bwd_placement.py --at 2590 1675 --shapes 16384x4096     (one placement, dy's and dx's
         offsets in pages, the backward alone: to run under ncu)
 scripts/probes/placement_ab.py times tune.py's configs over such placements."""
 import argparse
