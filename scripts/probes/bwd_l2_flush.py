@@ -1,6 +1,8 @@
 """Backward on contiguous rows, column 64 of [S, C+128], column 128 of [S, C+256] (65536x1024, one
 document): per-call CUDA-event time back to back, and after an L2 flush (a 256 MB write, then the
 flush's dirty lines written back by a 256 MB read) between calls. Medians of 40 calls, 3 rotated sets.
+"add" is torch.add(x, dy, out=dx) on the contiguous sets: the same bytes, to tell whether the time a call
+loses back to back (the previous call's dirty lines still in L2) is the backward's or any such walk's.
     python3 scripts/probes/bwd_l2_flush.py [out.json]     (session 69, r275 / r276: H100 only)"""
 import json, statistics, sys
 import torch
@@ -23,9 +25,20 @@ def rows(pad, col):
 
 
 out = {}
-for name, pad, col in (("contiguous", 0, 0), ("col64", 128, 64), ("col128", 256, 128)):
+ws = fc.cake_causal_conv1d_train_backward_workspace(S, C, dev)
+
+
+def bwd(x, dy, dx):
+    fc.cake_causal_conv1d_train_backward(x, w, cu, dy, bias=b, dx=dx, workspace=ws)
+
+
+def add(x, dy, dx):
+    torch.add(x, dy, out=dx)
+
+
+for name, pad, col, call in (("contiguous", 0, 0, bwd), ("col64", 128, 64, bwd), ("col128", 256, 128, bwd),
+                             ("add", 0, 0, add)):
     sets = [(rows(pad, col), rows(pad, col), rows(pad, col)) for _ in range(3)]
-    ws = fc.cake_causal_conv1d_train_backward_workspace(S, C, dev)
     for flush in (False, True):
         times = []
         for i in range(43):
@@ -35,7 +48,7 @@ for name, pad, col in (("contiguous", 0, 0), ("col64", 128, 64), ("col128", 256,
                 scratch.sum(dtype=torch.int32)
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-            fc.cake_causal_conv1d_train_backward(x, w, cu, dy, bias=b, dx=dx, workspace=ws)
+            call(x, dy, dx)
             e1.record()
             times.append((e0, e1))
         torch.cuda.synchronize()

@@ -14,6 +14,9 @@ Per placement, medians of 15 per-call CUDA events back to back on the same buffe
         below 2 MB; --move dy likewise; the backward alone)
     python3 scripts/probes/bwd_placement.py --at 2590 1675 --shapes 16384x4096     (one placement, dy's and dx's
         offsets in pages, the backward alone: to run under ncu)
+    python3 scripts/probes/bwd_placement.py --slice 64 --configs 16    (issue 15's slices: per placement, the backward
+        on contiguous x, dy, dx and on column slices at column 64 of [S, C + 128] rows starting at the same offsets,
+        checked bitwise equal; the median over placements of the slice / contiguous ratio)
 scripts/probes/placement_ab.py times tune.py's configs over such placements."""
 import argparse
 import json
@@ -36,15 +39,19 @@ PAGE = 4096
 DEV = Dev(smoke_cpu=False)
 
 
-def arena(S: int, C: int) -> torch.Tensor:
-    return torch.empty(3 * (2 * S * C + SPAN), dtype=torch.uint8, device="cuda")
+def arena(S: int, C: int, pitch: int | None = None) -> torch.Tensor:
+    """Three slots, each room for an [S, pitch] BF16 buffer (pitch: C if None) and SPAN bytes past it."""
+    return torch.empty(3 * (2 * S * (pitch or C) + SPAN), dtype=torch.uint8, device="cuda")
 
 
-def views(buf: torch.Tensor, S: int, C: int, pages: list[int]) -> list[torch.Tensor]:
-    """x, dy, dx as [S, C] BF16 views of buf, each pages[i] 4 KB pages into its slot."""
-    slot = 2 * S * C + SPAN
-    return [buf[i * slot + p * PAGE:i * slot + p * PAGE + 2 * S * C].view(torch.bfloat16).view(S, C)
-            for i, p in enumerate(pages)]
+def views(buf: torch.Tensor, S: int, C: int, pages: list[int], pitch: int | None = None,
+          col: int = 0) -> list[torch.Tensor]:
+    """x, dy, dx as [S, C] BF16 views of buf, each pages[i] 4 KB pages into its slot: contiguous, or (pitch given)
+    columns col..col + C of [S, pitch] rows."""
+    pitch = pitch or C
+    slot = 2 * S * pitch + SPAN
+    return [buf[i * slot + p * PAGE:i * slot + p * PAGE + 2 * S * pitch].view(torch.bfloat16).view(S, pitch)
+            [:, col:col + C] for i, p in enumerate(pages)]
 
 
 def random_pages(rng: random.Random, move: str = "dy,dx", below: int = SPAN) -> list[int]:
@@ -63,12 +70,17 @@ def main():
     p.add_argument("--configs", type=int, default=48, help="placements per shape (the first: all at offset 0)")
     p.add_argument("--move", help="dy or dx: only that buffer moves, below 2 MB; the backward alone")
     p.add_argument("--at", type=int, nargs=2, metavar=("DY_PAGES", "DX_PAGES"), help="one placement, the backward alone")
+    p.add_argument("--slice", type=int, metavar="COL", help="the backward on contiguous buffers and on column slices "
+                   "at COL of [S, C + 2 COL] rows at the same offsets (alone)")
     p.add_argument("--json")
     args = p.parse_args()
     rng = random.Random(0)
     out = {"device": torch.cuda.get_device_name(), "rows": []}
+    if args.slice is not None and (args.slice <= 0 or args.slice % 8):
+        p.error(f"--slice: a positive multiple of 8 channels (16-byte rows), got {args.slice}")
+    pitch = lambda C: C + 2 * args.slice if args.slice else None  # noqa: E731
     for S, C in (tuple(map(int, s.split("x"))) for s in args.shapes.split(",")):
-        buf = arena(S, C)
+        buf = arena(S, C, pitch(C))
         g = torch.Generator(device="cuda").manual_seed(S)
         w = torch.randn(C, 4, device="cuda", generator=g) * 0.3
         b = torch.randn(C, device="cuda", generator=g) * 0.1
@@ -82,10 +94,22 @@ def main():
             x, dy, dx = views(buf, S, C, pages)
             x.normal_(generator=g)
             dy.normal_(generator=g)
+            dx.fill_(float("nan"))
             row = {"shape": f"{S}x{C}", "pages": pages,
                    "bwd_us": median_us(lambda: fc.cake_causal_conv1d_train_backward(x, w, cu, dy, bias=b, dx=dx,
                                                                                      workspace=ws))}
-            if not (args.move or args.at):
+            if args.slice:
+                ref, xv, dyv = dx.clone(), x.clone(), dy.clone()
+                x, dy, dx = views(buf, S, C, pages, pitch(C), args.slice)
+                x.copy_(xv)
+                dy.copy_(dyv)
+                dx.fill_(float("nan"))
+                row["slice_us"] = median_us(lambda: fc.cake_causal_conv1d_train_backward(x, w, cu, dy, bias=b, dx=dx,
+                                                                                          workspace=ws))
+                if not torch.equal(dx, ref):
+                    raise SystemExit(f"{S}x{C} pages {pages}: the slices' dx differs from the contiguous dx")
+                ref = xv = dyv = None
+            elif not (args.move or args.at):
                 row["add_us"] = median_us(lambda: torch.add(x, dy, out=dx))
                 for name, front in (("runs", False), ("front", True)):
                     fn = stand_in(x, dy, dx, front)
@@ -101,6 +125,10 @@ def main():
         for key in (k for k in rs[0] if k.endswith("_us")):
             v = sorted(r[key] for r in rs)
             print(f"== {S}x{C} {key}: min {v[0]:.1f} median {statistics.median(v):.1f} max {v[-1]:.1f}", flush=True)
+        if args.slice:
+            d = sorted(r["slice_us"] / r["bwd_us"] for r in rs)
+            print(f"== {S}x{C} slice / contiguous: min {d[0]:.3f} median {statistics.median(d):.3f} max {d[-1]:.3f}",
+                  flush=True)
         buf = x = dy = dx = fn = None  # the stand-in's closure holds the views too
         torch.cuda.empty_cache()
     if args.json:
