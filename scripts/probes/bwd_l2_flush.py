@@ -1,8 +1,9 @@
 """Backward on contiguous rows, column 64 of [S, C+128], column 128 of [S, C+256] (65536x1024, one
 document): per-call CUDA-event time back to back, and after an L2 flush (a 256 MB write, then the
 flush's dirty lines written back by a 256 MB read) between calls. Medians of 40 calls, 3 rotated sets.
-"add" is torch.add(x, dy, out=dx) on the contiguous sets: the same bytes, to tell whether the time a call
-loses back to back (the previous call's dirty lines still in L2) is the backward's or any such walk's.
+"add" is torch.add(x, dy, out=dx) on the contiguous rows' sets: the same bytes on the same buffers, to tell
+whether the time a call loses back to back (the previous call's dirty lines still in L2) is the backward's or any
+such walk's (added in session 75, not yet run).
     python3 scripts/probes/bwd_l2_flush.py [out.json]     (session 69, r275 / r276: H100 only)"""
 import json, statistics, sys
 import torch
@@ -36,10 +37,10 @@ def add(x, dy, dx):
     torch.add(x, dy, out=dx)
 
 
-for name, pad, col, call in (("contiguous", 0, 0, bwd), ("col64", 128, 64, bwd), ("col128", 256, 128, bwd),
-                             ("add", 0, 0, add)):
+for layout, pad, col in (("contiguous", 0, 0), ("col64", 128, 64), ("col128", 256, 128)):
     sets = [(rows(pad, col), rows(pad, col), rows(pad, col)) for _ in range(3)]
-    for flush in (False, True):
+    for name, call, flush in [(layout, bwd, False), (layout, bwd, True)] + (
+            [("add", add, False), ("add", add, True)] if layout == "contiguous" else []):
         times = []
         for i in range(43):
             x, dy, dx = sets[i % 3]

@@ -1,7 +1,7 @@
 """Does the backward's time depend on where x, dy and dx lie? (NOTES_bwd session 74)
 bench_states read 16384x4096's contiguous backward bimodal (0.152 / 0.159 ms, H100 r289) between mixes that
 differ only in their buffers. Here x, dy and dx are views into one arena, each in its own slot (slots 2 S C + 16 MB
-bytes apart); x sits at its slot's start, dy and dx at random 4 KB-page offsets below 16 MB into theirs (the first
+bytes apart; with --slice, 2 S (C + 2 COL) + 16 MB); x sits at its slot's start, dy and dx at random 4 KB-page offsets below 16 MB into theirs (the first
 placement: all at offset 0). These are virtual offsets: the DRAM sees physical addresses, mapped in 2 MB pages.
 Per placement, medians of 15 per-call CUDA events back to back on the same buffers (µs) of:
 - the backward (FP32 taps + bias, one document);
@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/
 from bench_harness import Dev, measure  # noqa: E402
 
 SPAN = 16 << 20  # bytes of room past each buffer's slot
+POISON = 0x7FC1  # a BF16 NaN's bits: the slice check's fill of dx's rows
 PAGE = 4096
 DEV = Dev(smoke_cpu=False)
 
@@ -49,7 +50,7 @@ def views(buf: torch.Tensor, S: int, C: int, pages: list[int], pitch: int | None
     """x, dy, dx as [S, C] BF16 views of buf, each pages[i] 4 KB pages into its slot: contiguous, or (pitch given)
     columns col..col + C of [S, pitch] rows."""
     pitch = pitch or C
-    slot = 2 * S * pitch + SPAN
+    slot = buf.numel() // 3  # the arena's, so that contiguous views and slices of one placement start together
     return [buf[i * slot + p * PAGE:i * slot + p * PAGE + 2 * S * pitch].view(torch.bfloat16).view(S, pitch)
             [:, col:col + C] for i, p in enumerate(pages)]
 
@@ -99,16 +100,19 @@ def main():
                    "bwd_us": median_us(lambda: fc.cake_causal_conv1d_train_backward(x, w, cu, dy, bias=b, dx=dx,
                                                                                      workspace=ws))}
             if args.slice:
-                ref, xv, dyv = dx.clone(), x.clone(), dy.clone()
+                ref, xv, dyv = dx.view(torch.int16).clone(), x.clone(), dy.clone()
+                dx_rows = views(buf, S, pitch(C), pages)[2]  # dx's whole [S, C + 2 COL] rows: the padding is checked
                 x, dy, dx = views(buf, S, C, pages, pitch(C), args.slice)
                 x.copy_(xv)
                 dy.copy_(dyv)
-                dx.fill_(float("nan"))
+                dx_rows.view(torch.int16).fill_(POISON)
                 row["slice_us"] = median_us(lambda: fc.cake_causal_conv1d_train_backward(x, w, cu, dy, bias=b, dx=dx,
                                                                                           workspace=ws))
-                if not torch.equal(dx, ref):
-                    raise SystemExit(f"{S}x{C} pages {pages}: the slices' dx differs from the contiguous dx")
-                ref = xv = dyv = None
+                pad = torch.cat([dx_rows[:, :args.slice], dx_rows[:, args.slice + C:]], 1).view(torch.int16)
+                if not torch.equal(dx.view(torch.int16), ref) or not bool((pad == POISON).all()):
+                    raise SystemExit(f"{S}x{C} pages {pages}: the slices' dx differs from the contiguous dx, or the "
+                                     f"columns around the slice were written")
+                ref = xv = dyv = dx_rows = pad = None
             elif not (args.move or args.at):
                 row["add_us"] = median_us(lambda: torch.add(x, dy, out=dx))
                 for name, front in (("runs", False), ("front", True)):
