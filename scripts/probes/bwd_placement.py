@@ -1,8 +1,9 @@
 """Does the backward's time depend on where x, dy and dx lie? (NOTES_bwd session 74)
 bench_states read 16384x4096's contiguous backward bimodal (0.152 / 0.159 ms, H100 r289) between mixes that
 differ only in their buffers. Here x, dy and dx are views into one arena, each in its own slot (slots 2 S C + 16 MB
-bytes apart; with --slice, 2 S (C + 2 COL) + 16 MB); x sits at its slot's start, dy and dx at random 4 KB-page offsets below 16 MB into theirs (the first
-placement: all at offset 0). These are virtual offsets: the DRAM sees physical addresses, mapped in 2 MB pages.
+bytes apart; with --slice, 2 S (C + 2 COL) + 16 MB); x sits at its slot's start, dy and dx at random 4 KB-page
+offsets below 16 MB into theirs (the first placement: all at offset 0). These are virtual offsets: the DRAM sees
+physical addresses, mapped in 2 MB pages.
 Per placement, medians of 15 per-call CUDA events back to back on the same buffers (µs) of:
 - the backward (FP32 taps + bias, one document);
 - torch.add(x, dy, out=dx): the same bytes;
