@@ -17,7 +17,7 @@ Per placement, medians of 15 per-call CUDA events back to back on the same buffe
         offsets in pages, the backward alone: to run under ncu)
     python3 scripts/probes/bwd_placement.py --slice 64 --configs 16    (issue 15's slices: per placement, the backward
         on contiguous x, dy, dx and on column slices at column 64 of [S, C + 128] rows starting at the same offsets,
-        checked bitwise equal; the median over placements of the slice / contiguous ratio)
+        checked bitwise equal; the median over placements of the slice / contiguous ratio; r301 ran --configs 12)
 scripts/probes/placement_ab.py times tune.py's configs over such placements."""
 import argparse
 import json
