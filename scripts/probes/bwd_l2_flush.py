@@ -1,21 +1,35 @@
-"""Backward on contiguous rows, column 64 of [S, C+128], column 128 of [S, C+256] (65536x1024, one
-document): per-call CUDA-event time back to back, and after an L2 flush (a 256 MB write, then the
-flush's dirty lines written back by a 256 MB read) between calls. Medians of 40 calls, 3 rotated sets.
+"""The backward and the L2 it starts on (one document, FP32 taps + bias; medians of 40 per-call CUDA events, 3
+rotated sets). Default run, on contiguous rows, column 64 of [S, C+128] and column 128 of [S, C+256]: the call
+back to back, and after an L2 flush (a 256 MB write, then the flush's dirty lines written back by a 256 MB read).
 "add" is torch.add(x, dy, out=dx) on the contiguous rows' sets: the same bytes on the same buffers, to tell
 whether the time a call loses back to back (the previous call's dirty lines still in L2) is the backward's or any
 such walk's (r301, H100: the add loses 6.1 µs back to back, the backward 15.0; NOTES_bwd session 76).
-    python3 scripts/probes/bwd_l2_flush.py [out.json]     (session 69, r275 / r276: H100 only)"""
-import json, statistics, sys
+"next-copy" times a 64 MB copy right after each flushed call against the same copy after a flush: the excess is the
+write-back of the dirty lines the call left in L2, a cost the flushed call's own time does not carry (session 76).
+--dirty MB,...: after each flush, a write of that many MB (dirty lines, as a previous kernel leaves them), then the
+backward and the add on the contiguous rows: how each call's time grows with the dirty lines it starts on.
+    python3 scripts/probes/bwd_l2_flush.py [out.json]     (session 69, r275 / r276: H100 only)
+    python3 scripts/probes/bwd_l2_flush.py --shape 16384x4096 --dirty 0,4,8,16,32,64 out.json"""
+import argparse
+import json
+import statistics
+
 import torch
 import flashinfer_cake as fc
 
-S, C = 65536, 1024
+p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+p.add_argument("json", nargs="?", help="write the medians here")
+p.add_argument("--shape", default="65536x1024", help="SxC (default %(default)s)")
+p.add_argument("--dirty", help="comma-separated MB written after each flush (the sweep instead of the default run)")
+args = p.parse_args()
+S, C = (int(v) for v in args.shape.split("x"))
 dev = "cuda"
 g = torch.Generator(device=dev).manual_seed(0)
 w = torch.randn(C, 4, device=dev, generator=g) * 0.3
 b = torch.randn(C, device=dev, generator=g) * 0.1
 cu = torch.tensor([0, S], device=dev, dtype=torch.int32)
 scratch = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+ws = fc.cake_causal_conv1d_train_backward_workspace(S, C, dev)
 
 
 def rows(pad, col):
@@ -23,10 +37,6 @@ def rows(pad, col):
     v = buf[:, col:col + C]
     v.copy_(torch.randn(S, C, device=dev, generator=g))
     return v
-
-
-out = {}
-ws = fc.cake_causal_conv1d_train_backward_workspace(S, C, dev)
 
 
 def bwd(x, dy, dx):
@@ -37,25 +47,62 @@ def add(x, dy, dx):
     torch.add(x, dy, out=dx)
 
 
-for layout, pad, col in (("contiguous", 0, 0), ("col64", 128, 64), ("col128", 256, 128)):
-    sets = [(rows(pad, col), rows(pad, col), rows(pad, col)) for _ in range(3)]
-    for name, call, flush in [(layout, bwd, False), (layout, bwd, True)] + (
-            [("add", add, False), ("add", add, True)] if layout == "contiguous" else []):
-        times = []
-        for i in range(43):
-            x, dy, dx = sets[i % 3]
-            if flush:
-                scratch.fill_(i & 255)
-                scratch.sum(dtype=torch.int32)
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            call(x, dy, dx)
-            e1.record()
-            times.append((e0, e1))
-        torch.cuda.synchronize()
-        us = [a.elapsed_time(z) * 1e3 for a, z in times[3:]]
-        out[f"{name}/{'flushed' if flush else 'back-to-back'}"] = statistics.median(us)
+def flush(i):
+    scratch.fill_(i & 255)
+    scratch.sum(dtype=torch.int32)
+
+
+def timed(fn, *a):
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    fn(*a)
+    e1.record()
+    return e0, e1
+
+
+def median_us(pairs):
+    return statistics.median(a.elapsed_time(z) * 1e3 for a, z in pairs)
+
+
+def series(sets, call, before=None, after=None):
+    """Median µs of 40 calls (3 warm-up) over the rotated sets; before(i) runs untimed before each, after() is
+    timed after each (its median returned too)."""
+    times, afters = [], []
+    for i in range(43):
+        if before:
+            before(i)
+        times.append(timed(call, *sets[i % 3]))
+        if after:
+            afters.append(after())
+    torch.cuda.synchronize()
+    return median_us(times[3:]), (median_us(afters[3:]) if after else None)
+
+
+out = {"shape": args.shape}
+if args.dirty:
+    dirty = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    sets = [(rows(0, 0), rows(0, 0), rows(0, 0)) for _ in range(3)]
+    for name, call in (("backward", bwd), ("add", add)):
+        out[f"{name}/back-to-back"] = series(sets, call)[0]
+    for mb in (int(v) for v in args.dirty.split(",")):
+        def before(i, n=mb << 20):
+            flush(i)
+            if n:
+                dirty[:n].fill_(i & 255)
+        for name, call in (("backward", bwd), ("add", add)):
+            out[f"{name}/dirty {mb} MB"] = series(sets, call, before)[0]
+else:
+    copy_src, copy_dst = (torch.empty(64 << 20, dtype=torch.uint8, device=dev) for _ in range(2))
+    copy = lambda: timed(copy_dst.copy_, copy_src)
+    # the baseline: the copy after a flush (L2 then holds only the clean lines of the flush's read)
+    out["flush/next-copy"] = series([()] * 3, lambda: None, flush, copy)[1]
+    for layout, pad, col in (("contiguous", 0, 0), ("col64", 128, 64), ("col128", 256, 128)):
+        sets = [(rows(pad, col), rows(pad, col), rows(pad, col)) for _ in range(3)]
+        for name, call in [(layout, bwd)] + ([("add", add)] if layout == "contiguous" else []):
+            out[f"{name}/back-to-back"] = series(sets, call)[0]
+            out[f"{name}/flushed"], out[f"{name}/next-copy"] = series(sets, call, flush, copy)
 for k, v in out.items():
-    print(f"{k:28s} {v:8.1f} us")
-if len(sys.argv) > 1:
-    json.dump(out, open(sys.argv[1], "w"), indent=1)
+    print(f"{k:28s} {v:8.1f} us" if isinstance(v, float) else f"{k:28s} {v}")
+if args.json:
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
