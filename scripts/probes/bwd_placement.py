@@ -66,6 +66,26 @@ def median_us(fn) -> float:
     return measure(DEV, lambda i: fn(), 1, argparse.Namespace(), warm=3, reps=15)["ms"] * 1e3
 
 
+def l2_flush(scratch: torch.Tensor, i: int) -> None:
+    """Leave L2 clean: a write of scratch (at least twice L2), then a read that writes those dirty lines back."""
+    scratch.fill_(i & 255)
+    scratch.sum(dtype=torch.int32)
+
+
+def flushed_median_us(fn, scratch: torch.Tensor) -> float:
+    """Median of 15 per-call CUDA events, each call after an L2 flush (3 warm calls first)."""
+    pairs = []
+    for i in range(18):
+        l2_flush(scratch, i)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        pairs.append((e0, e1))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(z) * 1e3 for a, z in pairs[3:])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="16384x4096,65536x1024,8192x8192,32768x2048")

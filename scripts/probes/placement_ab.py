@@ -6,8 +6,10 @@ this uses), so an A/B on one allocation samples one placement: at one placement 
 document, FP32 taps + bias), with dx poisoned before each config and checked bitwise against the first config timed
 there (a difference fails the run; dweight / dbias may differ by design: ITEM_TOKENS changes their summation order).
 Prints per config min / median / max µs and the median over placements of its ratio to the first config listed.
-Extra arguments go to tune.py (e.g. --inc NAME=DIR).
-    python3 scripts/probes/placement_ab.py CONFIGS SxC[,SxC...] N [tune.py options]
+Extra arguments go to tune.py (e.g. --inc NAME=DIR), but --flushed: each config is also timed with an L2 flush
+before every call (bwd_placement.flushed_median_us), so that what each loses back to back (session 76: the
+backward 15 µs at 65536x1024, torch's add 6) shows per config.
+    python3 scripts/probes/placement_ab.py CONFIGS SxC[,SxC...] N [--flushed] [tune.py options]
     python3 scripts/probes/placement_ab.py 128/64/8/4,128/64/8/4/ITEM_TOKENS=512 8192x8192,16384x8192 16"""
 import random
 import statistics
@@ -19,13 +21,28 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: tune
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tune  # noqa: E402
-from bwd_placement import arena, median_us, random_pages, views  # noqa: E402
+from bwd_placement import arena, flushed_median_us, median_us, random_pages, views  # noqa: E402
+
+
+def report(shape, res, what):
+    """Per config min / median / max µs, and the median over placements of its ratio to the first config."""
+    for c, r in res.items():
+        r = sorted(r)
+        print(f"== {shape} {c}{what}: min {r[0]:.1f} median {statistics.median(r):.1f} max {r[-1]:.1f}")
+    base = next(iter(res))
+    for c in list(res)[1:]:
+        d = sorted(y / x for x, y in zip(res[base], res[c]))
+        print(f"== {shape} {c} / {base}{what}: min {d[0]:.3f} median {statistics.median(d):.3f} max {d[-1]:.3f}")
 
 
 def main():
     configs, shapes, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    args = tune.parse_args(["--op", "bwd", "--configs", configs, "--build-dir", "/tmp/tb", *sys.argv[4:]])
+    rest = sys.argv[4:]
+    flushed = "--flushed" in rest
+    rest = [a for a in rest if a != "--flushed"]
+    args = tune.parse_args(["--op", "bwd", "--configs", configs, "--build-dir", "/tmp/tb", *rest])
     mods = tune.build(args)
+    scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flushed else None
     places, order_rng = random.Random(7), random.Random(8)  # the placements do not depend on the configs
     differs = []
     for shape in shapes.split(","):
@@ -35,6 +52,7 @@ def main():
         b.xs, b.dys, b.ys = ([v] for v in views(buf, S, C, [0, 0, 0]))  # before the launchers: one may call at once
         calls = {c: tune.launcher(m, b, "bwd", c) for c, m in mods.items()}
         res = {c: [] for c in calls}
+        res_fl = {c: [] for c in calls}
         for k in range(n):
             pages = [0, 0, 0] if k == 0 else random_pages(places)
             x, dy, dx = views(buf, S, C, pages)
@@ -47,18 +65,17 @@ def main():
             for c in order:
                 dx.fill_(float("nan"))
                 res[c].append(median_us(lambda: calls[c](0)))
+                if flushed:
+                    res_fl[c].append(flushed_median_us(lambda: calls[c](0), scratch))
                 if ref is None:
                     ref = dx.clone()
                 elif not torch.equal(ref, dx):
                     differs.append(f"{shape} pages {pages}: {c}'s dx differs from {order[0]}'s")
-            print(shape, pages[1:], " ".join(f"{res[c][-1]:7.1f}" for c in calls), flush=True)
-        for c in calls:
-            r = sorted(res[c])
-            print(f"== {shape} {c}: min {r[0]:.1f} median {statistics.median(r):.1f} max {r[-1]:.1f}")
-        base = next(iter(calls))
-        for c in list(calls)[1:]:
-            d = sorted(y / x for x, y in zip(res[base], res[c]))
-            print(f"== {shape} {c} / {base}: min {d[0]:.3f} median {statistics.median(d):.3f} max {d[-1]:.3f}")
+            print(shape, pages[1:], " ".join(f"{res[c][-1]:7.1f}" for c in calls),
+                  *([" flushed"] + [f"{res_fl[c][-1]:7.1f}" for c in calls] if flushed else []), flush=True)
+        report(shape, res, "")
+        if flushed:
+            report(shape, res_fl, " flushed")
         buf = b = calls = x = dy = dx = ref = None
         torch.cuda.empty_cache()
     if differs:
