@@ -8,8 +8,11 @@ such walk's (r301, H100: the add loses 6.1 µs back to back, the backward 15.0; 
 write-back of the dirty lines the call left in L2, a cost the flushed call's own time does not carry (session 76).
 --dirty MB,...: after each flush, a write of that many MB (dirty lines, as a previous kernel leaves them), then the
 backward and the add on the contiguous rows: how each call's time grows with the dirty lines it starts on.
+--gap CYCLES,...: an idle GPU (torch.cuda._sleep) before each call instead, L2 left as the previous call left it:
+is the back-to-back loss the busy GPU's clock or the L2's state? (r306, H100: the L2's.)
     python3 scripts/probes/bwd_l2_flush.py [out.json]     (session 69, r275 / r276: H100 only)
-    python3 scripts/probes/bwd_l2_flush.py --shape 16384x4096 --dirty 0,4,8,16,32,64 out.json"""
+    python3 scripts/probes/bwd_l2_flush.py --shape 16384x4096 --dirty 0,4,8,16,32,64 out.json
+    python3 scripts/probes/bwd_l2_flush.py --gap 200000,2000000"""
 import argparse
 import json
 import statistics
@@ -27,6 +30,7 @@ p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("json", nargs="?", help="write the medians here")
 p.add_argument("--shape", default="65536x1024", help="SxC (default %(default)s)")
 p.add_argument("--dirty", help="comma-separated MB written after each flush (the sweep instead of the default run)")
+p.add_argument("--gap", help="comma-separated GPU cycles of idle before each call (instead of the default run)")
 args = p.parse_args()
 S, C = (int(v) for v in args.shape.split("x"))
 dev = "cuda"
@@ -84,7 +88,13 @@ def series(sets, call, before=None, after=None):
 
 
 out = {"shape": args.shape}
-if args.dirty:
+if args.gap:
+    sets = [(rows(0, 0), rows(0, 0), rows(0, 0)) for _ in range(3)]
+    for cycles in [0] + [int(v) for v in args.gap.split(",")]:
+        idle = (lambda i, n=cycles: torch.cuda._sleep(n)) if cycles else None
+        for name, call in (("backward", bwd), ("add", add)):
+            out[f"{name}/gap {cycles} cycles"] = series(sets, call, idle)[0]
+elif args.dirty:
     dirty = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     sets = [(rows(0, 0), rows(0, 0), rows(0, 0)) for _ in range(3)]
     for name, call in (("backward", bwd), ("add", add)):
