@@ -10,9 +10,13 @@ write-back of the dirty lines the call left in L2, a cost the flushed call's own
 backward and the add on the contiguous rows: how each call's time grows with the dirty lines it starts on.
 --gap CYCLES,...: an idle GPU (torch.cuda._sleep) before each call instead, L2 left as the previous call left it:
 is the back-to-back loss the busy GPU's clock or the L2's state? (r306, H100: the L2's.)
+--after: each of the backward and the add timed right after an untimed backward, or add, on the previous call's set
+(the 2x2 table; after its own kind it is the back-to-back setting): is the backward's extra loss after a backward
+(session 76, ~6 µs over an L2 full of another kernel's dirty lines) what a backward leaves, or what it then reads?
     python3 scripts/probes/bwd_l2_flush.py [out.json]     (session 69, r275 / r276: H100 only)
     python3 scripts/probes/bwd_l2_flush.py --shape 16384x4096 --dirty 0,4,8,16,32,64 out.json
-    python3 scripts/probes/bwd_l2_flush.py --gap 200000,2000000"""
+    python3 scripts/probes/bwd_l2_flush.py --gap 200000,2000000
+    python3 scripts/probes/bwd_l2_flush.py --after --shape 16384x4096"""
 import argparse
 import json
 import statistics
@@ -31,6 +35,7 @@ p.add_argument("json", nargs="?", help="write the medians here")
 p.add_argument("--shape", default="65536x1024", help="SxC (default %(default)s)")
 p.add_argument("--dirty", help="comma-separated MB written after each flush (the sweep instead of the default run)")
 p.add_argument("--gap", help="comma-separated GPU cycles of idle before each call (instead of the default run)")
+p.add_argument("--after", action="store_true", help="each call after the other kind (instead of the default run)")
 args = p.parse_args()
 S, C = (int(v) for v in args.shape.split("x"))
 dev = "cuda"
@@ -47,6 +52,11 @@ def rows(pad, col):
     v = buf[:, col:col + C]
     v.copy_(torch.randn(S, C, device=dev, generator=g))
     return v
+
+
+def three_sets(pad, col):
+    """Three (x, dy, dx) sets, rotated over so that no call finds its inputs in L2."""
+    return [(rows(pad, col), rows(pad, col), rows(pad, col)) for _ in range(3)]
 
 
 def bwd(x, dy, dx):
@@ -88,23 +98,30 @@ def series(sets, call, before=None, after=None):
 
 
 out = {"shape": args.shape}
-if args.gap:
-    sets = [(rows(0, 0), rows(0, 0), rows(0, 0)) for _ in range(3)]
+kinds = (("backward", bwd), ("add", add))
+if args.after:
+    sets = three_sets(0, 0)
+    for name, call in kinds:
+        out[f"{name}/back-to-back"] = series(sets, call)[0]
+        for prev_name, prev in kinds:
+            out[f"{name}/after {prev_name}"] = series(sets, call, lambda i, f=prev: f(*sets[(i - 1) % 3]))[0]
+elif args.gap:
+    sets = three_sets(0, 0)
     for cycles in [0] + [int(v) for v in args.gap.split(",")]:
         idle = (lambda i, n=cycles: torch.cuda._sleep(n)) if cycles else None
-        for name, call in (("backward", bwd), ("add", add)):
+        for name, call in kinds:
             out[f"{name}/gap {cycles} cycles"] = series(sets, call, idle)[0]
 elif args.dirty:
     dirty = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    sets = [(rows(0, 0), rows(0, 0), rows(0, 0)) for _ in range(3)]
-    for name, call in (("backward", bwd), ("add", add)):
+    sets = three_sets(0, 0)
+    for name, call in kinds:
         out[f"{name}/back-to-back"] = series(sets, call)[0]
     for mb in (int(v) for v in args.dirty.split(",")):
         def before(i, n=mb << 20):
             flush(i)
             if n:
                 dirty[:n].fill_(i & 255)
-        for name, call in (("backward", bwd), ("add", add)):
+        for name, call in kinds:
             out[f"{name}/dirty {mb} MB"] = series(sets, call, before)[0]
 else:
     copy_src, copy_dst = (torch.empty(64 << 20, dtype=torch.uint8, device=dev) for _ in range(2))
@@ -112,7 +129,7 @@ else:
     # the baseline: the copy after a flush (L2 then holds only the clean lines of the flush's read)
     out["flush/next-copy"] = series([()] * 3, lambda: None, flush, copy)[1]
     for layout, pad, col in (("contiguous", 0, 0), ("col64", 128, 64), ("col128", 256, 128)):
-        sets = [(rows(pad, col), rows(pad, col), rows(pad, col)) for _ in range(3)]
+        sets = three_sets(pad, col)
         for name, call in [(layout, bwd)] + ([("add", add)] if layout == "contiguous" else []):
             out[f"{name}/back-to-back"] = series(sets, call)[0]
             out[f"{name}/flushed"], out[f"{name}/next-copy"] = series(sets, call, flush, copy)
