@@ -8,19 +8,18 @@ such walk's (r301, H100: the add loses 6.1 µs back to back, the backward 15.0; 
 write-back of the dirty lines the call left in L2, a cost the flushed call's own time does not carry (session 76).
 --dirty MB,...: after each flush, a write of that many MB (dirty lines, as a previous kernel leaves them), then the
 backward and the add on the contiguous rows: how each call's time grows with the dirty lines it starts on.
---gap CYCLES,...: an idle GPU (torch.cuda._sleep) before each call instead, L2 left as the previous call left it:
-is the back-to-back loss the busy GPU's clock or the L2's state? (r306, H100: the L2's.)
+--gap CYCLES,...: a spinning one-thread kernel (torch.cuda._sleep) before each call instead, L2 left as the previous
+call left it: does a pause remove the back-to-back loss? (r306, a one-off script before this option, H100: no.)
 --after: each of the backward and the add timed right after an untimed backward, or add, on the previous call's set
-(the 2x2 table; after its own kind it is the back-to-back setting): is the backward's extra loss after a backward
-(session 76, ~6 µs over an L2 full of another kernel's dirty lines) what a backward leaves, or what it then reads?
+(the 2x2 table; after its own kind it is the back-to-back setting), with flushed and dirty-64-MB figures from the
+same run: is the backward's extra loss after a backward (session 76: 6-8 µs) what a backward leaves, or how the
+backward starts on any such L2?
     python3 scripts/probes/bwd_l2_flush.py [out.json]     (session 69, r275 / r276: H100 only)
     python3 scripts/probes/bwd_l2_flush.py --shape 16384x4096 --dirty 0,4,8,16,32,64 out.json
     python3 scripts/probes/bwd_l2_flush.py --gap 200000,2000000
     python3 scripts/probes/bwd_l2_flush.py --after --shape 16384x4096"""
 import argparse
 import json
-import statistics
-
 import sys
 from pathlib import Path
 
@@ -28,22 +27,27 @@ import torch
 import flashinfer_cake as fc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bwd_placement import l2_flush  # noqa: E402
+from bwd_placement import event_medians_us, l2_flush, l2_scratch  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 p.add_argument("json", nargs="?", help="write the medians here")
 p.add_argument("--shape", default="65536x1024", help="SxC (default %(default)s)")
-p.add_argument("--dirty", help="comma-separated MB written after each flush (the sweep instead of the default run)")
-p.add_argument("--gap", help="comma-separated GPU cycles of idle before each call (instead of the default run)")
-p.add_argument("--after", action="store_true", help="each call after the other kind (instead of the default run)")
+mode = p.add_mutually_exclusive_group()  # each instead of the default run
+mode.add_argument("--dirty", help="comma-separated MB (0-256) written after each flush")
+mode.add_argument("--gap", help="comma-separated GPU cycles of a spinning one-thread kernel before each call")
+mode.add_argument("--after", action="store_true", help="each call after either kind; flushed and dirty 64 MB beside")
 args = p.parse_args()
 S, C = (int(v) for v in args.shape.split("x"))
+DIRTY_MAX_MB = 256
+dirty_mbs = [int(v) for v in args.dirty.split(",")] if args.dirty else [64] if args.after else []
+if any(not 0 <= mb <= DIRTY_MAX_MB for mb in dirty_mbs):
+    p.error(f"--dirty: each value must be within 0..{DIRTY_MAX_MB} MB, got {args.dirty}")
 dev = "cuda"
 g = torch.Generator(device=dev).manual_seed(0)
 w = torch.randn(C, 4, device=dev, generator=g) * 0.3
 b = torch.randn(C, device=dev, generator=g) * 0.1
 cu = torch.tensor([0, S], device=dev, dtype=torch.int32)
-scratch = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+scratch = l2_scratch()
 ws = fc.cake_causal_conv1d_train_backward_workspace(S, C, dev)
 
 
@@ -71,30 +75,22 @@ def flush(i):
     l2_flush(scratch, i)
 
 
-def timed(fn, *a):
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    fn(*a)
-    e1.record()
-    return e0, e1
+dirty = torch.empty(DIRTY_MAX_MB << 20, dtype=torch.uint8, device=dev) if dirty_mbs else None
 
 
-def median_us(pairs):
-    return statistics.median(a.elapsed_time(z) * 1e3 for a, z in pairs)
+def flush_and_dirty(mb):
+    """before(i): a flush, then a write of mb MB (the dirty lines a previous kernel leaves)."""
+    def before(i, n=mb << 20):
+        flush(i)
+        if n:
+            dirty[:n].fill_(i & 255)
+    return before
 
 
 def series(sets, call, before=None, after=None):
     """Median µs of 40 calls (3 warm-up) over the rotated sets; before(i) runs untimed before each, after() is
     timed after each (its median returned too)."""
-    times, afters = [], []
-    for i in range(43):
-        if before:
-            before(i)
-        times.append(timed(call, *sets[i % 3]))
-        if after:
-            afters.append(after())
-    torch.cuda.synchronize()
-    return median_us(times[3:]), (median_us(afters[3:]) if after else None)
+    return event_medians_us(lambda i: call(*sets[i % 3]), 40, before, after)
 
 
 out = {"shape": args.shape}
@@ -105,6 +101,8 @@ if args.after:
         out[f"{name}/back-to-back"] = series(sets, call)[0]
         for prev_name, prev in kinds:
             out[f"{name}/after {prev_name}"] = series(sets, call, lambda i, f=prev: f(*sets[(i - 1) % 3]))[0]
+        out[f"{name}/flushed"] = series(sets, call, flush)[0]
+        out[f"{name}/dirty 64 MB"] = series(sets, call, flush_and_dirty(64))[0]
 elif args.gap:
     sets = three_sets(0, 0)
     for cycles in [0] + [int(v) for v in args.gap.split(",")]:
@@ -112,20 +110,15 @@ elif args.gap:
         for name, call in kinds:
             out[f"{name}/gap {cycles} cycles"] = series(sets, call, idle)[0]
 elif args.dirty:
-    dirty = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     sets = three_sets(0, 0)
     for name, call in kinds:
         out[f"{name}/back-to-back"] = series(sets, call)[0]
-    for mb in (int(v) for v in args.dirty.split(",")):
-        def before(i, n=mb << 20):
-            flush(i)
-            if n:
-                dirty[:n].fill_(i & 255)
+    for mb in dirty_mbs:
         for name, call in kinds:
-            out[f"{name}/dirty {mb} MB"] = series(sets, call, before)[0]
+            out[f"{name}/dirty {mb} MB"] = series(sets, call, flush_and_dirty(mb))[0]
 else:
     copy_src, copy_dst = (torch.empty(64 << 20, dtype=torch.uint8, device=dev) for _ in range(2))
-    copy = lambda: timed(copy_dst.copy_, copy_src)
+    copy = lambda: copy_dst.copy_(copy_src)
     # the baseline: the copy after a flush (L2 then holds only the clean lines of the flush's read)
     out["flush/next-copy"] = series([()] * 3, lambda: None, flush, copy)[1]
     for layout, pad, col in (("contiguous", 0, 0), ("col64", 128, 64), ("col128", 256, 128)):

@@ -66,24 +66,42 @@ def median_us(fn) -> float:
     return measure(DEV, lambda i: fn(), 1, argparse.Namespace(), warm=3, reps=15)["ms"] * 1e3
 
 
+def l2_scratch() -> torch.Tensor:
+    """The flush's buffer: 256 MB, over five times the H100's and H200's 50 MB of L2."""
+    return torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+
 def l2_flush(scratch: torch.Tensor, i: int) -> None:
-    """Leave L2 clean: a write of scratch (at least twice L2), then a read that writes those dirty lines back."""
+    """Leave L2 clean: a write of scratch, then a read that writes those dirty lines back."""
     scratch.fill_(i & 255)
     scratch.sum(dtype=torch.int32)
 
 
-def flushed_median_us(fn, scratch: torch.Tensor) -> float:
-    """Median of 15 per-call CUDA events, each call after an L2 flush (3 warm calls first)."""
-    pairs = []
-    for i in range(18):
-        l2_flush(scratch, i)
+def event_medians_us(call, n: int, before=None, after=None, warm: int = 3) -> tuple[float, float | None]:
+    """call(i) timed by a CUDA-event pair, warm + n times; before(i) runs untimed ahead of each, after() is timed
+    right after each. Medians (µs) over the last n of call's times and of after's (None without after)."""
+    def pair(fn, *a):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        fn()
+        fn(*a)
         e1.record()
-        pairs.append((e0, e1))
+        return e0, e1
+
+    times, afters = [], []
+    for i in range(warm + n):
+        if before:
+            before(i)
+        times.append(pair(call, i))
+        if after:
+            afters.append(pair(after))
     torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(z) * 1e3 for a, z in pairs[3:])
+    med = lambda pairs: statistics.median(a.elapsed_time(z) * 1e3 for a, z in pairs[warm:])
+    return med(times), (med(afters) if after else None)
+
+
+def flushed_median_us(fn, scratch: torch.Tensor) -> float:
+    """Median of 15 per-call CUDA events, each call after an L2 flush (3 warm calls first)."""
+    return event_medians_us(lambda i: fn(), 15, lambda i: l2_flush(scratch, i))[0]
 
 
 def main():

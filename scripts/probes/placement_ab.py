@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: tune
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tune  # noqa: E402
-from bwd_placement import arena, flushed_median_us, median_us, random_pages, views  # noqa: E402
+from bwd_placement import arena, flushed_median_us, l2_scratch, median_us, random_pages, views  # noqa: E402
 
 
 def report(shape, res, what):
@@ -42,7 +42,7 @@ def main():
     rest = [a for a in rest if a != "--flushed"]
     args = tune.parse_args(["--op", "bwd", "--configs", configs, "--build-dir", "/tmp/tb", *rest])
     mods = tune.build(args)
-    scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flushed else None
+    scratch = l2_scratch() if flushed else None
     places, order_rng = random.Random(7), random.Random(8)  # the placements do not depend on the configs
     differs = []
     for shape in shapes.split(","):
@@ -63,16 +63,17 @@ def main():
             order_rng.shuffle(order)
             ref = None
             for c in order:
-                dx.fill_(float("nan"))
-                res[c].append(median_us(lambda: calls[c](0)))
-                if flushed:
-                    res_fl[c].append(flushed_median_us(lambda: calls[c](0), scratch))
-                if ref is None:
-                    ref = dx.clone()
-                elif not torch.equal(ref, dx):
-                    differs.append(f"{shape} pages {pages}: {c}'s dx differs from {order[0]}'s")
+                timings = [(res[c], median_us)] + ([(res_fl[c], lambda f: flushed_median_us(f, scratch))]
+                                                    if flushed else [])
+                for into, timing in timings:  # dx poisoned before each timing and checked after it
+                    dx.fill_(float("nan"))
+                    into.append(timing(lambda: calls[c](0)))
+                    if ref is None:
+                        ref = dx.clone()
+                    elif not torch.equal(ref, dx):
+                        differs.append(f"{shape} pages {pages}: {c}'s dx differs from {order[0]}'s")
             print(shape, pages[1:], " ".join(f"{res[c][-1]:7.1f}" for c in calls),
-                  *([" flushed"] + [f"{res_fl[c][-1]:7.1f}" for c in calls] if flushed else []), flush=True)
+                  *(["flushed"] + [f"{res_fl[c][-1]:7.1f}" for c in calls] if flushed else []), flush=True)
         report(shape, res, "")
         if flushed:
             report(shape, res_fl, " flushed")
