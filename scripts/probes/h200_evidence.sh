@@ -7,16 +7,7 @@
 # probe's output), tune_e5.log / .json, tune_bwd_streaming.log, ncu_fwdst.csv, bwd_l2_flush.json, bench_states.log /
 # .json.
 #   bash scripts/probes/h200_evidence.sh          (refuses on another GPU: these figures are the H200's)
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/cake_out}; mkdir -p "$OUT"
-cd "$(dirname "$0")/../.."
-export FLASHINFER_CAKE_CACHE_DIR=/tmp/cake_cache MAX_JOBS=${MAX_JOBS:-$(nproc)}
-left() { local l=$((570 - SECONDS)); echo $((l > 10 ? l : 10)); }  # seconds left of a 600-second call
-log="$OUT/run.log"
-{ nvidia-smi --query-gpu=name,driver_version --format=csv; date; } > "$log" 2>&1; cat "$log"
-grep -q H200 "$log" || { echo "not an H200: nothing run"; exit 2; }
-python3 -m pip install --no-build-isolation --no-deps -q -e ".[test]" >> "$log" 2>&1 || { tail "$log"; exit 1; }
+source "$(dirname "$0")/h200_common.sh"
 # the modules ncu and the flush probe load, built before their timeouts start (about 50 s)
 timeout -k 5 150 python3 -m flashinfer_cake build >> "$log" 2>&1 || { echo "build failed"; tail "$log"; exit 1; }
 rm -rf /tmp/e5 && mkdir -p /tmp/e5 && cp -r include /tmp/e5/ &&

@@ -4,17 +4,7 @@
 # and the backward after either kind of call (session 76; both measured on an H100 only). Five files come back under
 # $OUT: run.log, ab512.log, slice.log, after_65536x1024.json, after_16384x4096.json. About 250 s after the build.
 #   bash scripts/probes/h200_followup.sh          (refuses on another GPU: these figures are the H200's)
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/cake_out}; mkdir -p "$OUT"
-cd "$(dirname "$0")/../.."
-export FLASHINFER_CAKE_CACHE_DIR=/tmp/cake_cache MAX_JOBS=${MAX_JOBS:-$(nproc)}
-left() { local l=$((570 - SECONDS)); echo $((l > 10 ? l : 10)); }  # seconds left of a 600-second call
-log="$OUT/run.log"
-{ nvidia-smi --query-gpu=name,driver_version --format=csv; date; } > "$log" 2>&1; cat "$log"
-grep -q H200 "$log" || { echo "not an H200: nothing run"; exit 2; }
-python3 -c "import flashinfer_cake" 2>/dev/null ||
-  python3 -m pip install --no-build-isolation --no-deps -q -e ".[test]" >> "$log" 2>&1 || { tail "$log"; exit 1; }
+source "$(dirname "$0")/h200_common.sh"
 timeout -k 5 "$(left)" python3 scripts/probes/placement_ab.py 128/64/8/4,128/64/8/4/ITEM_TOKENS=512 \
   8192x8192,16384x8192,65536x2048,32768x4096,32768x8192,65536x1024,12288x8192,24576x4096,49152x2048 16 \
   > "$OUT/ab512.log" 2>&1
