@@ -79,7 +79,8 @@ def l2_flush(scratch: torch.Tensor, i: int) -> None:
 
 def event_medians_us(call, n: int, before=None, after=None, warm: int = 3) -> tuple[float, float | None]:
     """call(i) timed by a CUDA-event pair, warm + n times; before(i) runs untimed ahead of each, after() is timed
-    right after each. Medians (µs) over the last n of call's times and of after's (None without after)."""
+    right after each. Medians (µs) over the last n of call's times and of after's (None without after). Its own loop:
+    bench_harness's Dev.time_reps times back to back only, with nothing untimed or timed apart between the calls."""
     def pair(fn, *a):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
