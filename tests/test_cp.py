@@ -501,7 +501,8 @@ _VERIFY_WORKER = textwrap.dedent("""
     part = cp_partition(cfg["cu"][rank], P, cfg["layout"][rank])  # each rank its own batch / layout / size
     group = [0, 1] if cfg.get("group") == "list" else dist.new_group(cfg["group"]) if "group" in cfg else None
     try:
-        build_cp_context(part, group, cfg.get("rank", range(world))[rank], "cpu", verify=cfg.get("verify", True))
+        build_cp_context(part, group, cfg.get("rank", range(world))[rank], cfg.get("device", ["cpu"] * world)[rank],
+                         verify=cfg.get("verify", True))
         error = None
     except (TypeError, ValueError) as e:
         error = f"{type(e).__name__}: {e}"
@@ -519,6 +520,10 @@ _VERIFY_WORKER = textwrap.dedent("""
     ({"cu": [[0, 10, 20]] * 2, "layout": ["zigzag", "contiguous"]}, "digest"),
     ({"cu": [[0, 10, 20], [0, 10, 20, 21]], "layout": ["contiguous"] * 2}, "digest"),
     ({"cu": [[0, 10, 20]] * 2, "layout": ["zigzag"] * 2, "P": [2, 3]}, "the group has 2 ranks"),  # rank 1's own error
+    # a device error (TypeError, RuntimeError) on one rank only: every rank's ValueError, none left in the gather
+    ({"cu": [[0, 10, 20]] * 2, "layout": ["zigzag"] * 2, "device": ["cpu", None]}, "device must be a torch.device"),
+    ({"cu": [[0, 10, 20]] * 2, "layout": ["zigzag"] * 2, "device": ["cuda:63", "cpu"]},
+     "device must be an available CUDA device, got cuda:63"),
 ])
 def test_verify_names_ranks_that_planned_different_partitions(cfg, differ, tmp_path):
     """build_cp_context(verify=True) over gloo: where the ranks' partitions differ, or one rank's

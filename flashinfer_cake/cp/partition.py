@@ -339,11 +339,15 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
     same way (the tensors' count, channels and dtypes, the SiLU' policy: one more gather per
     call). For debugging and tests."""
     problem = _context_problem(partition, group, rank)
+    if problem is None:
+        try:  # before the gather: with verify, a rank's bad device is every rank's ValueError, not a hang
+            device = _checks.check_allocation_device("build_cp_context", device)
+        except (TypeError, RuntimeError) as e:
+            problem = e
     if verify:
         _verify_same_partition(partition, group, problem)
     if problem is not None:
         raise problem
-    device = _checks.check_allocation_device("build_cp_context", device)
     rank = _checks.as_int(rank)
     P, lengths = partition.world_size, partition.doc_lengths
     frags = partition.fragments
