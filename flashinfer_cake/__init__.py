@@ -1,4 +1,14 @@
-"""flashinfer_cake: JIT-compiled CUDA kernels for packed (varlen) causal conv1d + SiLU in training."""
+"""flashinfer_cake: JIT-compiled CUDA kernels for packed (varlen) causal conv1d + SiLU in training.
+
+- ``cake_causal_conv1d(x, weight, cu_seqlens, bias=None, *, initial_states=None, return_final_states=False, ...)``:
+  the training call (autograd, torch.compile, CUDA graphs). x BF16 ``[S, C]`` (documents packed along S,
+  ``cu_seqlens`` int32 ``[num_docs + 1]``), weight ``[C, 4]`` (not nn.Conv1d's ``[C, 1, 4]``).
+- ``cake_causal_conv1d_train_forward`` / ``_backward``: the raw kernels, no autograd (outputs and workspaces
+  optional arguments, for preallocated buffers).
+- ``flashinfer_cake.cp``: context parallelism over torch.distributed.
+- ``flashinfer_cake.reference``: the same op in FP64 on any device, unrounded (the tests' reference; pure PyTorch).
+- ``flashinfer-cake`` (the command): check this machine, prebuild the modules, clear the cache.
+"""
 
 from ._version import __version__
 from .autograd import CakeCausalConv1dFunction, cake_causal_conv1d

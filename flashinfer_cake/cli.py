@@ -207,7 +207,7 @@ def cmd_build(args) -> int:
     for spec, path in built.items():
         print(f"{spec.uri:44s} {path}")
     where = next(iter(built.values())).parent
-    print(f"the {len(built)} modules built are in {where} ({time.perf_counter() - start:.1f} s)")
+    print(f"the {len(built)} modules are in {where} ({time.perf_counter() - start:.1f} s)")  # (built, found or copied)
     searched = [env.PACKAGE_AOT_DIR]
     try:
         searched += env.aot_dirs()
@@ -298,7 +298,8 @@ def cmd_check(args) -> int:
     from .reference import causal_conv1d_reference
 
     if not is_cake_causal_conv1d_train_supported():
-        why = "no CUDA GPU visible to torch" if not torch.cuda.is_available() else (
+        why = (f"torch {torch.__version__} is a CPU-only build (install a CUDA build of torch to run on a GPU)"
+               if torch.version.cuda is None else "no CUDA GPU visible to torch") if not torch.cuda.is_available() else (
             f"GPU {torch.cuda.get_device_name()} is not supported (needs compute capability "
             f"{', '.join(f'{a}.{b}' for a, b in env.ARCH_OF_CAPABILITY)})")
         if env.jit_disabled():
@@ -364,6 +365,7 @@ def _stdout_closed() -> bool:
 def main(argv: list[str] | None = None) -> int:
     text = dict(formatter_class=argparse.RawDescriptionHelpFormatter)
     parser = argparse.ArgumentParser(prog="flashinfer-cake", description=DESCRIPTION, **text)
+    parser.add_argument("--version", action="version", version=f"flashinfer_cake {__version__}")
     sub = parser.add_subparsers(dest="command", title="commands")
     sub.add_parser("env", help="versions, compilers, arch list, directories, built modules", description=ENV_DESCRIPTION,
                    **text)

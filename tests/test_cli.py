@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashinfer_cake import cli, jit
+from flashinfer_cake import __version__, cli, jit
 from flashinfer_cake.jit import all_variants, build
 from flashinfer_cake.jit import env as jit_env
 from isolated_env import ISOLATED_VARS, child_env
@@ -237,7 +237,9 @@ def test_default_action_without_gpu(built, tmp_path):
     assert first.returncode == 0
     r = flashinfer_cake(cache=cache, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "no CUDA GPU visible to torch: building the modules that are not built yet, no forward run" in r.stdout
+    why = (f"torch {torch.__version__} is a CPU-only build (install a CUDA build of torch to run on a GPU)"
+           if torch.version.cuda is None else "no CUDA GPU visible to torch")  # (a CPU torch is told apart)
+    assert f"{why}: building the modules that are not built yet, no forward run" in r.stdout
     assert listed_modules(r.stdout, cache) == listed_modules(first.stdout, cache)
     assert "building" not in r.stderr  # the build of `test_build` is found, not redone
 
@@ -418,7 +420,7 @@ def test_build_selects_archs_and_variants(argv, uris, tmp_path, monkeypatch, cap
                         {s: tmp_path / "cache" / f"{s.uri}.so" for s in specs})
     assert cli.main(["build", *argv]) == 0
     assert asked == [uris]
-    assert f"the {len(uris)} modules built are in {tmp_path / 'cache'}" in capsys.readouterr().out
+    assert f"the {len(uris)} modules are in {tmp_path / 'cache'}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", ["env", "build", "clear-cache"])
@@ -433,6 +435,13 @@ def test_each_command_has_a_help_page(command, capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert cli.DESCRIPTION in capsys.readouterr().out
+
+
+def test_version(capsys):
+    """`flashinfer-cake --version` prints the package's version (what `env` prints first), exit status 0."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"flashinfer_cake {__version__}\n"
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc")

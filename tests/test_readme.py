@@ -22,7 +22,7 @@ def examples() -> list[str]:
 
 
 def test_the_readme_has_its_examples():
-    assert len(examples()) >= 4  # the forward, autograd and the raw backward, chunked states, CP
+    assert len(examples()) >= 5  # the forward, autograd and the raw backward, a model's module, chunked states, CP
 
 
 @pytest.mark.parametrize("index", range(len(examples())))
@@ -50,7 +50,7 @@ def run(code: str, namespace: dict) -> dict:
 
 @pytest.mark.gpu
 def test_the_single_process_examples_run_as_written():
-    forward, autograd, chunked = examples()[:3]
+    forward, autograd, model, chunked = examples()[:4]
     ns = run(forward, {})
     x, weight, bias, cu, y = (ns[k] for k in ("x", "weight", "bias", "cu_seqlens", "y"))
     assert y.shape == x.shape and y.dtype == torch.bfloat16
@@ -58,6 +58,18 @@ def test_the_single_process_examples_run_as_written():
     assert torch.equal(ns["y"], y)  # autograd's forward is the raw one
     for raw, leaf in ((ns["dx"], x), (ns["dweight"], weight), (ns["dbias"], bias)):
         assert torch.equal(raw, leaf.grad)  # "the same gradients from the raw backward"
+
+    # The module: its cu_seqlens, nn.Conv1d's init range, the raw forward's y, gradients in the parameters' dtype
+    m = run(model, dict(ns))
+    conv, cu_m = m["conv"], m["cu_seqlens"]
+    assert cu_m.dtype == torch.int32 and cu_m.tolist() == [0, 5000, 5000, 16384]
+    assert all(p.dtype == torch.float32 and p.abs().max() <= 0.5 for p in (conv.weight, conv.bias))
+    xm = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
+    ym = conv(xm, cu_m)
+    with torch.no_grad():
+        assert torch.equal(ym, ns["cake_causal_conv1d_train_forward"](xm, conv.weight, cu_m, bias=conv.bias))
+    ym.float().sum().backward()
+    assert conv.weight.grad.dtype == torch.float32 and conv.bias.grad.shape == (4096,)
 
     # The chunked example on the first example's batch (documents of 5000, 0 and S - 5000 tokens),
     # cut at 3000 (inside document 0) and 9000 (inside document 2): each chunk's first document
