@@ -6,7 +6,8 @@
 - ``cake_causal_conv1d_train_forward`` / ``_backward``: the raw kernels, no autograd (outputs and workspaces
   optional arguments, for preallocated buffers).
 - ``flashinfer_cake.cp``: context parallelism over torch.distributed.
-- ``flashinfer_cake.reference``: the same op in FP64 on any device, unrounded (the tests' reference; pure PyTorch).
+- ``flashinfer_cake.reference``: the same op in pure PyTorch on any device, unrounded (FP64 by default; the
+  tests' reference).
 - ``flashinfer-cake`` (the command): check this machine, prebuild the modules, clear the cache.
 """
 

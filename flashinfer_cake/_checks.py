@@ -452,7 +452,7 @@ def check_allocation_device(fn: str, device) -> torch.device:
         why = f"torch {torch.__version__} was built without CUDA" if torch.version.cuda is None else \
             f"torch {torch.__version__} sees no CUDA GPU"
         raise RuntimeError(f"{fn}: device must be an available CUDA device, got {device} ({why})")
-    if device.index is not None and device.index >= torch.cuda.device_count():
+    if device.index is not None and not 0 <= device.index < torch.cuda.device_count():  # (torch wraps cuda:128 to -128)
         raise RuntimeError(f"{fn}: device must be an available CUDA device, got {device} (torch sees "
                            f"{torch.cuda.device_count()} CUDA device(s): cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
     return device

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -474,6 +475,16 @@ def test_recompute_handle_matches_freed_inputs_by_context_alone():
         handle._take("f", ctx_a, [torch.zeros(16, 8)])
     handle.clear()  # e.g. after an evaluation forward that left its halo
     assert len(handle) == 0
+    # a recomputation that finds nothing: the handle's error, naming max_kept where the context lost halos to it
+    assert "max_kept" not in str(handle._none_kept("f", ctx_a))
+    kept = [torch.zeros(16, 8), torch.zeros(16, 8)]  # alive inputs: found by themselves, and dropped too
+    one = CPRecomputeHandle(max_kept=1)
+    one._keep(ctx_a, kept[:1], "first")
+    one._keep(ctx_a, kept[1:], "second")
+    assert one._take("f", ctx_a, kept[:1]) is None
+    assert re.fullmatch(r"f: the recompute_handle holds no halo for these inputs: .*; this context lost halos to the "
+                        r"handle's max_kept=1 limit, so this one may be among them: raise max_kept",
+                        str(one._none_kept("f", ctx_a)))
     small = CPRecomputeHandle(max_kept=1)  # a halo of freed inputs dropped to the limit: never guessed
     small._keep(ctx_a, [torch.zeros(16, 8)], "train")
     small._keep(ctx_a, [torch.zeros(16, 8)], "eval")
@@ -524,6 +535,7 @@ _VERIFY_WORKER = textwrap.dedent("""
     ({"cu": [[0, 10, 20]] * 2, "layout": ["zigzag"] * 2, "device": ["cpu", None]}, "device must be a torch.device"),
     ({"cu": [[0, 10, 20]] * 2, "layout": ["zigzag"] * 2, "device": ["cuda:63", "cpu"]},
      "device must be an available CUDA device, got cuda:63"),
+    ({"cu": [[0, 10, 20]] * 2, "layout": ["zigzag"] * 2, "device": ["cpu", 2**70]}, "rank 1: its arguments: "),
 ])
 def test_verify_names_ranks_that_planned_different_partitions(cfg, differ, tmp_path):
     """build_cp_context(verify=True) over gloo: where the ranks' partitions differ, or one rank's

@@ -567,6 +567,19 @@ def test_workspace_on_a_missing_cuda_device_is_named():
                 fn(16, 32, device)
 
 
+def test_a_cuda_index_that_torch_wrapped_negative_is_named(monkeypatch):
+    """torch keeps a device index in 8 bits: "cuda:128" is cuda:-128, which no index test of `>= device_count`
+    catches (the allocation would then fail in torch, naming no argument). A GPU machine is stood in for."""
+    from flashinfer_cake import _checks
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert _checks.check_allocation_device("f", "cuda:0") == torch.device("cuda", 0)
+    for device in ("cuda:128", "cuda:1"):
+        with pytest.raises(RuntimeError, match=r"^f: device must be an available CUDA device, got cuda:-?1(28)? "
+                                               r"\(torch sees 1 CUDA device\(s\): cuda:0 .. cuda:0\)$"):
+            _checks.check_allocation_device("f", device)
+
+
 @pytest.mark.gpu
 def test_workspace_on_a_cuda_index_past_the_device_count_is_named():
     """cuda:N with N past torch's device count: the allocating functions name the device and the count (torch's

@@ -1,7 +1,8 @@
 """The README's Python examples: every name they import exists and every call of one fits its
 signature (CPU: the examples are parsed, not run); on a GPU the single-process ones run as
-written, and what they say holds (the raw backward's gradients are autograd's; chunks chained
-through their final states give the uncut batch's y)."""
+written, and what they say holds (the raw backward's gradients are autograd's; the model's module
+is the raw forward with nn.Conv1d's init; chunks chained through their final states give the uncut
+batch's y)."""
 
 from __future__ import annotations
 

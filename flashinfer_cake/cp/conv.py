@@ -116,6 +116,14 @@ class CPRecomputeHandle:
         pick = same or freed
         return self._kept.pop(pick[0]).received if pick else None
 
+    def _none_kept(self, fn: str, cp) -> RuntimeError:
+        """The error of a recomputation on ``cp`` that _take found no halo for."""
+        dropped = (f"; this context lost halos to the handle's max_kept={self._max_kept} limit, so this one may be "
+                   "among them: raise max_kept" if cp in self._lost else "")
+        return RuntimeError(f"{fn}: the recompute_handle holds no halo for these inputs: a forward recomputed in a "
+                            "backward pass takes the halo its first run kept (one handle per checkpointed call site; "
+                            f"the first run must happen outside the backward){dropped}")
+
     def __len__(self) -> int:
         """The halos kept for contexts that still exist."""
         return len(self._live())
@@ -246,9 +254,7 @@ def _call(fn: str, xs, weights, ctx, biases, policy: str, handle) -> list[torch.
         check()
         received = handle._take(fn, ctx, xs)
         if received is None:
-            raise RuntimeError(f"{fn}: the recompute_handle holds no halo for these inputs: a forward recomputed "
-                               "in a backward pass takes the halo its first run kept (one handle per checkpointed "
-                               "call site; the first run must happen outside the backward)")
+            raise handle._none_kept(fn, ctx)
     group = (dist.group.WORLD if ctx.group is None else ctx.group) if dist.is_available() else None
     args = (xs, weights, biases, received,
             (ctx.cu_seqlens, ctx.export_rows, ctx.import_rows, ctx.frag_info, ctx.head_frags, ctx.tail_frags,

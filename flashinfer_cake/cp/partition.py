@@ -342,7 +342,7 @@ def build_cp_context(partition: CPPartition, group, rank: int, device, *, verify
     if problem is None:
         try:  # before the gather: with verify, a rank's bad device is every rank's ValueError, not a hang
             device = _checks.check_allocation_device("build_cp_context", device)
-        except (TypeError, RuntimeError) as e:
+        except (TypeError, ValueError, RuntimeError) as e:  # (torch.device(2**70): a ValueError)
             problem = e
     if verify:
         _verify_same_partition(partition, group, problem)
