@@ -2,7 +2,9 @@
 
 GPU tests are marked ``@pytest.mark.gpu``. Without a usable sm_90 GPU they are skipped, unless
 ``FLASHINFER_CAKE_REQUIRE_GPU`` is set (1, true, yes or on: the GPU CI runner), where a missing GPU
-fails them instead; a value that is neither on nor off stops the run before any test.
+fails them instead; a value that is neither on nor off stops the run before any test. What else a GPU
+test needs (a tool on PATH, NCCL) is missing the same way: ``@pytest.mark.gpu_needs(problem)`` (None
+when nothing is missing), or, found at run time, the ``gpu_feature_missing`` fixture's function.
 """
 
 from __future__ import annotations
@@ -35,22 +37,34 @@ def _gpu_required() -> bool:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an sm_90 GPU (skipped without one)")
+    config.addinivalue_line("markers", "gpu_needs(problem): what else the GPU test lacks here, or None")
     try:
         _gpu_required()  # a misspelt value must not let a GPU runner pass on skips
     except RuntimeError as e:
         raise pytest.UsageError(str(e)) from None
 
 
-def pytest_runtest_setup(item):
-    if "gpu" not in item.keywords:
-        return
-    problem = _gpu_problem()
-    if problem is None:
-        return
+def _skip_or_fail(problem: str) -> None:
+    """A GPU test that cannot run here: skipped, or failed on a GPU runner (it must not pass on skips)."""
     if _gpu_required():
         pytest.fail(f"FLASHINFER_CAKE_REQUIRE_GPU={os.environ['FLASHINFER_CAKE_REQUIRE_GPU']} but {problem}",
                     pytrace=False)
     pytest.skip(problem)
+
+
+def pytest_runtest_setup(item):
+    problems = [_gpu_problem()] if "gpu" in item.keywords else []
+    problems += [m.args[0] for m in item.iter_markers("gpu_needs")]
+    problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        _skip_or_fail(problem)
+
+
+@pytest.fixture(scope="session")
+def gpu_feature_missing():
+    """``missing(problem)``: what a GPU test found missing at run time (NCCL, a free default process group):
+    the test is skipped, or failed under FLASHINFER_CAKE_REQUIRE_GPU."""
+    return _skip_or_fail
 
 
 @pytest.fixture

@@ -1405,22 +1405,22 @@ def test_corrupt_cu_seqlens_do_not_fault(pattern):
     assert_grads_match_reference(backward_into(x, w, cu, dy, b), x, w, cu, dy, b)
 
 
-_MEMCHECK_SCRIPT = """
-import torch
-from flashinfer_cake import cake_causal_conv1d_train_backward as bwd
-PATTERNS = {patterns}
-PATTERNS_WARP_FILLED = {patterns_warp_filled}
 # (2049, 4096): 17 groups of 128 tokens in 64-thread CTAs (WideShort); (1111, 4096) their WideHalf;
 # (4098, 8192): groups of 576 tokens in 16-byte rows (WideVec8), S = 2 mod 64: the first strip whose walk
 # would reach row S is the first kept off the loop without bounds tests; (100000, 200): groups of 448
 # tokens, the second channel tile with idle lanes; (70000, 64), (5000, 32): full tiles of 16 and 8 lanes
-for S, C in [(300, 264), (77, 8), (200, 136), (1111, 4096), (2049, 4096), (4098, 8192), (100000, 200), (300, 56), (262200, 40),
-             (70000, 64), (5000, 32)]:
+_MEMCHECK_SHAPES = [(300, 264), (77, 8), (200, 136), (1111, 4096), (2049, 4096), (4098, 8192), (100000, 200), (300, 56),
+                    (262200, 40), (70000, 64), (5000, 32)]
+_MEMCHECK_SCRIPT = """
+import torch
+from flashinfer_cake import cake_causal_conv1d_train_backward as bwd
+PATTERNS = {patterns}  # per S: each pattern made for the S it runs at (an entry just past S, one at S)
+for S, C in {shapes}:
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")
     b = torch.randn(C, device="cuda", dtype=torch.bfloat16)
-    for cu in [[0, S], [0, 1, 2, 5, S], *PATTERNS.values()]:
+    for cu in [[0, S], [0, 1, 2, 5, S], *PATTERNS[S].values()]:
         bwd(x, w, torch.tensor(cu, dtype=torch.int32, device="cuda"), dy, bias=b)
         bwd(x, w.bfloat16(), torch.tensor(cu, dtype=torch.int32, device="cuda"), dy)
 S = 524289  # 513 token groups: the warp-filled routes at C <= 16, a last group of 1 token
@@ -1428,7 +1428,7 @@ for C in (8, 16):  # every corrupt pattern, scaled to this S
     x = torch.randn(S, C, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn_like(x)
     w = torch.randn(C, 4, device="cuda")
-    for cu in [[0, S], *PATTERNS_WARP_FILLED.values()]:
+    for cu in [[0, S], *PATTERNS[S].values()]:
         bwd(x, w, torch.tensor(cu, dtype=torch.int32, device="cuda"), dy)
 torch.cuda.synchronize()
 print("sanitizer-script-done")
@@ -1466,7 +1466,7 @@ def test_racecheck_clean(tmp_path):
 def test_memcheck_clean(tmp_path):
     """compute-sanitizer's memcheck sees no out-of-bounds access, for tails of S and C and for
     every corrupt cu_seqlens pattern (also on the warp-filled routes of C <= 16)."""
-    def patterns(S):
-        return {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(S)] for name, make in CORRUPT_CU.items()}
-    script = _MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns(1000)))
-    assert_sanitizer_clean(script.replace("{patterns_warp_filled}", repr(patterns(524289))), tmp_path)
+    patterns = {S: {name: [min(max(v, -(2**31)), 2**31 - 1) for v in make(S)] for name, make in CORRUPT_CU.items()}
+                for S in {S for S, _ in _MEMCHECK_SHAPES} | {524289}}  # concrete lists, made for the S they run at
+    script = _MEMCHECK_SCRIPT.replace("{patterns}", repr(patterns)).replace("{shapes}", repr(_MEMCHECK_SHAPES))
+    assert_sanitizer_clean(script, tmp_path)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
@@ -220,6 +221,34 @@ def test_tune_rejects_bad_timing_options(monkeypatch, capsys, flag):
     with pytest.raises(SystemExit) as e:
         tune.parse_args(["--configs", "128/64/8/4", flag])
     assert e.value.code == 2 and f"{flag.split('=')[0]}: expected" in capsys.readouterr().err
+
+
+def test_the_check_against_the_reference_fails_what_differs(monkeypatch):
+    """The benchmarks' check (check_tensors): --smoke-cpu's stand-in is the reference itself, so its PASS says
+    nothing of whether the check can fail; here one element past its tolerance, a non-finite one, a missing
+    tensor, another shape and a small error everywhere (each within tolerance, over the relative bound) fail."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    harness = importlib.import_module("bench_harness")
+    g = torch.Generator().manual_seed(0)
+    ref = {"y": torch.randn(64, 16, generator=g, dtype=torch.float64),
+           "dw": torch.randn(16, 4, generator=g, dtype=torch.float64) * 0.05}
+    tol = {"y": 0.05, "dw": 1e-3}
+
+    def check(**got):
+        return harness.check_tensors({"y": ref["y"].bfloat16(), "dw": ref["dw"].float(), **got}, ref, tol, 0.01)
+
+    assert check()["ok"]
+    y = ref["y"].bfloat16()
+    y[7, 3] += 0.25
+    assert not check(y=y)["ok"] and check(y=y)["y"]["n_out_of_tol"] == 1
+    y = ref["y"].bfloat16()
+    y[0, 0] = float("nan")
+    assert not check(y=y)["ok"] and not check(y=y)["y"]["finite"]
+    dw = ref["dw"].float() + 9e-4  # within the elementwise tolerance, not the relative one (~2 % of |dw|)
+    assert not check(dw=dw)["ok"] and check(dw=dw)["dw"]["n_out_of_tol"] == 0
+    assert not harness.check_tensors({"y": ref["y"]}, ref, tol, 0.01)["ok"]  # dw missing
+    assert not check(y=ref["y"][:32])["ok"]  # another shape
+    assert "y: max err" in harness.mismatch_text(check(y=y + 1))
 
 
 def test_bench_harness_rests_before_a_measurement(monkeypatch):
