@@ -1175,8 +1175,9 @@ CORRUPT_CU = {
 @pytest.mark.parametrize("pattern", list(CORRUPT_CU))
 def test_corrupt_cu_seqlens_with_states_do_not_fault_and_are_deterministic(pattern, S, C):
     """Any cu_seqlens content with states: no fault, every row of y written (into NaN), and the same
-    bits on every run (each state row has at most one writer; rows no document writes keep the
-    caller's content)."""
+    bits on every run (each state row has at most one writer). Not checked here: which state rows such a
+    table leaves unwritten (README: those of documents outside [0, S], which an out-of-order table does not
+    define)."""
     cu = torch.tensor(CORRUPT_CU[pattern](S), dtype=I32, device=DEV)
     n = cu.numel() - 1
     x, w, b, dy, h, dh = make_inputs(S, C, n, seed=903)
