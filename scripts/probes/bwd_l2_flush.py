@@ -10,10 +10,10 @@ write-back of the dirty lines the call left in L2, a cost the flushed call's own
 backward and the add on the contiguous rows: how each call's time grows with the dirty lines it starts on.
 --gap CYCLES,...: a spinning one-thread kernel (torch.cuda._sleep) before each call instead, L2 left as the previous
 call left it: does a pause remove the back-to-back loss? (r306, a one-off script before this option, H100: no.)
---after: each of the backward and the add timed right after an untimed backward, or add, on the previous call's set
-(the 2x2 table; after its own kind it is the back-to-back setting), with flushed and dirty-64-MB figures from the
-same run: is the backward's extra loss after a backward (session 76: 6-8 µs) what a backward leaves, or how the
-backward starts on any such L2?
+--after: each of the backward and the add timed right after an untimed backward, add, or read (sums of x and dy: no
+dirty lines) on the previous call's set (after its own kind it is the back-to-back setting), with flushed and
+dirty-64 / 128-MB figures from the same run: is the backward's extra loss after a backward (session 76: 6-8 µs) what
+a backward leaves (r310, H100: no, an add's residue costs as much), and is it the residue's dirty lines?
     python3 scripts/probes/bwd_l2_flush.py [out.json]     (session 69, r275 / r276: H100 only)
     python3 scripts/probes/bwd_l2_flush.py --shape 16384x4096 --dirty 0,4,8,16,32,64 out.json
     python3 scripts/probes/bwd_l2_flush.py --gap 200000,2000000
@@ -71,6 +71,12 @@ def add(x, dy, dx):
     torch.add(x, dy, out=dx)
 
 
+def read(x, dy, dx):
+    """A predecessor that reads x and dy (what the add reads) and leaves no dirty lines."""
+    x.sum()
+    dy.sum()
+
+
 def flush(i):
     l2_flush(scratch, i)
 
@@ -99,10 +105,11 @@ if args.after:
     sets = three_sets(0, 0)
     for name, call in kinds:
         out[f"{name}/back-to-back"] = series(sets, call)[0]
-        for prev_name, prev in kinds:
+        for prev_name, prev in kinds + (("read", read),):
             out[f"{name}/after {prev_name}"] = series(sets, call, lambda i, f=prev: f(*sets[(i - 1) % 3]))[0]
         out[f"{name}/flushed"] = series(sets, call, flush)[0]
-        out[f"{name}/dirty 64 MB"] = series(sets, call, flush_and_dirty(64))[0]
+        for mb in (64, 128):
+            out[f"{name}/dirty {mb} MB"] = series(sets, call, flush_and_dirty(mb))[0]
 elif args.gap:
     sets = three_sets(0, 0)
     for cycles in [0] + [int(v) for v in args.gap.split(",")]:
