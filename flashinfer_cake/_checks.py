@@ -437,6 +437,14 @@ def check_sizes(fn: str, S, C, op: str) -> tuple[int, int]:
     return S, C
 
 
+def no_cuda_reason() -> str:
+    """Why torch has no CUDA device here (torch.cuda.is_available() is False): a CPU-only build of torch
+    (the fix is another torch), or no GPU it can see."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} was built without CUDA"
+    return f"torch {torch.__version__} sees no CUDA GPU"
+
+
 def check_allocation_device(fn: str, device) -> torch.device:
     """The device a function allocates on (the *_workspace functions, build_cp_context): what
     torch.device takes (a torch.device, a string, an index), not None; a CUDA device only where
@@ -449,9 +457,7 @@ def check_allocation_device(fn: str, device) -> torch.device:
     if device.type != "cuda":
         return device
     if not torch.cuda.is_available():
-        why = f"torch {torch.__version__} was built without CUDA" if torch.version.cuda is None else \
-            f"torch {torch.__version__} sees no CUDA GPU"
-        raise RuntimeError(f"{fn}: device must be an available CUDA device, got {device} ({why})")
+        raise RuntimeError(f"{fn}: device must be an available CUDA device, got {device} ({no_cuda_reason()})")
     if device.index is not None and not 0 <= device.index < torch.cuda.device_count():  # (torch wraps cuda:128 to -128)
         raise RuntimeError(f"{fn}: device must be an available CUDA device, got {device} (torch sees "
                            f"{torch.cuda.device_count()} CUDA device(s): cuda:0 .. cuda:{torch.cuda.device_count() - 1})")

@@ -17,6 +17,7 @@ import time
 import torch
 
 from . import __version__, jit
+from ._checks import no_cuda_reason
 from .jit import env
 from .jit.build import check_nvcc_release, compiler_version, hold_lock
 from .jit.core import is_build_name
@@ -298,8 +299,7 @@ def cmd_check(args) -> int:
     from .reference import causal_conv1d_reference
 
     if not is_cake_causal_conv1d_train_supported():
-        why = (f"torch {torch.__version__} is a CPU-only build (install a CUDA build of torch to run on a GPU)"
-               if torch.version.cuda is None else "no CUDA GPU visible to torch") if not torch.cuda.is_available() else (
+        why = no_cuda_reason() if not torch.cuda.is_available() else (
             f"GPU {torch.cuda.get_device_name()} is not supported (needs compute capability "
             f"{', '.join(f'{a}.{b}' for a, b in env.ARCH_OF_CAPABILITY)})")
         if env.jit_disabled():
