@@ -5,6 +5,8 @@
   ``cu_seqlens`` int32 ``[num_docs + 1]``), weight ``[C, 4]`` (not nn.Conv1d's ``[C, 1, 4]``).
 - ``cake_causal_conv1d_train_forward`` / ``_backward``: the raw kernels, no autograd (outputs and workspaces
   optional arguments, for preallocated buffers).
+- ``check_cu_seqlens(cu_seqlens, num_tokens=None)``: an opt-in host check of cu_seqlens content (the kernels
+  never read it on the host).
 - ``flashinfer_cake.cp``: context parallelism over torch.distributed.
 - ``flashinfer_cake.reference``: the same op in pure PyTorch on any device, unrounded (FP64 by default; the
   tests' reference).
@@ -20,6 +22,7 @@ from .cake_causal_conv1d_train import (
     cake_causal_conv1d_train_forward,
     cake_causal_conv1d_train_forward_workspace,
     cake_causal_conv1d_train_forward_workspace_bytes,
+    check_cu_seqlens,
     is_cake_causal_conv1d_train_supported,
 )
 
@@ -33,5 +36,6 @@ __all__ = [
     "cake_causal_conv1d_train_forward",
     "cake_causal_conv1d_train_forward_workspace",
     "cake_causal_conv1d_train_forward_workspace_bytes",
+    "check_cu_seqlens",
     "is_cake_causal_conv1d_train_supported",
 ]

@@ -417,6 +417,49 @@ def as_int(v, tensors: bool = True) -> int | None:
         return None
 
 
+def cu_seqlens_values(fn: str, name: str, cu_seqlens, *, device_read: bool) -> list[int]:
+    """``cu_seqlens`` (a 1-D integer tensor, NumPy array, list or tuple) as a list of ints. A tensor
+    on a device is copied to the host (one synchronization) only with ``device_read``; without it
+    only a CPU tensor is taken."""
+    forms = (f"a 1-D integer {'' if device_read else 'CPU '}tensor, a 1-D integer NumPy array, or a list / tuple "
+             f"of ints")
+    if isinstance(cu_seqlens, torch.Tensor):
+        if (cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex
+                or cu_seqlens.dtype == torch.bool or (cu_seqlens.device.type != "cpu" and not device_read)):
+            where = "" if device_read else " (read on the host once per batch: keep the data loader's CPU copy)"
+            raise ValueError(f"{fn}: {name} must be {forms}, got {cu_seqlens.dtype} of shape "
+                             f"{tuple(cu_seqlens.shape)} on {cu_seqlens.device}{where}")
+        return cu_seqlens.tolist()
+    if type(cu_seqlens).__name__ == "ndarray" and getattr(cu_seqlens, "ndim", None) == 1:
+        cu_seqlens = cu_seqlens.tolist()  # NumPy's integers become ints (its floats stay floats: refused below)
+    if not isinstance(cu_seqlens, (list, tuple)):
+        raise ValueError(f"{fn}: {name} must be {forms}, got {type(cu_seqlens).__name__}")
+    cu = [as_int(v) for v in cu_seqlens]
+    bad = next((i for i, v in enumerate(cu) if v is None), None)
+    if bad is not None:
+        raise ValueError(f"{fn}: {name} must hold ints, got {cu_seqlens[bad]!r} ({type(cu_seqlens[bad]).__name__}) "
+                         f"at index {bad}")
+    return cu
+
+
+def cu_seqlens_problem(name: str, cu: list[int], num_tokens: int | None = None) -> str | None:
+    """What makes ``cu`` not the prefix sums of a packed batch's document lengths, or None. The one
+    rule of cu_seqlens content: cu[0] == 0, never decreasing, and cu[-1] == the batch's token count
+    when it is given."""
+    if not cu:
+        return f"{name} must have at least one entry (0), got none"
+    if cu[0] != 0:
+        return f"{name}[0] must be 0, got {cu[0]}"
+    i = next((i for i in range(1, len(cu)) if cu[i] < cu[i - 1]), None)
+    if i is not None:
+        return (f"{name} must never decrease (document lengths are its differences), got {name}[{i - 1}] = "
+                f"{cu[i - 1]} > {name}[{i}] = {cu[i]}")
+    if num_tokens is not None and cu[-1] != num_tokens:
+        return (f"{name}[-1] (index {len(cu) - 1}) must be the token count S = {num_tokens}, got {cu[-1]}"
+                f"{' (tokens past it belong to no document)' if cu[-1] < num_tokens else ''}")
+    return None
+
+
 def check_sizes(fn: str, S, C, op: str) -> tuple[int, int]:
     """S and C of ``fn``, a *_workspace_bytes / *_workspace function of ``op`` ("forward" or
     "backward"): integers (as_int; not tensors, whose read may be a device sync: TypeError) within

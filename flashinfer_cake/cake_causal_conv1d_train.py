@@ -18,6 +18,7 @@ __all__ = [
     "cake_causal_conv1d_train_forward",
     "cake_causal_conv1d_train_forward_workspace",
     "cake_causal_conv1d_train_forward_workspace_bytes",
+    "check_cu_seqlens",
     "is_cake_causal_conv1d_train_supported",
 ]
 
@@ -90,6 +91,33 @@ def is_cake_causal_conv1d_train_supported(device=None) -> bool:
     if not 0 <= index < torch.cuda.device_count():
         return False
     return _checks.arch_of(index) is not None
+
+
+def check_cu_seqlens(cu_seqlens, num_tokens=None) -> None:
+    """Raise ValueError unless ``cu_seqlens`` holds the prefix sums of a packed batch's document
+    lengths: ``cu_seqlens[0] == 0``, never decreasing and, with ``num_tokens`` (the batch's S),
+    ``cu_seqlens[-1] == num_tokens``. The message names the first entry that breaks the rule.
+
+    The kernels never read ``cu_seqlens`` on the host, so they cannot tell content they do not
+    define (it stays memory-safe, with the results the README describes). This opt-in check reads
+    every entry on the host: call it on the data loader's CPU copy (no GPU work), or on a CUDA
+    tensor while debugging (one copy to the host, which synchronizes; not while capturing a CUDA
+    graph). ``cu_seqlens``: a 1-D integer tensor on any device, a 1-D integer NumPy array, or a
+    list / tuple of ints."""
+    fn = "check_cu_seqlens"
+    if num_tokens is not None:
+        n = _checks.as_int(num_tokens)
+        if n is None or n < 0:
+            raise (TypeError if n is None else ValueError)(
+                f"{fn}: num_tokens must be None or a non-negative int (the batch's S), got {num_tokens!r}")
+        num_tokens = n
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{fn}: cu_seqlens is read on the host, which a CUDA graph capture cannot do: check "
+                           f"it before capturing (or its CPU copy)")
+    problem = _checks.cu_seqlens_problem("cu_seqlens", _checks.cu_seqlens_values(fn, "cu_seqlens", cu_seqlens,
+                                                                                 device_read=True), num_tokens)
+    if problem:
+        raise ValueError(f"{fn}: {problem}")
 
 
 def cake_causal_conv1d_train_forward(

@@ -20,6 +20,7 @@ from flashinfer_cake import (
     cake_causal_conv1d,
     cake_causal_conv1d_train_forward,
     cake_causal_conv1d_train_forward_workspace_bytes,
+    check_cu_seqlens,
     is_cake_causal_conv1d_train_supported,
 )
 
@@ -713,3 +714,54 @@ def test_tensors_without_memory_are_named():
     meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in valid_args().items()}
     with pytest.raises(ValueError, match=rf"^{FN}: x must be a CUDA tensor with memory of its own"):
         call(meta)
+
+
+@pytest.mark.parametrize("cu, num_tokens", [
+    ([0], None), ([0], 0), ([0, 3, 3, 10], 10), ((0, 0, 0), 0), (torch.tensor([0, 4, 9], dtype=I32), 9),
+    (torch.tensor([0, 2**40], dtype=torch.int64), None), ("numpy", 12),
+])
+def test_check_cu_seqlens_takes_prefix_sums(cu, num_tokens):
+    if cu == "numpy":
+        np = pytest.importorskip("numpy")
+        cu = np.array([0, 5, 12], dtype=np.int64)
+    assert check_cu_seqlens(cu, num_tokens) is None
+
+
+@pytest.mark.parametrize("cu, num_tokens, message", [
+    ([], None, r"cu_seqlens must have at least one entry \(0\), got none"),
+    ([1, 4], None, r"cu_seqlens\[0\] must be 0, got 1"),
+    ([0, 5, 9, 7, 12], 12, r"cu_seqlens must never decrease .*, got cu_seqlens\[2\] = 9 > cu_seqlens\[3\] = 7$"),
+    (torch.tensor([0, 6, -1], dtype=I32), None, r"cu_seqlens must never decrease .*, got cu_seqlens\[1\] = 6 > cu_seqlens\[2\] = -1$"),
+    ([0, 4, 8], 10, r"cu_seqlens\[-1\] \(index 2\) must be the token count S = 10, got 8 \(tokens past it"),
+    ([0, 4, 12], 10, r"cu_seqlens\[-1\] \(index 2\) must be the token count S = 10, got 12$"),
+    ([0, 2.0], None, r"cu_seqlens must hold ints, got 2.0 \(float\) at index 1"),
+    (torch.tensor([0.0, 2.0]), None, r"cu_seqlens must be a 1-D integer tensor, .*, got torch.float32 of shape \(2,\)"),
+    (torch.zeros(2, 2, dtype=I32), None, r"cu_seqlens must be a 1-D integer tensor, .*, got torch.int32 of shape \(2, 2\) on cpu"),
+    ("0,4", None, r"cu_seqlens must be a 1-D integer tensor, a 1-D integer NumPy array, or a list / tuple of ints, "
+                  r"got str"),
+])
+def test_check_cu_seqlens_names_the_first_bad_entry(cu, num_tokens, message):
+    with pytest.raises(ValueError, match=rf"^check_cu_seqlens: {message}"):
+        check_cu_seqlens(cu, num_tokens)
+
+
+@pytest.mark.parametrize("num_tokens, exc", [(-1, ValueError), (2.0, TypeError), ("8", TypeError), (True, TypeError)])
+def test_check_cu_seqlens_names_a_bad_num_tokens(num_tokens, exc):
+    with pytest.raises(exc, match=r"^check_cu_seqlens: num_tokens must be None or a non-negative int"):
+        check_cu_seqlens([0, 8], num_tokens)
+
+
+@pytest.mark.gpu
+def test_check_cu_seqlens_reads_a_cuda_tensor_but_not_while_capturing():
+    cu = torch.tensor([0, 3, 2], dtype=I32, device="cuda")
+    with pytest.raises(ValueError, match=r"^check_cu_seqlens: cu_seqlens must never decrease .*, got cu_seqlens\[1\] "
+                                         r"= 3 > cu_seqlens\[2\] = 2$"):
+        check_cu_seqlens(cu)
+    good = torch.tensor([0, 3, 8], dtype=I32, device="cuda")
+    check_cu_seqlens(good, 8)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with pytest.raises(RuntimeError, match=r"^check_cu_seqlens: cu_seqlens is read on the host, which a CUDA "
+                                                r"graph capture cannot do"):
+            with torch.cuda.graph(graph, stream=stream):
+                check_cu_seqlens(good, 8)

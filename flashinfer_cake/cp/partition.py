@@ -91,35 +91,16 @@ class CPPartition:
         return [starts[d] + o + i for d, o, n in frags for i in range(n)]
 
 
-_CU_FORMS = "a 1-D integer CPU tensor, a 1-D integer NumPy array, or a list / tuple of ints"
-
 # Where a rank's token count T comes from, for the messages of a tensor of another length.
 LOCAL_TOKENS_ORIGIN = ("ctx.partition.local_tokens(ctx.rank): pass cp_partition the whole batch's cu_seqlens, "
                        "not a rank's")
 
 
 def _doc_lengths(cu_seqlens) -> tuple[int, ...]:
-    if isinstance(cu_seqlens, torch.Tensor):
-        if (cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex
-                or cu_seqlens.dtype == torch.bool or cu_seqlens.device.type != "cpu"):
-            raise ValueError(f"cp_partition: cu_seqlens_global_cpu must be {_CU_FORMS}, got {cu_seqlens.dtype} of "
-                             f"shape {tuple(cu_seqlens.shape)} on {cu_seqlens.device} (read on the host once per "
-                             f"batch: keep the data loader's CPU copy)")
-        cu = cu_seqlens.tolist()
-    else:
-        if type(cu_seqlens).__name__ == "ndarray" and getattr(cu_seqlens, "ndim", None) == 1:
-            cu_seqlens = cu_seqlens.tolist()  # NumPy's integers become ints (its floats stay floats: refused below)
-        if not isinstance(cu_seqlens, (list, tuple)):
-            raise ValueError(f"cp_partition: cu_seqlens_global_cpu must be {_CU_FORMS}, got "
-                             f"{type(cu_seqlens).__name__}")
-        cu = [_checks.as_int(v) for v in cu_seqlens]
-        bad = next((v for v, i in zip(cu_seqlens, cu) if i is None), None)
-        if bad is not None:
-            raise ValueError(f"cp_partition: cu_seqlens_global_cpu must hold ints, got {bad!r} "
-                             f"({type(bad).__name__})")
-    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cp_partition: cu_seqlens_global_cpu must start at 0 and never decrease, got {cu[:8]}"
-                         f"{' ...' if len(cu) > 8 else ''}")
+    cu = _checks.cu_seqlens_values("cp_partition", "cu_seqlens_global_cpu", cu_seqlens, device_read=False)
+    problem = _checks.cu_seqlens_problem("cu_seqlens_global_cpu", cu)
+    if problem:
+        raise ValueError(f"cp_partition: {problem}")
     return tuple(b - a for a, b in zip(cu, cu[1:]))
 
 
