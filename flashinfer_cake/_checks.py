@@ -11,6 +11,7 @@ the warm path. The limits mirror include/flashinfer_cake/causal_conv1d_contract.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 
 import torch
@@ -420,7 +421,7 @@ def as_int(v, tensors: bool = True) -> int | None:
 def cu_seqlens_values(fn: str, name: str, cu_seqlens, *, device_read: bool) -> list[int]:
     """``cu_seqlens`` (a 1-D integer tensor, NumPy array, list or tuple) as a list of ints. A tensor
     on a device is copied to the host (one synchronization) only with ``device_read``; without it
-    only a CPU tensor is taken."""
+    only CPU tensors are taken (a list's 0-d tensors too)."""
     forms = (f"a 1-D integer {'' if device_read else 'CPU '}tensor, a 1-D integer NumPy array, or a list / tuple "
              f"of ints")
     if isinstance(cu_seqlens, torch.Tensor):
@@ -429,12 +430,21 @@ def cu_seqlens_values(fn: str, name: str, cu_seqlens, *, device_read: bool) -> l
             where = "" if device_read else " (read on the host once per batch: keep the data loader's CPU copy)"
             raise ValueError(f"{fn}: {name} must be {forms}, got {cu_seqlens.dtype} of shape "
                              f"{tuple(cu_seqlens.shape)} on {cu_seqlens.device}{where}")
+        if without_memory(cu_seqlens):
+            raise ValueError(f"{fn}: {name} must be a tensor with values to read, got a {type(cu_seqlens).__name__} "
+                             f"on {cu_seqlens.device} (a meta, fake or traced tensor has none)")
         return cu_seqlens.tolist()
-    if type(cu_seqlens).__name__ == "ndarray" and getattr(cu_seqlens, "ndim", None) == 1:
-        cu_seqlens = cu_seqlens.tolist()  # NumPy's integers become ints (its floats stay floats: refused below)
+    if type(cu_seqlens).__name__ == "ndarray":
+        kind = getattr(getattr(cu_seqlens, "dtype", None), "kind", None)
+        if getattr(cu_seqlens, "ndim", None) != 1 or kind not in ("i", "u"):
+            raise ValueError(f"{fn}: {name} must be {forms}, got a NumPy array of dtype {cu_seqlens.dtype} and shape "
+                             f"{tuple(cu_seqlens.shape)}")
+        return cu_seqlens.tolist()
     if not isinstance(cu_seqlens, (list, tuple)):
         raise ValueError(f"{fn}: {name} must be {forms}, got {type(cu_seqlens).__name__}")
-    cu = [as_int(v) for v in cu_seqlens]
+    # (a list's tensors: CPU integer ones only, each read once; a bool is not an int here, as as_int says)
+    cu = [None if isinstance(v, torch.Tensor) and (v.device.type != "cpu" or v.dtype == torch.bool) else as_int(v)
+          for v in cu_seqlens]
     bad = next((i for i, v in enumerate(cu) if v is None), None)
     if bad is not None:
         raise ValueError(f"{fn}: {name} must hold ints, got {cu_seqlens[bad]!r} ({type(cu_seqlens[bad]).__name__}) "
@@ -442,21 +452,25 @@ def cu_seqlens_values(fn: str, name: str, cu_seqlens, *, device_read: bool) -> l
     return cu
 
 
-def cu_seqlens_problem(name: str, cu: list[int], num_tokens: int | None = None) -> str | None:
+def cu_seqlens_problem(name: str, cu: list[int], num_tokens: int | None = None, below: int | None = None) -> str | None:
     """What makes ``cu`` not the prefix sums of a packed batch's document lengths, or None. The one
-    rule of cu_seqlens content: cu[0] == 0, never decreasing, and cu[-1] == the batch's token count
-    when it is given."""
+    rule of cu_seqlens content: cu[0] == 0, never decreasing, cu[-1] == the batch's token count
+    when it is given, and cu[-1] < ``below`` when that is given."""
     if not cu:
         return f"{name} must have at least one entry (0), got none"
     if cu[0] != 0:
         return f"{name}[0] must be 0, got {cu[0]}"
-    i = next((i for i in range(1, len(cu)) if cu[i] < cu[i - 1]), None)
-    if i is not None:
+    if not all(map(operator.le, cu, itertools.islice(cu, 1, None))):  # (at C speed; then find where)
+        i = next(i for i in range(1, len(cu)) if cu[i] < cu[i - 1])
         return (f"{name} must never decrease (document lengths are its differences), got {name}[{i - 1}] = "
                 f"{cu[i - 1]} > {name}[{i}] = {cu[i]}")
     if num_tokens is not None and cu[-1] != num_tokens:
+        padded = " (for a padded batch, end it with S: the padding is then a document of its own)"
         return (f"{name}[-1] (index {len(cu) - 1}) must be the token count S = {num_tokens}, got {cu[-1]}"
-                f"{' (tokens past it belong to no document)' if cu[-1] < num_tokens else ''}")
+                f"{padded if cu[-1] < num_tokens else ''}")
+    if below is not None and cu[-1] >= below:
+        return (f"{name}[-1] (index {len(cu) - 1}) must be below 2^{below.bit_length() - 1} (the kernels' int32 "
+                f"cu_seqlens and S), got {cu[-1]}")
     return None
 
 

@@ -93,17 +93,24 @@ def is_cake_causal_conv1d_train_supported(device=None) -> bool:
     return _checks.arch_of(index) is not None
 
 
+@torch.compiler.disable(reason="check_cu_seqlens reads cu_seqlens on the host: call it outside the compiled region")
 def check_cu_seqlens(cu_seqlens, num_tokens=None) -> None:
     """Raise ValueError unless ``cu_seqlens`` holds the prefix sums of a packed batch's document
-    lengths: ``cu_seqlens[0] == 0``, never decreasing and, with ``num_tokens`` (the batch's S),
-    ``cu_seqlens[-1] == num_tokens``. The message names the first entry that breaks the rule.
+    lengths as the kernels take them: ``cu_seqlens[0] == 0``, never decreasing, the last entry
+    below 2^31 and, with ``num_tokens`` (the batch's S), equal to it. The message names the first
+    entry that breaks the rule.
 
     The kernels never read ``cu_seqlens`` on the host, so they cannot tell content they do not
     define (it stays memory-safe, with the results the README describes). This opt-in check reads
-    every entry on the host: call it on the data loader's CPU copy (no GPU work), or on a CUDA
-    tensor while debugging (one copy to the host, which synchronizes; not while capturing a CUDA
-    graph). ``cu_seqlens``: a 1-D integer tensor on any device, a 1-D integer NumPy array, or a
-    list / tuple of ints."""
+    every entry on the host: call it on the data loader's CPU copy (no GPU work; an int64 one is
+    checked before its conversion to int32), or on a CUDA tensor while debugging (one copy to the
+    host, which synchronizes). ``cu_seqlens``: a 1-D integer tensor on any device, a 1-D integer
+    NumPy array, or a list / tuple of ints.
+
+    Raises ValueError for content or a form other than these, TypeError for a ``num_tokens`` that is
+    not an integer, RuntimeError for a CUDA tensor while its device's current stream captures a CUDA
+    graph. torch.compile runs it outside the graph (a graph break; with ``fullgraph=True`` an error:
+    call it before the compiled function)."""
     fn = "check_cu_seqlens"
     if num_tokens is not None:
         n = _checks.as_int(num_tokens)
@@ -111,11 +118,13 @@ def check_cu_seqlens(cu_seqlens, num_tokens=None) -> None:
             raise (TypeError if n is None else ValueError)(
                 f"{fn}: num_tokens must be None or a non-negative int (the batch's S), got {num_tokens!r}")
         num_tokens = n
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"{fn}: cu_seqlens is read on the host, which a CUDA graph capture cannot do: check "
-                           f"it before capturing (or its CPU copy)")
-    problem = _checks.cu_seqlens_problem("cu_seqlens", _checks.cu_seqlens_values(fn, "cu_seqlens", cu_seqlens,
-                                                                                 device_read=True), num_tokens)
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.is_cuda:
+        with torch.cuda.device(cu_seqlens.device):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"{fn}: cu_seqlens is read on the host, which a CUDA graph capture cannot do: "
+                                   f"check it before capturing (or its CPU copy)")
+    cu = _checks.cu_seqlens_values(fn, "cu_seqlens", cu_seqlens, device_read=True)
+    problem = _checks.cu_seqlens_problem("cu_seqlens", cu, num_tokens, below=_checks.MAX_S["forward"])
     if problem:
         raise ValueError(f"{fn}: {problem}")
 
@@ -167,7 +176,8 @@ def cake_causal_conv1d_train_forward(
             within [0, S]; for other content they are memory-safe but unspecified: the final
             states of documents out of [0, S] (or out of order) are not written, so a given
             ``final_states_out`` keeps its rows there and new final states (``cake_causal_conv1d``'s)
-            hold whatever their memory held.
+            hold whatever their memory held. :func:`check_cu_seqlens` checks the content on the
+            host (opt-in: it reads every entry).
         bias: optional FP32 or BF16 ``[C]``, contiguous, added after the four taps, before SiLU;
             its dtype is independent of weight's.
         initial_states: optional BF16 ``[num_docs, 3, C]``, contiguous, 16-byte aligned, on

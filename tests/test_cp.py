@@ -78,7 +78,8 @@ def test_explicit_fragments_ragged_and_zero_length():
 
 
 @pytest.mark.parametrize("cu, world_size, layout, frags, match", [
-    ([0, 5, 3], 2, "contiguous", None, "never decrease"),
+    ([0, 5, 3], 2, "contiguous", None, r"never decrease .*, got cu_seqlens_global_cpu\[1\] = 5 > "
+                                       r"cu_seqlens_global_cpu\[2\] = 3$"),
     ([1, 5], 2, "contiguous", None, r"cu_seqlens_global_cpu\[0\] must be 0, got 1"),
     ([0, 5], 0, "contiguous", None, "world_size"),
     ([0, 5], 2, "diagonal", None, "layout"),
@@ -175,8 +176,12 @@ def test_partitions_take_the_integers_data_loaders_give():
     for cu in forms:
         assert cp_partition(cu, 3, "zigzag") == want, cu
     assert cp_partition([0, 5, 9, 20], torch.tensor(3), "zigzag") == want
+    cpu_only = r"must be a 1-D integer CPU tensor, .*, got torch.int64 of shape \(2,\) on meta \(read on the host once"
     for cu, match in [(torch.tensor([0.0, 5.0]), "float32"), (torch.tensor([True, False]), "torch.bool"),
-                      ([0, torch.tensor(5.0)], r"must hold ints, got tensor\(5\.\)")]:
+                      ([0, torch.tensor(5.0)], r"must hold ints, got tensor\(5\.\)"),
+                      (torch.tensor([0, 5], device="meta"), cpu_only),
+                      ([0, torch.tensor(5, device="meta")],
+                       r"must hold ints, got tensor\(\.\.\., device='meta'.* at index 1$")]:
         with pytest.raises(ValueError, match=match):
             cp_partition(cu, 2)
 

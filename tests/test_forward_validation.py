@@ -718,29 +718,50 @@ def test_tensors_without_memory_are_named():
 
 @pytest.mark.parametrize("cu, num_tokens", [
     ([0], None), ([0], 0), ([0, 3, 3, 10], 10), ((0, 0, 0), 0), (torch.tensor([0, 4, 9], dtype=I32), 9),
-    (torch.tensor([0, 2**40], dtype=torch.int64), None), ("numpy", 12),
+    (torch.tensor([0, 2**31 - 1], dtype=torch.int64), None), ([0, torch.tensor(5)], torch.tensor(5)), ("numpy", 12),
 ])
 def test_check_cu_seqlens_takes_prefix_sums(cu, num_tokens):
-    if cu == "numpy":
+    if isinstance(cu, str):
         np = pytest.importorskip("numpy")
-        cu = np.array([0, 5, 12], dtype=np.int64)
+        cu, num_tokens = np.array([0, 5, 12], dtype=np.int64), np.int64(num_tokens)
     assert check_cu_seqlens(cu, num_tokens) is None
 
 
+def _numpy_array(values, dtype):
+    np = pytest.importorskip("numpy")
+    return np.array(values, dtype=dtype)
+
+
 @pytest.mark.parametrize("cu, num_tokens, message", [
-    ([], None, r"cu_seqlens must have at least one entry \(0\), got none"),
-    ([1, 4], None, r"cu_seqlens\[0\] must be 0, got 1"),
+    ([], None, r"cu_seqlens must have at least one entry \(0\), got none$"),
+    ([1, 4], None, r"cu_seqlens\[0\] must be 0, got 1$"),
     ([0, 5, 9, 7, 12], 12, r"cu_seqlens must never decrease .*, got cu_seqlens\[2\] = 9 > cu_seqlens\[3\] = 7$"),
-    (torch.tensor([0, 6, -1], dtype=I32), None, r"cu_seqlens must never decrease .*, got cu_seqlens\[1\] = 6 > cu_seqlens\[2\] = -1$"),
-    ([0, 4, 8], 10, r"cu_seqlens\[-1\] \(index 2\) must be the token count S = 10, got 8 \(tokens past it"),
+    (torch.tensor([0, 6, -1], dtype=I32), None, r"cu_seqlens must never decrease .*, got cu_seqlens\[1\] = 6 > "
+                                                r"cu_seqlens\[2\] = -1$"),
+    ([0, 4, 8], 10, r"cu_seqlens\[-1\] \(index 2\) must be the token count S = 10, got 8 \(for a padded batch, "
+                    r"end it with S"),
     ([0, 4, 12], 10, r"cu_seqlens\[-1\] \(index 2\) must be the token count S = 10, got 12$"),
-    ([0, 2.0], None, r"cu_seqlens must hold ints, got 2.0 \(float\) at index 1"),
+    (torch.tensor([0, 2**40], dtype=torch.int64), None, r"cu_seqlens\[-1\] \(index 1\) must be below 2\^31 "
+                                                        r"\(the kernels' int32 cu_seqlens and S\), got 1099511627776$"),
+    ([0, 2**31], 2**31, r"cu_seqlens\[-1\] \(index 1\) must be below 2\^31"),
+    ([0, 2.0], None, r"cu_seqlens must hold ints, got 2.0 \(float\) at index 1$"),
+    ([0, True], None, r"cu_seqlens must hold ints, got True \(bool\) at index 1$"),
+    ([0, torch.tensor(True)], None, r"cu_seqlens must hold ints, got tensor\(True\) \(Tensor\) at index 1$"),
     (torch.tensor([0.0, 2.0]), None, r"cu_seqlens must be a 1-D integer tensor, .*, got torch.float32 of shape \(2,\)"),
-    (torch.zeros(2, 2, dtype=I32), None, r"cu_seqlens must be a 1-D integer tensor, .*, got torch.int32 of shape \(2, 2\) on cpu"),
+    (torch.zeros(2, 2, dtype=I32), None, r"cu_seqlens must be a 1-D integer tensor, .*, got torch.int32 of shape "
+                                         r"\(2, 2\) on cpu$"),
+    (torch.tensor(0, dtype=I32), None, r"cu_seqlens must be a 1-D integer tensor, .*, got torch.int32 of shape \(\)"),
+    (torch.zeros(3, dtype=I32, device="meta"), None, r"cu_seqlens must be a tensor with values to read, got a Tensor "
+                                                     r"on meta \(a meta, fake or traced tensor has none\)$"),
     ("0,4", None, r"cu_seqlens must be a 1-D integer tensor, a 1-D integer NumPy array, or a list / tuple of ints, "
-                  r"got str"),
+                  r"got str$"),
+    (("numpy", [[0, 4]], "int32"), None, r"cu_seqlens must be .*, got a NumPy array of dtype int32 and shape \(1, 2\)$"),
+    (("numpy", [0.0, 4.0], "float64"), None, r"cu_seqlens must be .*, got a NumPy array of dtype float64 and shape "
+                                             r"\(2,\)$"),
 ])
 def test_check_cu_seqlens_names_the_first_bad_entry(cu, num_tokens, message):
+    if isinstance(cu, tuple) and cu[0] == "numpy":
+        cu = _numpy_array(cu[1], cu[2])
     with pytest.raises(ValueError, match=rf"^check_cu_seqlens: {message}"):
         check_cu_seqlens(cu, num_tokens)
 
@@ -749,6 +770,23 @@ def test_check_cu_seqlens_names_the_first_bad_entry(cu, num_tokens, message):
 def test_check_cu_seqlens_names_a_bad_num_tokens(num_tokens, exc):
     with pytest.raises(exc, match=r"^check_cu_seqlens: num_tokens must be None or a non-negative int"):
         check_cu_seqlens([0, 8], num_tokens)
+
+
+def test_check_cu_seqlens_runs_outside_a_compiled_graph():
+    """torch.compile breaks the graph around it, so the values of every call are read (a fixed
+    shape with new content included); fullgraph=True says it cannot be traced."""
+    def f(cu, n):
+        check_cu_seqlens(cu, n)
+        return cu + 1
+
+    compiled = torch.compile(f, backend="eager")
+    compiled(torch.tensor([0, 4, 8], dtype=I32), 8)
+    with pytest.raises(ValueError, match=r"got cu_seqlens\[1\] = 9 > cu_seqlens\[2\] = 8$"):
+        compiled(torch.tensor([0, 9, 8], dtype=I32), 8)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"check_cu_seqlens reads cu_seqlens on the host"):
+        torch.compile(f, backend="eager", fullgraph=True)(torch.tensor([0, 4, 8], dtype=I32), 8)
+    torch._dynamo.reset()
 
 
 @pytest.mark.gpu
@@ -760,8 +798,14 @@ def test_check_cu_seqlens_reads_a_cuda_tensor_but_not_while_capturing():
     good = torch.tensor([0, 3, 8], dtype=I32, device="cuda")
     check_cu_seqlens(good, 8)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    x = torch.zeros(8, device="cuda")
     with torch.cuda.stream(stream):
-        with pytest.raises(RuntimeError, match=r"^check_cu_seqlens: cu_seqlens is read on the host, which a CUDA "
-                                                r"graph capture cannot do"):
-            with torch.cuda.graph(graph, stream=stream):
+        with torch.cuda.graph(graph, stream=stream):
+            x.add_(1)
+            check_cu_seqlens(good.cpu(), 8)  # a CPU copy: nothing of the capture's
+            with pytest.raises(RuntimeError, match=r"^check_cu_seqlens: cu_seqlens is read on the host, which a CUDA "
+                                                    r"graph capture cannot do"):
                 check_cu_seqlens(good, 8)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.eq(1).all()
