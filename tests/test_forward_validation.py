@@ -797,12 +797,12 @@ def test_check_cu_seqlens_reads_a_cuda_tensor_but_not_while_capturing():
         check_cu_seqlens(cu)
     good = torch.tensor([0, 3, 8], dtype=I32, device="cuda")
     check_cu_seqlens(good, 8)
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    graph, stream, good_cpu = torch.cuda.CUDAGraph(), torch.cuda.Stream(), good.cpu()
     x = torch.zeros(8, device="cuda")
     with torch.cuda.stream(stream):
         with torch.cuda.graph(graph, stream=stream):
             x.add_(1)
-            check_cu_seqlens(good.cpu(), 8)  # a CPU copy: nothing of the capture's
+            check_cu_seqlens(good_cpu, 8)  # a CPU tensor: nothing of the capture's
             with pytest.raises(RuntimeError, match=r"^check_cu_seqlens: cu_seqlens is read on the host, which a CUDA "
                                                     r"graph capture cannot do"):
                 check_cu_seqlens(good, 8)
